@@ -1,0 +1,15 @@
+"""zerojax: ZeRO (Zero Redundancy Optimizer) for JAX and Flax.
+
+    state = zerojax.shard(train_state, stage=3)
+    step = zerojax.train_step(loss_fn)
+    state, metrics = step(state, batch)
+    params = zerojax.gather_params(state)
+"""
+from zerojax.config import DynamicLossScale, ZeroConfig
+from zerojax.layout import ChunkLayout
+from zerojax.state import ZeroTrainState, gather_params, shard
+from zerojax.step import train_step
+
+__all__ = ["ChunkLayout", "DynamicLossScale", "ZeroConfig", "ZeroTrainState",
+           "gather_params", "shard", "train_step"]
+__version__ = "0.1.0"

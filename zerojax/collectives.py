@@ -1,0 +1,74 @@
+"""Gather and scatter of chunk shards inside `shard_map`. Knows nothing of optax.
+
+A chunk is sharded on its last axis. `gather` all-gathers it in the compute
+dtype; its transpose reduce-scatters the gradient in the reduce dtype, so
+gradients of gathered parameters arrive already sharded (ZeRO-3).
+`scatter_on_backward` gives a replicated chunk the same backward (ZeRO-2):
+the gradient is reduce-scattered as soon as the backward pass produces it.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def all_gather(x, axis_name):
+  """Concatenates the shards of `x` (last axis) from every device."""
+  return jax.lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True)
+
+
+def reduce_scatter(x, axis_name):
+  """Sums `x` over devices and keeps this device's slice of the last axis."""
+  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=x.ndim - 1,
+                              tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather(shard, axis_name, compute_dtype, reduce_dtype):
+  """All-gathers a chunk shard, cast to `compute_dtype` before the wire.
+
+  Backward: the chunk's gradient is cast to `reduce_dtype` and
+  reduce-scattered, giving the (summed) gradient of this device's shard.
+  """
+  return all_gather(shard.astype(compute_dtype), axis_name)
+
+
+def _gather_fwd(shard, axis_name, compute_dtype, reduce_dtype):
+  # The residual is an empty array: it only carries the shard's dtype.
+  return (gather(shard, axis_name, compute_dtype, reduce_dtype),
+          jnp.zeros((0,), shard.dtype))
+
+
+def _gather_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
+  del compute_dtype
+  return (reduce_scatter(g.astype(reduce_dtype), axis_name).astype(like.dtype),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def scatter_on_backward(full, grad_slot, axis_name, reduce_dtype):
+  """Identity on a replicated chunk whose gradient goes to `grad_slot`.
+
+  Differentiate with respect to `grad_slot` (zeros of the shard's shape, in
+  `reduce_dtype`): its gradient is the chunk gradient reduce-scattered in
+  `reduce_dtype`, issued where the backward pass finishes the chunk.
+  """
+  del grad_slot
+  return full
+
+
+def _scatter_fwd(full, grad_slot, axis_name, reduce_dtype):
+  del grad_slot
+  return full, None
+
+
+def _scatter_bwd(axis_name, reduce_dtype, res, g):
+  del res
+  return (jnp.zeros_like(g), reduce_scatter(g.astype(reduce_dtype), axis_name))
+
+
+scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)

@@ -1,0 +1,175 @@
+"""ZeroConfig: every knob of a ZeRO run, validated once where it enters.
+
+Imports nothing else from the package (see DESIGN.md, "Layers of the package").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_FLOAT_DTYPES = {
+    "float32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """Dynamic loss scaling for float16 (as in DeepSpeed's `fp16.loss_scale=0`).
+
+  The loss is multiplied by `init_scale` before differentiation. A step whose
+  gradients are not finite is skipped (parameters and optimizer state stay
+  exactly as they were) and the scale is multiplied by `backoff` (never below
+  `min_scale`); after `growth_interval` finite steps in a row the scale is
+  multiplied by `growth_factor`.
+  """
+  init_scale: float = 2.0 ** 15
+  growth_interval: int = 2000
+  growth_factor: float = 2.0
+  backoff: float = 0.5
+  min_scale: float = 1.0
+
+  def __post_init__(self):
+    for name in ("init_scale", "growth_factor", "min_scale"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"DynamicLossScale.{name}={getattr(self, name)!r} "
+                         "must be positive.")
+    if not 0 < self.backoff < 1:
+      raise ValueError(f"DynamicLossScale.backoff={self.backoff!r} must be "
+                       "in (0, 1).")
+    if not (isinstance(self.growth_interval, int) and self.growth_interval > 0):
+      raise ValueError(f"DynamicLossScale.growth_interval="
+                       f"{self.growth_interval!r} must be a positive int.")
+
+
+def _as_dtype(name: str, value: Any):
+  if isinstance(value, str):
+    if value not in _FLOAT_DTYPES:
+      raise ValueError(f"{name}={value!r} is not a known float dtype; use one "
+                       f"of {sorted(_FLOAT_DTYPES)} or a jnp dtype.")
+    return np.dtype(_FLOAT_DTYPES[value])
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    raise TypeError(f"{name}={value!r} is not a dtype; pass e.g. "
+                    "jnp.bfloat16 or 'bf16'.") from None
+  if dtype not in {np.dtype(d) for d in _FLOAT_DTYPES.values()}:
+    raise ValueError(f"{name}={dtype} is not supported; use float32, "
+                     "bfloat16 or float16.")
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  """How a `TrainState` is sharded and stepped.
+
+  Attributes:
+    stage: ZeRO stage. 0 = plain data parallel (everything replicated,
+      gradients all-reduced); 1 = optimizer state and fp32 master sharded;
+      2 = also gradients (reduce-scattered per micro-batch); 3 = also
+      parameters (gathered per chunk right before use).
+    axis_name: the mesh axis that carries data parallelism.
+    chunk_size: elements per chunk; None searches the size that wastes least.
+    min_chunk_size, search_range, search_interval: the chunk-size search
+      (ColossalAI Gemini's `search_chunk_configuration`): candidates from
+      `min_chunk_size` to `min_chunk_size + search_range` in steps of
+      `search_interval`.
+    compute_dtype: dtype the forward/backward runs in. Parameters are cast
+      to it before they are gathered (half the bytes on the wire for 16-bit).
+    reduce_dtype: dtype gradients are reduced (and accumulated) in.
+    clip_norm: clip gradients to this global L2 norm (padding excluded).
+    accum_steps: micro-batches per step (gradient accumulation).
+    loss_scale: None, a fixed float, or a `DynamicLossScale`. float16
+      compute gets `DynamicLossScale()` when left None.
+    frozen: parameters the optimizer must not touch: a callable
+      `params -> tree of bools` or such a tree (True = frozen). Frozen and
+      non-floating leaves stay outside the chunks, replicated.
+    stacked: names of submodules (first-level keys below "params", or any
+      path component) whose leaves carry a leading layer axis, as
+      `flax.linen.scan` produces; they are chunked per layer.
+  """
+  stage: int = 3
+  axis_name: str = "data"
+  chunk_size: Optional[int] = None
+  min_chunk_size: int = 2 ** 20
+  search_range: int = 2 ** 22
+  search_interval: int = 2 ** 12
+  compute_dtype: Any = jnp.float32
+  reduce_dtype: Any = jnp.float32
+  clip_norm: Optional[float] = None
+  accum_steps: int = 1
+  loss_scale: Union[None, float, DynamicLossScale] = None
+  frozen: Union[None, Callable, Any] = None
+  stacked: Sequence[str] = ()
+
+  def __post_init__(self):
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+      raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0 "
+                       "(data parallel), 1, 2 or 3.")
+    if not isinstance(self.axis_name, str) or not self.axis_name:
+      raise TypeError(f"axis_name={self.axis_name!r} must be a mesh axis "
+                      "name (a non-empty str).")
+    for name in ("chunk_size", "min_chunk_size", "search_range",
+                 "search_interval", "accum_steps"):
+      value = getattr(self, name)
+      if value is None and name == "chunk_size":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int.")
+      if value <= 0:
+        raise ValueError(f"{name}={value!r} must be positive.")
+    set_("compute_dtype", _as_dtype("compute_dtype", self.compute_dtype))
+    set_("reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype))
+    if self.clip_norm is not None and not self.clip_norm > 0:
+      raise ValueError(f"clip_norm={self.clip_norm!r} must be positive or "
+                       "None (no clipping).")
+    scale = self.loss_scale
+    if scale == "dynamic":
+      scale = DynamicLossScale()
+    if scale is None and self.compute_dtype == np.dtype(jnp.float16):
+      scale = DynamicLossScale()
+    if scale is not None and not isinstance(scale, DynamicLossScale):
+      if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"loss_scale={scale!r} must be None, a float or "
+                        "zerojax.DynamicLossScale(...).")
+      if not scale > 0:
+        raise ValueError(f"loss_scale={scale!r} must be positive.")
+      scale = float(scale)
+    set_("loss_scale", scale)
+    if isinstance(self.stacked, str):
+      set_("stacked", (self.stacked,))
+    set_("stacked", tuple(self.stacked))
+    if not all(isinstance(s, str) and s for s in self.stacked):
+      raise TypeError(f"stacked={self.stacked!r} must be a sequence of "
+                      "submodule names.")
+    if self.frozen is not None and not callable(self.frozen):
+      # A tree of bools is hashed as part of the static state: freeze it.
+      leaves, treedef = jax.tree_util.tree_flatten(self.frozen)
+      if not all(isinstance(x, (bool, np.bool_)) for x in leaves):
+        raise TypeError("frozen must be a callable params -> tree of bools, "
+                        "or a tree of Python bools matching the parameters.")
+      set_("frozen", _FrozenMask(tuple(bool(x) for x in leaves), treedef))
+
+  @property
+  def mixed_precision(self) -> bool:
+    return self.compute_dtype != np.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenMask:
+  """A hashable tree of bools (config is static jit metadata)."""
+  leaves: tuple
+  treedef: Any
+
+  def __call__(self, params):
+    del params
+    return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))

@@ -1,0 +1,346 @@
+"""ChunkLayout: where every parameter leaf lives inside the flat chunk arrays.
+
+Pure metadata computed from shapes and dtypes only (no device work), plus the
+pack (`split`) and unpack (`merge`) functions that move between the ordinary
+parameter tree and the chunk arrays. Imports nothing else from the package.
+
+Packing rules (ColossalAI Gemini's chunks, adapted to SPMD):
+  * trainable floating-point leaves are packed in tree order into chunks;
+    frozen, non-floating and empty leaves stay outside ("rest"), replicated;
+  * a chunk only holds leaves of one dtype, one optimizer class (leaves the
+    optimizer treats alike, see `zerojax.optim`) and one layer stack;
+  * no leaf is split across chunks; a leaf larger than the chunk size gets a
+    chunk of its own;
+  * a chunk's length is its content rounded up to a multiple of the number of
+    shards (zero padding, at most N-1 elements per chunk);
+  * leaves stacked over layers (leading layer axis, as `flax.linen.scan`
+    produces) are packed per layer: such a chunk has shape [layers, length].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """One leaf of the parameter tree.
+
+  `shape` is the leaf's full shape (with the layer axis for stacked leaves);
+  `chunk` is the index of its chunk or -1 when it stays outside the chunks;
+  `offset` is where it starts inside the chunk (per layer when stacked).
+  """
+  path: str
+  shape: tuple
+  dtype: np.dtype
+  chunk: int = -1
+  offset: int = 0
+  stacked: bool = False
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    """Elements the leaf occupies in its chunk (per layer when stacked)."""
+    n = int(np.prod(self.shape, dtype=np.int64))
+    return n // self.shape[0] if self.stacked else n
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One chunk array: shape `[length]`, or `[layers, length]` when stacked."""
+  length: int
+  used: int
+  layers: int
+  dtype: np.dtype
+  leaves: tuple
+  label: int
+  stack: Optional[str]
+
+  @property
+  def shape(self) -> tuple:
+    return (self.layers, self.length) if self.layers else (self.length,)
+
+  @property
+  def padding(self) -> int:
+    """Padding elements (per layer when stacked)."""
+    return self.length - self.used
+
+
+def _greedy_waste(groups: Sequence[Sequence[int]], sizes: np.ndarray) -> np.ndarray:
+  """Gemini's waste (unused chunk capacity) of greedy packing, per candidate."""
+  waste = np.zeros_like(sizes)
+  for group in groups:
+    used = np.zeros_like(sizes)
+    for s in group:
+      own = s > sizes              # too large: a chunk of its own, no waste
+      spill = ~own & (used + s > sizes)
+      waste += np.where(spill, sizes - used, 0)
+      used = np.where(own, used, np.where(spill, s, used + s))
+    waste += np.where(used > 0, sizes - used, 0)
+  return waste
+
+
+def search_chunk_size(groups: Sequence[Sequence[int]], *, min_chunk_size: int,
+                      search_range: int, search_interval: int) -> tuple:
+  """Chunk size with the least unused capacity (ColossalAI Gemini's search).
+
+  Args:
+    groups: per chunk group (leaves that may share chunks), the leaf sizes in
+      packing order.
+    min_chunk_size, search_range, search_interval: candidates are
+      `min_chunk_size + k * search_interval` up to `min_chunk_size +
+      search_range`.
+
+  Returns:
+    `(chunk_size, waste_fraction)`; ties go to the larger size (fewer chunks,
+    fewer collectives).
+  """
+  candidates = np.arange(min_chunk_size, min_chunk_size + search_range + 1,
+                         search_interval, dtype=np.int64)
+  waste = _greedy_waste(groups, candidates)
+  total = sum(sum(g) for g in groups)
+  best = len(candidates) - 1 - int(np.argmin(waste[::-1]))
+  frac = float(waste[best]) / max(total + float(waste[best]), 1.0)
+  return int(candidates[best]), frac
+
+
+def _path_names(path) -> tuple:
+  names = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)))
+        break
+  return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+  """Where each leaf of a parameter tree lives in the chunk arrays.
+
+  Build it with `ChunkLayout.build`; it is hashable and static under `jit`.
+  """
+  treedef: Any
+  leaves: tuple
+  chunks: tuple
+  num_shards: int
+  chunk_size: int
+  waste: float
+
+  # ---- construction -------------------------------------------------------
+  @classmethod
+  def build(cls, params: Any, num_shards: int, *, chunk_size: Optional[int] = None,
+            trainable: Optional[Sequence[bool]] = None,
+            labels: Optional[Sequence[int]] = None, stacked: Sequence[str] = (),
+            min_chunk_size: int = 2 ** 20, search_range: int = 2 ** 22,
+            search_interval: int = 2 ** 12) -> "ChunkLayout":
+    """Computes the layout of `params` (arrays or `jax.ShapeDtypeStruct`s).
+
+    Args:
+      params: the parameter tree; only shapes and dtypes are read.
+      num_shards: devices on the data axis; chunk lengths are multiples of it.
+      chunk_size: fixed chunk capacity in elements; None searches it.
+      trainable: per leaf (tree order), False keeps the leaf out of chunks.
+      labels: per leaf, the optimizer class; chunks never mix classes.
+      stacked: path components marking leaves with a leading layer axis.
+      min_chunk_size, search_range, search_interval: the search's candidates.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    n = len(flat)
+    trainable = [True] * n if trainable is None else list(trainable)
+    labels = [0] * n if labels is None else list(labels)
+    if len(trainable) != n or len(labels) != n:
+      raise ValueError("trainable/labels must have one entry per leaf.")
+    infos, keys = [], []
+    for (path, leaf), train, label in zip(flat, trainable, labels):
+      shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+      names = _path_names(path)
+      stack = next((s for s in stacked if s in names), None)
+      if stack is not None and not shape:
+        raise ValueError(f"leaf {jax.tree_util.keystr(path)} is under stacked "
+                         f"module {stack!r} but is a scalar (no layer axis).")
+      info = LeafInfo(jax.tree_util.keystr(path), shape, dtype,
+                      stacked=stack is not None)
+      chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
+      infos.append(info)
+      keys.append((stack, shape[0] if stack else 0, int(label), dtype.name)
+                  if chunked else None)
+    group_keys = list(dict.fromkeys(k for k in keys if k is not None))
+    groups = [[i for i, k in enumerate(keys) if k == g] for g in group_keys]
+    for g, members in zip(group_keys, groups):
+      if g[0] is not None and len({infos[i].shape[0] for i in members}) > 1:
+        raise ValueError(f"leaves under stacked module {g[0]!r} disagree on "
+                         "the layer count (leading axis).")
+    waste = 0.0
+    if chunk_size is None:
+      sizes = [[infos[i].size for i in members] for members in groups]
+      if groups:
+        chunk_size, waste = search_chunk_size(
+            sizes, min_chunk_size=min_chunk_size, search_range=search_range,
+            search_interval=search_interval)
+      else:
+        chunk_size = min_chunk_size
+    chunks = []
+    for (stack, layers, label, dtype_name), members in zip(group_keys, groups):
+      current, used = [], 0
+
+      def close():
+        nonlocal current, used
+        if current:
+          chunks.append(Chunk(_round_up(used, num_shards), used, layers,
+                              np.dtype(dtype_name), tuple(current), label, stack))
+        current, used = [], 0
+
+      for i in members:
+        size = infos[i].size
+        if size > chunk_size:
+          close()
+          current, used = [i], size
+          infos[i] = dataclasses.replace(infos[i], chunk=len(chunks), offset=0)
+          close()
+          continue
+        if used + size > chunk_size:
+          close()
+        infos[i] = dataclasses.replace(infos[i], chunk=len(chunks), offset=used)
+        current.append(i)
+        used += size
+      close()
+    if not groups:
+      waste = 0.0
+    elif waste == 0.0 and chunks:
+      cap = sum(max(c.used, chunk_size) for c in chunks)
+      waste = 1.0 - sum(c.used for c in chunks) / cap
+    return cls(treedef, tuple(infos), tuple(chunks), int(num_shards),
+               int(chunk_size), float(waste))
+
+  # ---- derived metadata ---------------------------------------------------
+  @property
+  def rest_indices(self) -> tuple:
+    """Leaves kept outside the chunks (frozen, non-floating, empty)."""
+    return tuple(i for i, info in enumerate(self.leaves) if info.chunk < 0)
+
+  @property
+  def num_chunked_elements(self) -> int:
+    """Ψ: trainable elements (all layers), padding excluded."""
+    return sum(c.used * max(c.layers, 1) for c in self.chunks)
+
+  @property
+  def num_padding_elements(self) -> int:
+    return sum(c.padding * max(c.layers, 1) for c in self.chunks)
+
+  def representative(self, c: int) -> int:
+    """The leaf whose optimizer view carries chunk `c` (the highest rank)."""
+    members = self.chunks[c].leaves
+    return max(members, key=lambda i: (self.leaves[i].ndim, -i))
+
+  def summary(self) -> str:
+    return (f"{len(self.chunks)} chunks over {len(self.leaves)} leaves, chunk "
+            f"size {self.chunk_size}, {self.num_chunked_elements} elements + "
+            f"{self.num_padding_elements} padding, search waste "
+            f"{100 * self.waste:.2f}%")
+
+  # ---- pack / unpack ------------------------------------------------------
+  def _leaves_of(self, tree) -> list:
+    leaves = self.treedef.flatten_up_to(tree)
+    return list(leaves)
+
+  def split(self, tree: Any, dtype: Any = None) -> tuple:
+    """Packs a tree into `(chunks, rest)`.
+
+    Args:
+      tree: a tree with this layout's structure and shapes.
+      dtype: cast chunks to this dtype (default: each chunk's own dtype).
+
+    Returns:
+      `chunks`, a tuple of arrays of shapes `chunk.shape`, zero padded, and
+      `rest`, the tuple of leaves kept outside the chunks.
+    """
+    leaves = self._leaves_of(tree)
+    chunks = tuple(self.pack_chunk(c, leaves, dtype)
+                   for c in range(len(self.chunks)))
+    rest = tuple(leaves[i] for i in self.rest_indices)
+    return chunks, rest
+
+  def pack_chunk(self, c: int, leaves: Sequence[Any], dtype: Any = None):
+    """Chunk `c` built from `leaves` (indexed like `self.leaves`)."""
+    chunk = self.chunks[c]
+    dt = chunk.dtype if dtype is None else dtype
+    lead = (chunk.layers,) if chunk.layers else ()
+    parts = [jnp.reshape(leaves[i], lead + (-1,)).astype(dt)
+             for i in chunk.leaves]
+    if chunk.padding:
+      parts.append(jnp.zeros(lead + (chunk.padding,), dt))
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+  def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
+            dtype: Any = "leaf") -> Any:
+    """Unpacks `(chunks, rest)` into the tree.
+
+    Args:
+      chunks: full (gathered) chunk arrays.
+      rest: the leaves kept outside the chunks.
+      dtype: "leaf" restores each leaf's dtype; None keeps the chunk's dtype
+        (the compute dtype inside a step); or an explicit dtype.
+    """
+    out = [None] * len(self.leaves)
+    for chunk, arr in zip(self.chunks, chunks):
+      for i in chunk.leaves:
+        info = self.leaves[i]
+        seg = arr[..., info.offset:info.offset + info.size]
+        leaf = jnp.reshape(seg, info.shape)
+        if isinstance(dtype, str) and dtype == "leaf":
+          leaf = leaf.astype(info.dtype)
+        elif dtype is not None:
+          leaf = leaf.astype(dtype)
+        out[i] = leaf
+    for i, leaf in zip(self.rest_indices, rest):
+      out[i] = leaf
+    return jax.tree_util.tree_unflatten(self.treedef, out)
+
+  # ---- optimizer views ----------------------------------------------------
+  def view_shape(self, c: int) -> tuple:
+    """Shape of chunk `c` as its representative leaf shows it to optax.
+
+    Same rank as the representative leaf (so masks that test `ndim` see the
+    original rank), all elements on the last axis.
+    """
+    chunk = self.chunks[c]
+    rank = self.leaves[self.representative(c)].ndim
+    if chunk.layers:
+      return (chunk.layers,) + (1,) * max(rank - 2, 0) + (chunk.length,)
+    return (1,) * max(rank - 1, 0) + (chunk.length,)
+
+  def views(self, chunks: Sequence[Any], fill_dtype: Any = None) -> Any:
+    """The tree optax sees: the original structure, each chunk held by its
+    representative leaf (reshaped, see `view_shape`), every other leaf empty.
+
+    An element-wise optax transformation applied to this tree is the same as
+    applied to the original tree, element by element.
+    """
+    out = []
+    reps = {self.representative(c): c for c in range(len(self.chunks))}
+    for i, info in enumerate(self.leaves):
+      if i in reps:
+        c = reps[i]
+        out.append(jnp.reshape(chunks[c], self.view_shape(c)))
+      else:
+        dt = info.dtype if fill_dtype is None else fill_dtype
+        out.append(jnp.zeros((0,) * info.ndim if info.ndim else (), dt))
+    return jax.tree_util.tree_unflatten(self.treedef, out)
+
+  def from_views(self, tree: Any) -> tuple:
+    """Inverse of `views`: the chunk arrays held by the representatives."""
+    leaves = self._leaves_of(tree)
+    return tuple(jnp.reshape(leaves[self.representative(c)], chunk.shape)
+                 for c, chunk in enumerate(self.chunks))

@@ -1,0 +1,202 @@
+"""optax on flat chunks: which leaves the optimizer treats alike, the check
+that a transformation is element-wise, and optimizer-state conversion.
+
+The user's `tx` never sees a chunk as a bare 1-D array. It sees the original
+parameter tree (`ChunkLayout.views`): each chunk is held by one of its own
+leaves, with that leaf's rank, and every other leaf is empty. Masks and
+labels written on the original tree (`optax.adamw(mask=...)`, `optax.masked`,
+`optax.multi_transform`) therefore decide per chunk as they would per leaf,
+provided a chunk only holds leaves the optimizer treats alike. `leaf_labels`
+finds those classes by running `tx` on a small surrogate of the tree, and
+`check_elementwise` refuses transformations that read whole tensors (LAMB's
+trust ratio, Adafactor's factored moments) instead of letting them be
+silently wrong on chunks.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.layout import ChunkLayout
+
+_PROBE_STEPS = 3
+
+
+def _surrogate_shapes(abstract_params) -> list:
+  """Each leaf with every axis capped at 3: same rank, a few elements."""
+  return [tuple(min(d, 3) for d in np.shape(x))
+          for x in jax.tree_util.tree_leaves(abstract_params)]
+
+
+def _run(tx, params, grads_seq):
+  """Updates of `tx` over a sequence of gradients (plain optax semantics)."""
+  state = tx.init(params)
+  outs = []
+  for grads in grads_seq:
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    outs.append(updates)
+  return outs
+
+
+def _is_float(leaf) -> bool:
+  return jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
+  """Optimizer class of each leaf: leaves with equal labels are updated by the
+  same element-wise rule (same mask decisions, same hyper-parameters).
+
+  Every element of every leaf gets the same parameter and gradient values;
+  leaves whose updates then differ are treated differently by `tx`.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  shapes = _surrogate_shapes(abstract_params)
+  params = [jnp.full(s, 0.75, x.dtype) for s, x in zip(shapes, leaves)]
+  grads = [[jnp.full(s, v, x.dtype) if t else jnp.zeros(s, x.dtype)
+            for s, x, t in zip(shapes, leaves, trainable)]
+           for v in (0.3, -0.55, 0.9)]
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  outs = jax.jit(lambda p, gs: _run(tx, unflat(p), [unflat(g) for g in gs]))(
+      params, grads)
+  signatures = {}
+  labels = []
+  for i, (x, t) in enumerate(zip(leaves, trainable)):
+    if not (t and _is_float(x)):
+      labels.append(0)
+      continue
+    sig = tuple(
+        None if np.size(leaf) == 0 else
+        float(np.format_float_positional(np.ravel(np.asarray(leaf, np.float32))[0],
+                                         precision=6, unique=False, fractional=False))
+        for leaf in (jax.tree_util.tree_leaves(o)[i] for o in outs))
+    labels.append(signatures.setdefault(sig, len(signatures)))
+  return tuple(labels)
+
+
+def _transform_name(tx) -> str:
+  fn = getattr(tx, "update", None)
+  name = getattr(fn, "__qualname__", type(tx).__name__)
+  return name.split(".<locals>")[0]
+
+
+def _inner_transforms(tx) -> list:
+  """Transformations a combinator (chain, masked, ...) closes over."""
+  found = []
+  for cell in getattr(getattr(tx, "update", None), "__closure__", None) or ():
+    try:
+      value = cell.cell_contents
+    except ValueError:
+      continue
+    items = value if isinstance(value, (tuple, list)) else (
+        value.values() if isinstance(value, dict) else (value,))
+    found += [v for v in items
+              if isinstance(v, optax.GradientTransformation) and v is not tx]
+  return found
+
+
+def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
+  """Why running `tx` on chunk views differs from running it on the tree."""
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  shapes = _surrogate_shapes(abstract_params)
+  surrogate = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)]
+  layout = ChunkLayout.build(jax.tree_util.tree_unflatten(treedef, surrogate),
+                             num_shards=2, chunk_size=5, trainable=trainable,
+                             labels=labels, stacked=stacked)
+  rng = np.random.default_rng(0)
+  draw = lambda s, x: jnp.asarray(rng.normal(size=s), x.dtype)
+  params = [draw(s, x) if _is_float(x) else jnp.zeros(s, x.dtype)
+            for s, x in zip(shapes, leaves)]
+  grads = [[draw(s, x) if (t and _is_float(x)) else jnp.zeros(s, x.dtype)
+            for s, x, t in zip(shapes, leaves, trainable)]
+           for _ in range(_PROBE_STEPS)]
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  try:
+    reference = _run(tx, unflat(params), [unflat(g) for g in grads])
+    p_chunks, _ = layout.split(unflat(params))
+    g_views = [layout.views(layout.split(unflat(g))[0]) for g in grads]
+    chunked = _run(tx, layout.views(p_chunks), g_views)
+  except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
+    return f"it fails on chunk views ({type(e).__name__}: {e})"
+  for ref, out in zip(reference, chunked):
+    out_chunks = layout.from_views(out)
+    for c, chunk in enumerate(layout.chunks):
+      if chunk.padding and np.any(np.asarray(out_chunks[c][..., chunk.used:])):
+        return "it moves zero padding (its update of a zero is not zero)"
+    got = jax.tree_util.tree_leaves(layout.merge(out_chunks, [None] * len(
+        layout.rest_indices)))
+    want = jax.tree_util.tree_leaves(ref)
+    for i, info in enumerate(layout.leaves):
+      if info.chunk >= 0 and not np.allclose(
+          np.asarray(got[i], np.float32), np.asarray(want[i], np.float32),
+          rtol=1e-4, atol=1e-6):
+        return (f"its update of {info.path} depends on how leaves are packed "
+                "(it reads whole tensors, e.g. per-tensor norms or factored "
+                "moments)")
+  return None
+
+
+def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
+  """Raises ValueError naming the part of `tx` that cannot run on chunks."""
+  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if why is None:
+    return
+  culprit, reason = tx, why
+  while True:
+    for inner in _inner_transforms(culprit):
+      inner_why = _chunked_mismatch(inner, abstract_params, trainable, labels,
+                                    stacked)
+      if inner_why is not None:
+        culprit, reason = inner, inner_why
+        break
+    else:
+      break
+  raise ValueError(
+      f"optax transformation {_transform_name(culprit)!r} cannot run on flat "
+      f"ZeRO chunks: {reason}. zerojax refuses it rather than train wrongly. "
+      "Use an element-wise optimizer (sgd, momentum, adam, adamw, lion, "
+      "rmsprop, ...); clipping by global norm is fine.")
+
+
+def opt_state_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any) -> Any:
+  """Converts an optax state built on the original tree (`tx.init(params)`)
+  into the state over chunk views (`tx.init(layout.views(chunks))`).
+
+  Args:
+    layout: the parameter layout.
+    opt_state: the state on the original tree (arrays).
+    view_state: the target state's shapes (e.g. from `jax.eval_shape`).
+  """
+  o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
+  v_flat, v_def = jax.tree_util.tree_flatten_with_path(view_state)
+  if o_def != v_def:
+    raise ValueError(
+        "the TrainState's opt_state does not have the structure of "
+        f"tx.init(params):\n  got      {o_def}\n  expected {v_def}\n"
+        "Build the state with TrainState.create(..., tx=tx) and the same tx.")
+  by_path = {jax.tree_util.keystr(p): x for p, x in o_flat}
+  param_paths = sorted(((info.path, i) for i, info in enumerate(layout.leaves)),
+                       key=lambda t: -len(t[0]))
+  reps = {layout.representative(c): c for c in range(len(layout.chunks))}
+  out = []
+  for (path, orig), (_, target) in zip(o_flat, v_flat):
+    key = jax.tree_util.keystr(path)
+    match = next(((p, i) for p, i in param_paths if key.endswith(p) and
+                  np.shape(orig) == layout.leaves[i].shape and p), None)
+    if match is None or np.shape(orig) == target.shape:
+      out.append(orig)
+      continue
+    prefix = key[:len(key) - len(match[0])]
+    if match[1] in reps:
+      c = reps[match[1]]
+      members = {i: by_path[prefix + layout.leaves[i].path]
+                 for i in layout.chunks[c].leaves}
+      chunk = layout.pack_chunk(c, members, target.dtype)
+      out.append(jnp.reshape(chunk, target.shape))
+    else:
+      out.append(jnp.zeros(target.shape, target.dtype))
+  return jax.tree_util.tree_unflatten(v_def, out)

@@ -1,0 +1,241 @@
+"""ZeroTrainState: the sharded train state, `shard()` to build it from a Flax
+`TrainState`, and `gather_params()` to read the ordinary parameter tree back.
+
+What each stage stores (N devices on the data axis, see DESIGN.md):
+
+  stage 0: `master` chunks replicated, optimizer state replicated.
+  stage 1/2, float32 compute: `master` replicated (it is the compute copy),
+    optimizer state sharded; the step updates this device's slice.
+  stage 1/2, 16-bit compute: `master` (fp32) sharded, `compute` (16-bit)
+    replicated, optimizer state sharded.
+  stage 3: `master` sharded, optimizer state sharded; no persistent 16-bit
+    copy (the step casts each shard before gathering it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import optim, precision
+from zerojax.config import FIELDS, ZeroConfig
+from zerojax.layout import ChunkLayout
+
+_TRAIN_STATE_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
+
+
+class ZeroTrainState(struct.PyTreeNode):
+  """A `TrainState` whose parameters and optimizer state live in chunks.
+
+  Attributes:
+    step: number of updates applied.
+    master: chunk arrays of the trainable parameters in their own dtype.
+    compute: replicated compute-dtype chunks (stages 1-2 under 16-bit
+      compute only), else `()`.
+    rest: leaves kept outside the chunks (frozen, non-floating), replicated.
+    opt_state: the optax state over the chunk views (`ChunkLayout.views`).
+    loss_scale: `precision.LossScaleState` or None.
+    extras: the pytree fields a `TrainState` subclass added, kept as they
+      are; readable as attributes (`state.batch_stats`).
+  """
+  step: jax.Array
+  master: tuple
+  compute: tuple
+  rest: tuple
+  opt_state: Any
+  loss_scale: Optional[precision.LossScaleState]
+  extras: dict
+  apply_fn: Callable = struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = struct.field(pytree_node=False)
+  layout: ChunkLayout = struct.field(pytree_node=False)
+  config: ZeroConfig = struct.field(pytree_node=False)
+  mesh: Mesh = struct.field(pytree_node=False)
+  static_extras: tuple = struct.field(pytree_node=False, default=())
+
+  def __getattr__(self, name):
+    # Only reached when normal lookup fails: expose subclass fields.
+    if name.startswith("__"):
+      raise AttributeError(name)
+    extras = self.__dict__.get("extras") or {}
+    if name in extras:
+      return extras[name]
+    static = dict(self.__dict__.get("static_extras") or ())
+    if name in static:
+      return static[name]
+    if name == "params":
+      raise AttributeError("ZeroTrainState keeps parameters in sharded chunks; "
+                           "use zerojax.gather_params(state) for the tree.")
+    raise AttributeError(f"ZeroTrainState has no attribute {name!r}")
+
+  @property
+  def num_shards(self) -> int:
+    return self.mesh.shape[self.config.axis_name]
+
+
+# ---- placement ---------------------------------------------------------------
+def master_is_sharded(config: ZeroConfig) -> bool:
+  return config.stage == 3 or (config.stage in (1, 2) and config.mixed_precision)
+
+
+def chunk_spec(ndim: int, axis_name: str) -> P:
+  """A chunk (or chunk view) sharded on its last axis."""
+  return P(*([None] * (ndim - 1)), axis_name)
+
+
+def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
+  """The `NamedSharding` of every array of `state`, as a state-shaped tree."""
+  cfg, mesh, layout = state.config, state.mesh, state.layout
+  rep = NamedSharding(mesh, P())
+  split = lambda x: NamedSharding(mesh, chunk_spec(np.ndim(x), cfg.axis_name))
+  lengths = {c.length for c in layout.chunks}
+  n = mesh.shape[cfg.axis_name]
+
+  def opt_rule(x):
+    shape = np.shape(x)
+    if (cfg.stage >= 1 and shape and np.prod(shape) > 0 and
+        shape[-1] in lengths and shape[-1] % n == 0):
+      return split(x)
+    return rep
+
+  master_rule = split if master_is_sharded(cfg) else (lambda x: rep)
+  return state.replace(
+      step=rep,
+      master=tuple(master_rule(x) for x in state.master),
+      compute=tuple(rep for _ in state.compute),
+      rest=tuple(rep for _ in state.rest),
+      opt_state=jax.tree_util.tree_map(opt_rule, state.opt_state),
+      loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
+      extras=jax.tree_util.tree_map(lambda x: rep, state.extras))
+
+
+def default_mesh(axis_name: str = "data") -> Mesh:
+  """All devices on one axis, with Auto axis types (shard_map friendly)."""
+  return jax.make_mesh((jax.device_count(),), (axis_name,),
+                       axis_types=(AxisType.Auto,))
+
+
+def _auto_mesh(mesh: Mesh) -> Mesh:
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+# ---- shard ---------------------------------------------------------------------
+def _trainable(config: ZeroConfig, params) -> list:
+  flat = jax.tree_util.tree_leaves(params)
+  if config.frozen is None:
+    return [True] * len(flat)
+  mask = config.frozen(params) if callable(config.frozen) else config.frozen
+  try:
+    frozen = jax.tree_util.tree_structure(params).flatten_up_to(mask)
+  except (ValueError, TypeError) as e:
+    raise ValueError("frozen must give one bool per parameter leaf (a tree "
+                     f"matching the parameters): {e}") from None
+  return [not bool(f) for f in frozen]
+
+
+def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
+          **config_fields) -> ZeroTrainState:
+  """Turns a Flax `TrainState` into a ZeRO `ZeroTrainState`.
+
+  Args:
+    state: a `flax.training.train_state.TrainState` (or subclass; extra fields
+      are kept as they are). Its optimizer state, trained or fresh, is kept.
+    stage: ZeRO stage 0-3 (see `ZeroConfig`).
+    mesh: device mesh; None puts every device on one axis named "data".
+    **config_fields: further `ZeroConfig` fields (`compute_dtype`,
+      `accum_steps`, `clip_norm`, `chunk_size`, `frozen`, `stacked`, ...).
+
+  Returns:
+    The sharded state; the input state is left untouched.
+
+  Example:
+    >>> state = zerojax.shard(state, stage=3, compute_dtype="bf16")
+  """
+  if isinstance(state, ZeroTrainState):
+    raise ValueError("this state is already a ZeroTrainState; shard() takes "
+                     "an ordinary TrainState. To change stage or mesh, gather "
+                     "it (zerojax.gather_params) or go through a checkpoint.")
+  missing = [f for f in _TRAIN_STATE_FIELDS if not hasattr(state, f)]
+  if missing:
+    raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
+                    f"has no {', '.join(missing)}.")
+  unknown = sorted(set(config_fields) - set(FIELDS))
+  if unknown:
+    raise TypeError(f"unknown ZeroConfig field(s) {unknown}; known: "
+                    f"{', '.join(FIELDS)}.")
+  config = ZeroConfig(stage=stage, **config_fields)
+  mesh = _auto_mesh(mesh if mesh is not None else default_mesh(config.axis_name))
+  if config.axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
+                     f"{config.axis_name!r}; pass axis_name= one of them or "
+                     "build the mesh with that axis.")
+  num_shards = mesh.shape[config.axis_name]
+  tx = state.tx
+  abstract = jax.eval_shape(lambda p: p, state.params)
+  trainable = _trainable(config, abstract)
+  labels = optim.leaf_labels(tx, abstract, trainable)
+  optim.check_elementwise(tx, abstract, trainable, labels, config.stacked)
+  layout = ChunkLayout.build(
+      abstract, num_shards, chunk_size=config.chunk_size, trainable=trainable,
+      labels=labels, stacked=config.stacked,
+      min_chunk_size=config.min_chunk_size, search_range=config.search_range,
+      search_interval=config.search_interval)
+
+  def build(params, opt_state, step, extras):
+    master, rest = layout.split(params)
+    compute = (tuple(c.astype(config.compute_dtype) for c in master)
+               if config.stage in (1, 2) and config.mixed_precision else ())
+    view_state = jax.eval_shape(tx.init, layout.views(master))
+    opt = optim.opt_state_to_views(layout, opt_state, view_state)
+    return ZeroTrainState(
+        step=jnp.asarray(step, jnp.int32), master=master, compute=compute,
+        rest=rest, opt_state=opt, loss_scale=precision.init(config.loss_scale),
+        extras=extras, apply_fn=state.apply_fn, tx=tx, layout=layout,
+        config=config, mesh=mesh, static_extras=static_extras)
+
+  extras, static_extras = {}, []
+  if dataclasses.is_dataclass(state):
+    for f in dataclasses.fields(state):
+      if f.name in _TRAIN_STATE_FIELDS:
+        continue
+      if f.metadata.get("pytree_node", True):
+        extras[f.name] = getattr(state, f.name)
+      else:
+        static_extras.append((f.name, getattr(state, f.name)))
+  static_extras = tuple(static_extras)
+  args = (state.params, state.opt_state, state.step, extras)
+  shapes = jax.eval_shape(build, *args)
+  return jax.jit(build, out_shardings=state_shardings(shapes))(*args)
+
+
+# ---- reading -------------------------------------------------------------------
+def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
+  """The ordinary parameter tree of a sharded state, replicated.
+
+  Args:
+    state: a `ZeroTrainState`.
+    dtype: cast floating leaves to this dtype; None keeps each leaf's dtype.
+  """
+  if not isinstance(state, ZeroTrainState):
+    raise TypeError(f"gather_params() takes a ZeroTrainState, got "
+                    f"{type(state).__name__}.")
+  layout = state.layout
+
+  def merge(master, rest):
+    tree = layout.merge(master, rest)
+    if dtype is None:
+      return tree
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, tree)
+
+  return jax.jit(merge, out_shardings=NamedSharding(state.mesh, P()))(
+      state.master, state.rest)

@@ -1,0 +1,243 @@
+"""train_step(): one jitted program per step.
+
+  1. `shard_map` over the data axis (all ZeRO communication is explicit here):
+     gather (stage 3) -> the user's loss on the full parameter tree and this
+     device's micro-batches -> gradients reduced per stage:
+       stage 0: psum (all-reduce) of the accumulated gradient;
+       stage 1: psum_scatter of the accumulated gradient;
+       stage 2: psum_scatter of every micro-batch's gradient, chunk by chunk,
+                in the backward pass (`collectives.scatter_on_backward`);
+       stage 3: the transpose of the gather reduce-scatters (`collectives.gather`).
+  2. The optimizer on gradient and master shards: unscale, skip on overflow,
+     clip by global norm, the user's optax update. Element-wise work on
+     arrays sharded over the data axis: no communication but the scalar norms.
+  3. Stages 1-2: `shard_map` all-gathers the updated shards (cast to the
+     compute dtype first) into the replicated compute chunks.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import collectives, precision
+from zerojax.state import (ZeroTrainState, chunk_spec, master_is_sharded,
+                           state_shardings)
+
+
+def _shard_shape(shape, n):
+  return shape[:-1] + (shape[-1] // n,)
+
+
+def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
+  """Step 1: the shard_map program. Returns reduced gradient chunks (sharded
+  for stages 1-3, replicated for stage 0), the mean loss and mean aux."""
+  cfg, layout, mesh = state.config, state.layout, state.mesh
+  ax, stage, k = cfg.axis_name, cfg.stage, cfg.accum_steps
+  n = mesh.shape[ax]
+  split_specs = tuple(chunk_spec(len(c.shape), ax) for c in layout.chunks)
+  rep_specs = tuple(P() for _ in layout.chunks)
+  if stage == 3:
+    params_in, params_specs = state.master, split_specs
+  elif stage in (1, 2) and cfg.mixed_precision:
+    params_in, params_specs = state.compute, rep_specs
+  else:
+    params_in, params_specs = state.master, rep_specs
+  scale = (state.loss_scale.scale if state.loss_scale is not None
+           else jnp.ones((), jnp.float32))
+  with_rng = rng is not None
+
+  def local(params_in, rest, batch, scale, *maybe_rng):
+    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
+               if with_rng else None)
+
+    def scaled_loss(diff, micro_batch, micro_rng):
+      if stage == 3:
+        chunks = [collectives.gather(s, ax, cfg.compute_dtype, cfg.reduce_dtype)
+                  for s in diff]
+      elif stage == 2:
+        chunks = [collectives.scatter_on_backward(
+            p.astype(cfg.compute_dtype), slot, ax, cfg.reduce_dtype)
+                  for p, slot in zip(params_in, diff)]
+      else:
+        chunks = [p.astype(cfg.compute_dtype) for p in diff]
+      params = layout.merge(chunks, rest, dtype=None)
+      out = (loss_fn(params, micro_batch, micro_rng) if with_rng
+             else loss_fn(params, micro_batch))
+      loss, aux = out if has_aux else (out, {})
+      loss = jnp.asarray(loss, jnp.float32)
+      return loss * scale, (loss, aux)
+
+    if stage == 2:
+      diff = tuple(jnp.zeros(_shard_shape(c.shape, n), cfg.reduce_dtype)
+                   for c in layout.chunks)
+    else:
+      diff = params_in
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    to_reduce = lambda g: tuple(x.astype(cfg.reduce_dtype) for x in g)
+
+    if k == 1:
+      grads, (loss, aux) = grad_fn(diff, batch, dev_rng)
+      grads = to_reduce(grads)
+    else:
+      micro = jax.tree_util.tree_map(
+          lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+      def body(acc, xs):
+        i, micro_batch = xs
+        micro_rng = jax.random.fold_in(dev_rng, i) if with_rng else None
+        g, (loss, aux) = grad_fn(diff, micro_batch, micro_rng)
+        return jax.tree_util.tree_map(jnp.add, acc, to_reduce(g)), (loss, aux)
+
+      zeros = tuple(jnp.zeros(np.shape(d), cfg.reduce_dtype) for d in diff)
+      grads, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+      loss = jnp.mean(losses)
+      aux = jax.tree_util.tree_map(lambda a: jnp.mean(a, axis=0), auxes)
+
+    if stage == 0:
+      grads = tuple(jax.lax.psum(g, ax) for g in grads)
+    elif stage == 1:
+      grads = tuple(collectives.reduce_scatter(g, ax) for g in grads)
+    grads = tuple(g / (n * k) for g in grads)
+    loss = jax.lax.pmean(loss, ax)
+    aux = jax.tree_util.tree_map(
+        lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), ax), aux)
+    return grads, loss, aux
+
+  args = (params_in, state.rest, batch, scale) + ((rng,) if with_rng else ())
+  in_specs = (params_specs, P(), P(ax), P()) + ((P(),) if with_rng else ())
+  out_specs = (rep_specs if stage == 0 else split_specs, P(), P())
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)(*args)
+
+
+def _gather_updated(state, shards):
+  """Step 3 (stages 1-2): replicated chunks from the updated shards."""
+  cfg, layout = state.config, state.layout
+  ax = cfg.axis_name
+  dtype = cfg.compute_dtype if cfg.mixed_precision else None
+  split_specs = tuple(chunk_spec(len(c.shape), ax) for c in layout.chunks)
+
+  def local(shards):
+    return tuple(collectives.all_gather(s if dtype is None else s.astype(dtype), ax)
+                 for s in shards)
+
+  return jax.shard_map(local, mesh=state.mesh, in_specs=(split_specs,),
+                       out_specs=tuple(P() for _ in layout.chunks),
+                       check_vma=False)(shards)
+
+
+def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
+  cfg, layout = state.config, state.layout
+  shardings = state_shardings(state)
+  grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng)
+
+  metrics = {"loss": loss}
+  if state.loss_scale is not None:
+    grads = tuple(g / state.loss_scale.scale for g in grads)
+    finite = precision.all_finite(grads)
+  grad_norm = optax.global_norm(grads)   # zero padding adds nothing
+  metrics["grad_norm"] = grad_norm
+  if cfg.clip_norm is not None:
+    grads, _ = optax.clip_by_global_norm(cfg.clip_norm).update(grads, None)
+
+  if cfg.stage in (1, 2) and not master_is_sharded(cfg):
+    # float32 stages 1-2: the replicated master is the compute copy; this
+    # device updates its own slice of it.
+    master = tuple(jax.lax.with_sharding_constraint(
+        m, NamedSharding(state.mesh, chunk_spec(m.ndim, cfg.axis_name)))
+                   for m in state.master)
+  else:
+    master = state.master
+  params_view = layout.views(master)
+  updates, opt_state = state.tx.update(
+      layout.views(grads, fill_dtype=cfg.reduce_dtype), state.opt_state,
+      params_view)
+  new_master = layout.from_views(optax.apply_updates(params_view, updates))
+
+  loss_scale = state.loss_scale
+  if loss_scale is not None:
+    keep = lambda new, old: jax.tree_util.tree_map(
+        lambda a, b: jnp.where(finite, a, b), new, old)
+    new_master = keep(new_master, master)
+    opt_state = keep(opt_state, state.opt_state)
+    loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
+    metrics["loss_scale"] = loss_scale.scale
+    metrics["skipped"] = ~finite
+
+  compute = state.compute
+  if cfg.stage in (1, 2):
+    gathered = _gather_updated(state, new_master)
+    if cfg.mixed_precision:
+      compute = gathered
+    else:
+      new_master = gathered
+  if isinstance(aux, dict):
+    metrics.update(aux)
+  elif aux is not None:
+    metrics["aux"] = aux
+  new_state = state.replace(
+      step=state.step + (finite.astype(jnp.int32) if state.loss_scale is not None
+                         else 1),
+      master=new_master, compute=compute, opt_state=opt_state,
+      loss_scale=loss_scale)
+  new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+  return new_state, metrics
+
+
+def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+  """Builds the jitted ZeRO training step.
+
+  Args:
+    loss_fn: `loss_fn(params, batch)` or `loss_fn(params, batch, rng)`,
+      written on the full parameter tree and one device's slice of the batch;
+      returns the scalar loss, or `(loss, aux)` with `has_aux=True` (aux: a
+      dict of scalars, averaged over devices and micro-batches).
+    has_aux: whether `loss_fn` returns `(loss, aux)`.
+
+  Returns:
+    `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
+    `state`. `batch` is a pytree of arrays with the global batch on the
+    leading axis (numpy arrays are fine). `metrics` holds `loss` (mean over
+    the global batch), `grad_norm` (global, before clipping), the aux values,
+    and under loss scaling `loss_scale` and `skipped`. `step.lower(state,
+    batch)` gives the lowered program (for `memory_analysis()`).
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
+  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux),
+                   donate_argnums=(0,))
+
+  def prepare(state, batch):
+    if not isinstance(state, ZeroTrainState):
+      raise TypeError(f"step() takes the ZeroTrainState from zerojax.shard(), "
+                      f"got {type(state).__name__}.")
+    cfg = state.config
+    per_step = state.num_shards * cfg.accum_steps
+    sizes = {np.shape(x)[0] if np.ndim(x) else None
+             for x in jax.tree_util.tree_leaves(batch)}
+    if not sizes:
+      raise ValueError("the batch has no arrays.")
+    if None in sizes or len(sizes) != 1:
+      raise ValueError(f"every batch array needs the same leading (global "
+                       f"batch) axis; got leading sizes {sorted(map(str, sizes))}.")
+    size = sizes.pop()
+    if size % per_step:
+      raise ValueError(
+          f"global batch {size} is not divisible by {state.num_shards} devices "
+          f"x accum_steps {cfg.accum_steps} = {per_step}; use a multiple of "
+          f"{per_step}.")
+    sharding = NamedSharding(state.mesh, P(cfg.axis_name))
+    return jax.device_put(batch, sharding)
+
+  def step(state, batch, rng=None):
+    return jitted(state, prepare(state, batch), rng)
+
+  step.lower = lambda state, batch, rng=None: jitted.lower(
+      state, prepare(state, batch), rng)
+  return step
