@@ -44,6 +44,7 @@ class LeafInfo:
   chunk: int = -1
   offset: int = 0
   stacked: bool = False
+  names: tuple = ()
 
   @property
   def ndim(self) -> int:
@@ -171,17 +172,18 @@ class ChunkLayout:
         raise ValueError(f"leaf {jax.tree_util.keystr(path)} is under stacked "
                          f"module {stack!r} but is a scalar (no layer axis).")
       info = LeafInfo(jax.tree_util.keystr(path), shape, dtype,
-                      stacked=stack is not None)
+                      stacked=stack is not None, names=names)
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
       infos.append(info)
       keys.append((stack, shape[0] if stack else 0, int(label), dtype.name)
                   if chunked else None)
     group_keys = list(dict.fromkeys(k for k in keys if k is not None))
     groups = [[i for i, k in enumerate(keys) if k == g] for g in group_keys]
-    for g, members in zip(group_keys, groups):
-      if g[0] is not None and len({infos[i].shape[0] for i in members}) > 1:
-        raise ValueError(f"leaves under stacked module {g[0]!r} disagree on "
-                         "the layer count (leading axis).")
+    for stack in stacked:
+      counts = {k[1] for k in keys if k is not None and k[0] == stack}
+      if len(counts) > 1:
+        raise ValueError(f"leaves under stacked module {stack!r} disagree on "
+                         f"the layer count (leading axis): {sorted(counts)}.")
     waste = 0.0
     if chunk_size is None:
       sizes = [[infos[i].size for i in members] for members in groups]
@@ -244,6 +246,26 @@ class ChunkLayout:
     members = self.chunks[c].leaves
     return max(members, key=lambda i: (self.leaves[i].ndim, -i))
 
+  def stack_prefix(self, c: int) -> tuple:
+    """Path components down to (and including) the stack of chunk `c`."""
+    chunk = self.chunks[c]
+    names = self.leaves[chunk.leaves[0]].names
+    return names[:names.index(chunk.stack) + 1]
+
+  def layer_tree(self, c: int, full: Any, tree: Optional[dict] = None) -> dict:
+    """One layer's parameters (nested dicts, paths relative to the stack)
+    from chunk `c`'s gathered per-layer array `full` (shape `[length]`)."""
+    tree = {} if tree is None else tree
+    depth = len(self.stack_prefix(c))
+    for i in self.chunks[c].leaves:
+      info = self.leaves[i]
+      node = tree
+      for name in info.names[depth:-1]:
+        node = node.setdefault(name, {})
+      node[info.names[-1]] = jnp.reshape(
+          full[info.offset:info.offset + info.size], info.shape[1:])
+    return tree
+
   def summary(self) -> str:
     return (f"{len(self.chunks)} chunks over {len(self.leaves)} leaves, chunk "
             f"size {self.chunk_size}, {self.num_chunked_elements} elements + "
@@ -284,7 +306,7 @@ class ChunkLayout:
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
   def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
-            dtype: Any = "leaf") -> Any:
+            dtype: Any = "leaf", skip: frozenset = frozenset()) -> Any:
     """Unpacks `(chunks, rest)` into the tree.
 
     Args:
@@ -292,9 +314,12 @@ class ChunkLayout:
       rest: the leaves kept outside the chunks.
       dtype: "leaf" restores each leaf's dtype; None keeps the chunk's dtype
         (the compute dtype inside a step); or an explicit dtype.
+      skip: chunk indices whose leaves are left as None.
     """
     out = [None] * len(self.leaves)
-    for chunk, arr in zip(self.chunks, chunks):
+    for c, (chunk, arr) in enumerate(zip(self.chunks, chunks)):
+      if c in skip:
+        continue
       for i in chunk.leaves:
         info = self.leaves[i]
         seg = arr[..., info.offset:info.offset + info.size]

@@ -85,13 +85,30 @@ def _transform_name(tx) -> str:
 
 
 def _inner_transforms(tx) -> list:
-  """Transformations a combinator (chain, masked, ...) closes over."""
-  found = []
-  for cell in getattr(getattr(tx, "update", None), "__closure__", None) or ():
+  """Transformations a combinator (chain, masked, ...) closes over; used only
+  to name the part of a refused `tx`, so a miss just names the whole."""
+  update = getattr(tx, "update", None)
+  cells = dict(zip(getattr(getattr(update, "__code__", None), "co_freevars", ()),
+                   getattr(update, "__closure__", None) or ()))
+  values = {}
+  for name, cell in cells.items():
     try:
-      value = cell.cell_contents
+      values[name] = cell.cell_contents
     except ValueError:
       continue
+  found = []
+  if "update_fns" in values:  # optax.chain keeps the parts' functions apart
+    update_fns = values["update_fns"]
+    init_fns = getattr(tx.init, "__closure__", None)
+    inits = next((c.cell_contents for c in init_fns or ()
+                  if isinstance(c.cell_contents, tuple) and
+                  len(c.cell_contents) == len(update_fns)), None)
+    if inits is not None:
+      found += [optax.GradientTransformation(i, u)
+                for i, u in zip(inits, update_fns)]
+  for value in values.values():
+    if isinstance(value, optax.GradientTransformation):  # also a tuple
+      value = (value,)
     items = value if isinstance(value, (tuple, list)) else (
         value.values() if isinstance(value, dict) else (value,))
     found += [v for v in items
@@ -104,9 +121,20 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
   shapes = _surrogate_shapes(abstract_params)
   surrogate = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)]
-  layout = ChunkLayout.build(jax.tree_util.tree_unflatten(treedef, surrogate),
-                             num_shards=2, chunk_size=5, trainable=trainable,
-                             labels=labels, stacked=stacked)
+  # Two packings: many leaves per chunk (exposes per-tensor reductions) and
+  # small chunks with padding (exposes updates that move zeros).
+  for chunk_size in (sum(int(np.prod(s)) for s in shapes) + 1, 5):
+    layout = ChunkLayout.build(
+        jax.tree_util.tree_unflatten(treedef, surrogate), num_shards=2,
+        chunk_size=chunk_size, trainable=trainable, labels=labels,
+        stacked=stacked)
+    why = _mismatch_on(tx, layout, leaves, shapes, trainable, treedef)
+    if why is not None:
+      return why
+  return None
+
+
+def _mismatch_on(tx, layout, leaves, shapes, trainable, treedef) -> Optional[str]:
   rng = np.random.default_rng(0)
   draw = lambda s, x: jnp.asarray(rng.normal(size=s), x.dtype)
   params = [draw(s, x) if _is_float(x) else jnp.zeros(s, x.dtype)
@@ -115,11 +143,14 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
             for s, x, t in zip(shapes, leaves, trainable)]
            for _ in range(_PROBE_STEPS)]
   unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  def on_chunks(p, gs):
+    views = lambda ls: layout.views(layout.split(unflat(ls))[0])
+    return _run(tx, views(p), [views(g) for g in gs])
+
   try:
-    reference = _run(tx, unflat(params), [unflat(g) for g in grads])
-    p_chunks, _ = layout.split(unflat(params))
-    g_views = [layout.views(layout.split(unflat(g))[0]) for g in grads]
-    chunked = _run(tx, layout.views(p_chunks), g_views)
+    reference = jax.jit(lambda p, gs: _run(tx, unflat(p), [unflat(g) for g in gs]))(
+        params, grads)
+    chunked = jax.jit(on_chunks)(params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
   for ref, out in zip(reference, chunked):
@@ -127,9 +158,9 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
     for c, chunk in enumerate(layout.chunks):
       if chunk.padding and np.any(np.asarray(out_chunks[c][..., chunk.used:])):
         return "it moves zero padding (its update of a zero is not zero)"
-    got = jax.tree_util.tree_leaves(layout.merge(out_chunks, [None] * len(
-        layout.rest_indices)))
-    want = jax.tree_util.tree_leaves(ref)
+    rest = [jnp.zeros(())] * len(layout.rest_indices)
+    got = layout.treedef.flatten_up_to(layout.merge(out_chunks, rest))
+    want = layout.treedef.flatten_up_to(ref)
     for i, info in enumerate(layout.leaves):
       if info.chunk >= 0 and not np.allclose(
           np.asarray(got[i], np.float32), np.asarray(want[i], np.float32),
@@ -188,6 +219,13 @@ def opt_state_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any) -> 
     match = next(((p, i) for p, i in param_paths if key.endswith(p) and
                   np.shape(orig) == layout.leaves[i].shape and p), None)
     if match is None or np.shape(orig) == target.shape:
+      if np.shape(orig) != target.shape:
+        raise ValueError(
+            f"optimizer state {key} has shape {np.shape(orig)} on the "
+            f"parameters but {target.shape} on chunks: the transformation "
+            "keeps per-tensor statistics (e.g. factored second moments), "
+            "which flat ZeRO chunks cannot hold; zerojax refuses it. Use an "
+            "element-wise optimizer (adam, adamw, lion, sgd, ...).")
       out.append(orig)
       continue
     prefix = key[:len(key) - len(match[0])]

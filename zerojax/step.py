@@ -25,7 +25,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from flax import traverse_util
+
 from zerojax import collectives, precision
+from zerojax import nn as zero_nn
 from zerojax.state import (ZeroTrainState, chunk_spec, master_is_sharded,
                            state_shardings)
 
@@ -51,24 +54,31 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
   scale = (state.loss_scale.scale if state.loss_scale is not None
            else jnp.ones((), jnp.float32))
   with_rng = rng is not None
+  layer_chunks = (frozenset(c for c, ch in enumerate(layout.chunks) if ch.layers)
+                  if stage == 3 else frozenset())
 
   def local(params_in, rest, batch, scale, *maybe_rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
                if with_rng else None)
 
-    def scaled_loss(diff, micro_batch, micro_rng):
+    def scaled_loss(diff, micro_batch, micro_rng, layerwise=layer_chunks):
       if stage == 3:
-        chunks = [collectives.gather(s, ax, cfg.compute_dtype, cfg.reduce_dtype)
-                  for s in diff]
+        chunks = [None if c in layerwise else
+                  collectives.gather(s, ax, cfg.compute_dtype, cfg.reduce_dtype)
+                  for c, s in enumerate(diff)]
       elif stage == 2:
         chunks = [collectives.scatter_on_backward(
             p.astype(cfg.compute_dtype), slot, ax, cfg.reduce_dtype)
                   for p, slot in zip(params_in, diff)]
       else:
         chunks = [p.astype(cfg.compute_dtype) for p in diff]
-      params = layout.merge(chunks, rest, dtype=None)
-      out = (loss_fn(params, micro_batch, micro_rng) if with_rng
-             else loss_fn(params, micro_batch))
+      if layerwise:
+        params = _with_layer_shards(layout, chunks, rest, diff, layerwise)
+      else:
+        params = layout.merge(chunks, rest, dtype=None)
+      with zero_nn.active(layout, cfg):
+        out = (loss_fn(params, micro_batch, micro_rng) if with_rng
+               else loss_fn(params, micro_batch))
       loss, aux = out if has_aux else (out, {})
       loss = jnp.asarray(loss, jnp.float32)
       return loss * scale, (loss, aux)
@@ -78,7 +88,19 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                    for c in layout.chunks)
     else:
       diff = params_in
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    if layer_chunks:
+      # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise);
+      # a model without it fails on the shard-form tree: gather whole chunks.
+      first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+      try:
+        jax.eval_shape(lambda d: scaled_loss(d, first, dev_rng), diff)
+        layerwise = layer_chunks
+      except Exception:  # noqa: BLE001 - any failure: not opted in
+        layerwise = frozenset()
+    else:
+      layerwise = frozenset()
+    grad_fn = jax.grad(functools.partial(scaled_loss, layerwise=layerwise),
+                       has_aux=True)
     to_reduce = lambda g: tuple(x.astype(cfg.reduce_dtype) for x in g)
 
     if k == 1:
@@ -116,6 +138,19 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                        out_specs=out_specs, check_vma=False)(*args)
 
 
+def _with_layer_shards(layout, chunks, rest, shards, layer_chunks):
+  """The parameter tree with each layer-stacked chunk left as its shard
+  `[layers, length / N]` under the stack (see `zerojax.nn.layerwise`)."""
+  tree = layout.merge(chunks, rest, dtype=None, skip=layer_chunks)
+  skipped = {layout.leaves[i].names for c in layer_chunks
+             for i in layout.chunks[c].leaves}
+  flat = {k: v for k, v in traverse_util.flatten_dict(tree).items()
+          if k not in skipped}
+  for c in layer_chunks:
+    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = shards[c]
+  return traverse_util.unflatten_dict(flat)
+
+
 def _gather_updated(state, shards):
   """Step 3 (stages 1-2): replicated chunks from the updated shards."""
   cfg, layout = state.config, state.layout
@@ -141,7 +176,7 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   if state.loss_scale is not None:
     grads = tuple(g / state.loss_scale.scale for g in grads)
     finite = precision.all_finite(grads)
-  grad_norm = optax.global_norm(grads)   # zero padding adds nothing
+  grad_norm = optax.tree.norm(grads)   # zero padding adds nothing
   metrics["grad_norm"] = grad_norm
   if cfg.clip_norm is not None:
     grads, _ = optax.clip_by_global_norm(cfg.clip_norm).update(grads, None)

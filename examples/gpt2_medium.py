@@ -1,0 +1,489 @@
+"""GPT-2 in Flax linen, trained with zerojax (ZeRO stage 3 by default).
+
+The job to start first, like DeepSpeed's GPT-2 tutorial or Colossal-AI's
+"Train GPT with Gemini". The training loop is an ordinary Flax loop; the ZeRO
+part is the `zerojax.shard(...)` and `zerojax.train_step(...)` lines.
+
+    python examples/gpt2_medium.py                 # see --help: depends on the machine
+    python examples/gpt2_medium.py --preset tiny --steps 3
+    python examples/gpt2_medium.py --preset medium --precision bf16 --remat
+    python examples/gpt2_medium.py --text input.txt --steps 300   # byte-level text
+    python examples/gpt2_medium.py --json run.json               # machine-readable log
+
+Multi-host: one process per host, the same flags everywhere plus
+`--coordinator HOST:PORT --num-processes N --process-id I`; under SLURM or
+Open MPI with several tasks no flag is needed.
+
+The model's blocks are a `flax.linen.scan` under the submodule "blocks", and
+`stacked=("blocks",)` tells zerojax their leaves carry a layer axis, so the
+blocks are chunked per layer. Parameters stay float32 (the ZeRO master); the
+model computes in the dtype of the parameters it is handed, which is
+zerojax's `compute_dtype` (`--precision`). Softmax and cross-entropy run in
+float32 whatever the precision.
+
+One file on purpose (past STYLE.md's ~400 lines): it is the script users
+copy, so model, data, loop and measurements sit together.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+# ---- configuration (no jax here: the CPU device count must be set first) ----
+PRESETS = {
+    # name: model shape, and the run defaults used when a flag is left out.
+    "tiny": dict(layers=2, width=64, heads=4, vocab=256, ctx=64,
+                 micro_batch=2, seq=64, steps=50, lr=3e-3),
+    "cpu": dict(layers=4, width=128, heads=2, vocab=256, ctx=128,
+                micro_batch=2, seq=128, steps=100, lr=2e-3),
+    "small": dict(layers=12, width=768, heads=12, vocab=50257, ctx=1024,
+                  micro_batch=8, seq=1024, steps=100, lr=6e-4),
+    "medium": dict(layers=24, width=1024, heads=16, vocab=50257, ctx=1024,
+                   micro_batch=8, seq=1024, steps=100, lr=3e-4),
+}
+BYTE_VOCAB = 256
+
+_HELP = __doc__.split("\n\n")[0] + """
+
+Defaults depend on the machine. On a GPU/TPU the default preset is `medium`
+(GPT-2 medium, 355M) in bf16. With no accelerator it is `cpu`: GPT-2's
+layout shrunk to 4 layers of width 128, a byte-sized vocabulary (256) and
+128-token windows, trained in float32 on 8 simulated CPU devices for 100
+steps, so that the default run takes about two minutes on a 2-core machine
+and shows the loss falling. (GPT-2's 50257-token output layer alone would
+make a CPU step several seconds.)
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                 help="model size: tiny (CI), cpu (default without an "
+                 "accelerator), small (124M), medium (355M, default on "
+                 "GPU/TPU). Default: auto.")
+  p.add_argument("--layers", type=int, help="override the preset's depth")
+  p.add_argument("--width", type=int, help="override the preset's width "
+                 "(heads become width // 64)")
+  p.add_argument("--remat", action="store_true",
+                 help="rematerialise each block in the backward pass "
+                 "(nn.remat): less activation memory, ~1/3 more compute")
+  p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
+                 help="ZeRO stage (default 3)")
+  p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
+                 default="auto", help="compute dtype (zerojax compute_dtype; "
+                 "the master stays fp32; fp16 gets dynamic loss scaling). "
+                 "auto: bf16 on GPU/TPU, fp32 on CPU.")
+  p.add_argument("--batch", type=int, help="global batch in sequences "
+                 "(default: the preset's per-device micro-batch x devices x "
+                 "--accum); must be a multiple of devices x --accum")
+  p.add_argument("--seq", type=int, help="tokens per sequence (default: "
+                 "the preset's; beyond the preset's context the position "
+                 "table grows to fit)")
+  p.add_argument("--steps", type=int, help="optimizer steps (default: the "
+                 "preset's)")
+  p.add_argument("--accum", type=int, default=1,
+                 help="micro-batches per step (gradient accumulation)")
+  p.add_argument("--lr", type=float, help="peak learning rate (default: "
+                 "the preset's); linear warm-up, then cosine decay to lr/10")
+  p.add_argument("--warmup", type=int,
+                 help="warm-up steps (default: 10%% of --steps)")
+  p.add_argument("--weight-decay", type=float, default=0.1,
+                 help="AdamW weight decay on kernels and embeddings (never "
+                 "on biases or LayerNorm parameters)")
+  p.add_argument("--clip", type=float, default=1.0,
+                 help="clip gradients to this global norm; 0 disables")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--text", metavar="FILE", help="train on this file's bytes "
+                 "(vocab 256). Default: random tokens drawn from a Zipf law "
+                 "over the vocabulary, so the loss has somewhere to fall to "
+                 "(its entropy is printed).")
+  p.add_argument("--json", metavar="PATH", help="write config, per-step "
+                 "metrics and memory figures to PATH")
+  p.add_argument("--devices", type=int, default=8, help="without an "
+                 "accelerator: simulate this many CPU devices (default 8)")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="multi-host: address of process 0")
+  p.add_argument("--num-processes", type=int)
+  p.add_argument("--process-id", type=int)
+  # Room for --offload, --checkpoint-dir and --resume once zerojax has them.
+  args = p.parse_args(argv)
+  if (args.coordinator is None) != (args.num_processes is None) or (
+      args.coordinator is None) != (args.process_id is None):
+    p.error("multi-host needs all of --coordinator, --num-processes and "
+            "--process-id (or none of them)")
+  for name in ("layers", "width", "batch", "seq", "steps", "accum", "devices",
+               "warmup"):
+    value = getattr(args, name)
+    if value is not None and value < (0 if name == "warmup" else 1):
+      p.error(f"--{name} must be positive, got {value}")
+  return args
+
+
+def simulate_cpu_devices(n: int) -> None:
+  """Asks XLA for `n` host devices. Only the CPU platform reads this flag,
+  and only when it starts, so it is set before jax is imported; it does
+  nothing on a machine whose default backend is a GPU or TPU."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        flags + f" --xla_force_host_platform_device_count={n}").strip()
+
+
+if __name__ == "__main__":
+  simulate_cpu_devices(parse_args().devices)
+
+# pylint: disable=wrong-import-position
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import zerojax  # noqa: E402
+
+
+# ---- the model -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab: int
+  ctx: int
+  layers: int
+  width: int
+  heads: int
+  remat: bool = False
+
+
+def _normal(std):
+  return nn.initializers.normal(stddev=std)
+
+
+class CausalSelfAttention(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    h = self.cfg.heads
+    # dtype=None everywhere: compute in the dtype of the parameters handed in.
+    qkv = nn.Dense(3 * d, kernel_init=_normal(0.02), name="qkv")(x)
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores / math.sqrt(d // h), -1e9)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+    # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+    return nn.Dense(d, kernel_init=_normal(0.02 / math.sqrt(2 * self.cfg.layers)),
+                    name="proj")(y)
+
+
+class MLP(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    x = nn.Dense(4 * d, kernel_init=_normal(0.02), name="fc")(x)
+    x = nn.gelu(x, approximate=True)
+    return nn.Dense(d, kernel_init=_normal(0.02 / math.sqrt(2 * self.cfg.layers)),
+                    name="proj")(x)
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm transformer block, written as a scan body (carry, _)."""
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x, _):
+    x = x + CausalSelfAttention(self.cfg, name="attn")(nn.LayerNorm(name="ln_1")(x))
+    x = x + MLP(self.cfg, name="mlp")(nn.LayerNorm(name="ln_2")(x))
+    return x, None
+
+
+class GPT(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    wte = nn.Embed(cfg.vocab, cfg.width, embedding_init=_normal(0.02), name="wte")
+    wpe = nn.Embed(cfg.ctx, cfg.width, embedding_init=_normal(0.01), name="wpe")
+    x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))
+    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    # One scanned block: parameters get a leading layer axis, which
+    # zerojax's stacked=("blocks",) chunks per layer.
+    blocks = nn.scan(block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=cfg.layers)
+    x, _ = blocks(cfg, name="blocks")(x, None)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return wte.attend(x)  # tied output embedding: x @ wte.T
+
+
+def cross_entropy(logits, targets):
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def decay_mask(params):
+  """AdamW decays kernels and embeddings, never biases or LayerNorm scales.
+  By name, not ndim: scanned leaves carry an extra layer axis."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"),
+      params)
+
+
+# ---- data ----------------------------------------------------------------------
+class Batches:
+  """Global batches {"tokens", "targets"} of int32 [batch, seq], host numpy.
+
+  Every process draws the same global batch (same seed); the step keeps the
+  slices its devices hold.
+  """
+
+  def __init__(self, vocab: int, batch: int, seq: int, seed: int,
+               text: Optional[str] = None):
+    self.batch, self.seq = batch, seq
+    self.rng = np.random.default_rng(seed)
+    if text is not None:
+      with open(text, "rb") as f:
+        self.corpus = np.frombuffer(f.read(), np.uint8).astype(np.int32)
+      if len(self.corpus) < seq + 2:
+        raise ValueError(f"--text {text} has {len(self.corpus)} bytes; it "
+                         f"needs more than --seq + 1 = {seq + 1}.")
+      self.probs = None
+      self.description = f"bytes of {text} ({len(self.corpus):,} bytes)"
+    else:
+      # Zipf's law over a shuffled vocabulary: the frequencies of words.
+      ranks = np.arange(1, vocab + 1, dtype=np.float64)
+      self.probs = self.rng.permutation(1.0 / ranks / np.sum(1.0 / ranks))
+      self.entropy = float(-np.sum(self.probs * np.log(self.probs)))
+      self.description = (f"random tokens, Zipf over {vocab} ids (entropy "
+                          f"{self.entropy:.2f} nats; uniform would be "
+                          f"{math.log(vocab):.2f})")
+
+  def __next__(self) -> dict:
+    if self.probs is not None:
+      windows = self.rng.choice(len(self.probs), size=(self.batch, self.seq + 1),
+                                p=self.probs).astype(np.int32)
+    else:
+      starts = self.rng.integers(0, len(self.corpus) - self.seq, size=self.batch)
+      windows = self.corpus[starts[:, None] + np.arange(self.seq + 1)]
+    return {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+# ---- measurements --------------------------------------------------------------
+def memory_summary(state, step, batch) -> dict:
+  """Bytes per device: the state's arrays, and the compiled step's footprint
+  (arguments + outputs + temporaries - donated aliases). A stand-in until
+  `zerojax.memory_report` exists."""
+  persistent = sum(x.addressable_shards[0].data.nbytes
+                   for x in jax.tree_util.tree_leaves(state)
+                   if isinstance(x, jax.Array))
+  stats = step.lower(state, batch).compile().memory_analysis()
+  footprint = None
+  if stats is not None:
+    footprint = int(stats.argument_size_in_bytes + stats.output_size_in_bytes +
+                    stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return {"persistent_bytes_per_device": int(persistent),
+          "compiled_footprint_bytes_per_device": footprint}
+
+
+def zero_theory_bytes(psi: int, n: int, stage: int, mixed: bool) -> int:
+  """DESIGN.md's table: persistent bytes per device under Adam."""
+  if stage == 0:
+    return 12 * psi
+  if stage == 3:
+    return 12 * psi // n
+  return 2 * psi + 12 * psi // n if mixed else 4 * psi + 8 * psi // n
+
+
+# Dense 16-bit peak per chip, TFLOP/s (vendor datasheets).
+_PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989),
+                ("H200", 989), ("H800", 989), ("A100", 312), ("L40S", 362),
+                ("TPU v5p", 459), ("TPU v5 lite", 197), ("TPU v4", 275))
+
+
+def peak_tflops(device_kind: str) -> Optional[float]:
+  return next((p for k, p in _PEAK_TFLOPS if k in device_kind), None)
+
+
+def flops_per_token(cfg: GPTConfig, params: int, seq: int) -> float:
+  """Training FLOPs per token (PaLM appendix B): 6 x matmul parameters
+  (the position table is a lookup) + 12 x layers x width x seq (attention)."""
+  return 6 * (params - cfg.ctx * cfg.width) + 12 * cfg.layers * cfg.width * seq
+
+
+def _mib(n) -> str:
+  return "n/a" if n is None else f"{n / 2**20:,.2f} MiB"
+
+
+# ---- setup ---------------------------------------------------------------------
+def init_distributed(args) -> None:
+  """jax.distributed for multi-host runs; a no-op on one host."""
+  env_world = max(int(os.environ.get("SLURM_NTASKS", "1")),
+                  int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+  if args.coordinator is None and env_world <= 1:
+    return
+  # Hosts without accelerators need a CPU collectives backend.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if args.coordinator is not None:
+    jax.distributed.initialize(args.coordinator, args.num_processes,
+                               args.process_id)
+  else:
+    jax.distributed.initialize()  # reads SLURM / Open MPI variables
+
+
+def resolve(args, backend: str, n_devices: int) -> tuple:
+  """(GPTConfig, run settings) from the preset and the flags."""
+  accel = backend != "cpu"
+  name = args.preset if args.preset != "auto" else ("medium" if accel else "cpu")
+  pre = PRESETS[name]
+  width = args.width or pre["width"]
+  heads = pre["heads"] if args.width is None else max(1, width // 64)
+  if width % heads:
+    raise SystemExit(f"--width {width} is not divisible by {heads} heads.")
+  vocab = BYTE_VOCAB if args.text else pre["vocab"]
+  seq = args.seq or min(pre["seq"], pre["ctx"])
+  cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
+                  layers=args.layers or pre["layers"], width=width, heads=heads,
+                  remat=args.remat)
+  steps = args.steps or pre["steps"]
+  batch = args.batch or pre["micro_batch"] * n_devices * args.accum
+  if batch % (n_devices * args.accum):
+    raise SystemExit(f"--batch {batch} must be a multiple of {n_devices} "
+                     f"devices x --accum {args.accum}.")
+  run = dict(
+      preset=name, seq=seq, steps=steps, batch=batch,
+      lr=args.lr or pre["lr"],
+      warmup=args.warmup if args.warmup is not None else max(1, steps // 10),
+      precision=(args.precision if args.precision != "auto"
+                 else ("bf16" if accel else "fp32")))
+  return cfg, run
+
+
+def main(argv=None) -> dict:
+  """Trains and returns {"config", "steps", "memory", "timing"}."""
+  args = parse_args(argv)
+  simulate_cpu_devices(args.devices)  # in-process callers: only if jax has not started
+  init_distributed(args)
+  backend, devices = jax.default_backend(), jax.devices()
+  is_main = jax.process_index() == 0
+  log = print if is_main else (lambda *a, **k: None)
+  if backend == "cpu" and len(devices) != args.devices * jax.process_count():
+    log(f"note: {len(devices)} CPU devices (jax had started before "
+        f"--devices {args.devices} could apply)")
+  cfg, run = resolve(args, backend, len(devices))
+
+  model = GPT(cfg)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, run["lr"], run["warmup"], max(run["steps"], run["warmup"] + 1),
+      end_value=run["lr"] / 10)
+  tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                   mask=decay_mask)
+
+  @jax.jit  # one program, instead of one per optimizer-state leaf
+  def create(rng):
+    params = model.init(rng, jnp.zeros((1, run["seq"]), jnp.int32))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=tx)
+
+  state = create(jax.random.key(args.seed))
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  state = zerojax.shard(state, stage=args.stage, compute_dtype=run["precision"],
+                        accum_steps=args.accum, clip_norm=args.clip or None,
+                        stacked=("blocks",))
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"])
+    return cross_entropy(logits, batch["targets"])
+
+  step = zerojax.train_step(loss_fn)
+  data = Batches(cfg.vocab, run["batch"], run["seq"], args.seed, args.text)
+  tokens_per_step = run["batch"] * run["seq"]
+  kind = devices[0].device_kind
+  layout = state.layout
+  chunks = (f"{len(layout.chunks)} chunks ("
+            f"{sum(1 for c in layout.chunks if c.layers)} stacked per layer), "
+            f"{layout.num_chunked_elements:,} elements + "
+            f"{layout.num_padding_elements:,} padding")
+  config = {**vars(args), **run, "model": dataclasses.asdict(cfg),
+            "num_params": num_params, "devices": len(devices),
+            "processes": jax.process_count(), "backend": backend,
+            "device_kind": kind, "data": data.description,
+            "chunks": chunks}
+  log(f"GPT-2 '{run['preset']}': {num_params:,} params, {cfg.layers} layers x "
+      f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
+  log(f"ZeRO stage {args.stage} over {len(devices)} {backend} devices "
+      f"({kind}), {run['precision']} compute, batch {run['batch']} x "
+      f"{run['seq']} tokens, accum {args.accum}, lr {run['lr']:g}")
+  log(f"data: {data.description}")
+  log(f"chunks: {chunks}")
+
+  records = []
+  bar = tqdm(range(1, run["steps"] + 1), disable=not is_main, unit="step",
+             dynamic_ncols=True)
+  for i in bar:
+    batch = next(data)
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    loss = float(metrics["loss"])  # blocks until the step is done
+    seconds = time.perf_counter() - start
+    records.append({"step": i, "loss": loss,
+                    "tokens_per_s": tokens_per_step / seconds,
+                    "step_time_s": seconds})
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / seconds:,.0f}",
+                    step_s=f"{seconds:.3f}")
+  bar.close()
+
+  # Step 1 includes compilation; throughput is measured on the rest.
+  steady = records[1:]
+  timing = {"first_step_s": records[0]["step_time_s"]}
+  if steady:
+    seconds = sum(r["step_time_s"] for r in steady)
+    timing["tokens_per_s"] = tokens_per_step * len(steady) / seconds
+    timing["step_time_s"] = seconds / len(steady)
+  memory = memory_summary(state, step, batch)
+  psi = layout.num_chunked_elements
+  theory = zero_theory_bytes(psi, len(devices), args.stage,
+                             run["precision"] != "fp32")
+
+  floor = (f" (data entropy, the floor: {data.entropy:.4f})"
+           if data.probs is not None else "")
+  log(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
+      f"{len(records)} steps{floor}; first step (compile + run) "
+      f"{timing['first_step_s']:.1f} s")
+  if steady:
+    log(f"throughput {timing['tokens_per_s']:,.0f} tokens/s, "
+        f"{timing['step_time_s'] * 1e3:,.1f} ms/step (steps 2-{len(records)})")
+  log(f"memory per device: state {_mib(memory['persistent_bytes_per_device'])} "
+      f"(ZeRO-{args.stage} theory {_mib(theory)} for {psi:,} parameters), "
+      f"compiled step {_mib(memory['compiled_footprint_bytes_per_device'])}")
+  if backend != "cpu" and steady:
+    achieved = (timing["tokens_per_s"] * flops_per_token(cfg, num_params, run["seq"])
+                / len(devices) / 1e12)
+    peak = peak_tflops(kind)
+    timing["tflops_per_device"] = achieved
+    timing["mfu"] = achieved / peak if peak else None
+    log(f"{achieved:.1f} TFLOP/s per device, MFU " +
+        (f"{100 * achieved / peak:.1f}% of {peak} TFLOP/s (16-bit dense peak)"
+         if peak else f"unknown (no peak on record for {kind!r})"))
+
+  result = {"config": config, "steps": records, "memory": memory,
+            "timing": timing}
+  if args.json and is_main:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,130 @@
+"""Small Flax models for the tests, and the independent reference: the same
+model trained with plain optax on one device."""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class MLP(nn.Module):
+  hidden: int = 32
+  out: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.hidden)(x)
+    x = nn.LayerNorm()(x)
+    x = nn.gelu(x)
+    return nn.Dense(self.out)(x)
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm causal self-attention + MLP block."""
+  width: int = 32
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = nn.LayerNorm()(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    # No projection biases: the key bias has an exactly-zero true gradient
+    # (softmax ignores a per-query constant), and Adam would blow its float
+    # noise up to lr-sized steps that differ with any summation order.
+    h = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=x.dtype,
+                                        use_bias=False)(h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * self.width, dtype=x.dtype)(h)
+    h = nn.Dense(self.width, dtype=x.dtype)(nn.gelu(h))
+    return x + h, None
+
+
+class Transformer(nn.Module):
+  """A tiny GPT: token + position embeddings, blocks, tied output."""
+  vocab: int = 64
+  width: int = 32
+  layers: int = 2
+  seq: int = 8
+  scan: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.width)
+    pos = self.param("pos", nn.initializers.normal(0.02), (self.seq, self.width))
+    x = embed(tokens) + pos[: tokens.shape[1]].astype(embed.embedding.dtype)
+    if self.scan:
+      x, _ = nn.scan(Block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.layers)(
+                         self.width, name="blocks")(x, None)
+    else:
+      for i in range(self.layers):
+        x, _ = Block(self.width, name=f"block_{i}")(x)
+    x = nn.LayerNorm()(x)
+    return embed.attend(x).astype(jnp.float32)
+
+
+def make_problem(kind: str, batch: int = 32, steps: int = 5, seed: int = 0):
+  """(model, params, loss_fn, batches) for a model kind."""
+  rng = np.random.default_rng(seed)
+  if kind == "mlp":
+    model = MLP()
+    batches = [{"x": rng.normal(size=(batch, 8)).astype(np.float32),
+                "y": rng.normal(size=(batch, 4)).astype(np.float32)}
+               for _ in range(steps)]
+    params = model.init(jax.random.key(seed), batches[0]["x"][:1])["params"]
+
+    def loss_fn(params, b):
+      out = model.apply({"params": params}, b["x"].astype(_dtype(params)))
+      return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+  else:
+    model = Transformer(scan=(kind == "scan_transformer"))
+    batches = []
+    for _ in range(steps):
+      t = rng.integers(0, model.vocab, size=(batch, model.seq + 1))
+      batches.append({"tokens": t[:, :-1].astype(np.int32),
+                      "targets": t[:, 1:].astype(np.int32)})
+    params = model.init(jax.random.key(seed), batches[0]["tokens"][:1])["params"]
+
+    def loss_fn(params, b):
+      logits = model.apply({"params": params}, b["tokens"])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, b["targets"]).mean()
+  return model, params, loss_fn, batches
+
+
+def _dtype(params):
+  return jax.tree_util.tree_leaves(params)[0].dtype
+
+
+def reference_run(loss_fn, params, tx, batches, compute_dtype=jnp.float32,
+                  clip_norm=None):
+  """Plain optax on one device; 16-bit compute casts the fp32 params for the
+  forward/backward and keeps the update in fp32. Returns (losses, params)."""
+  if clip_norm is not None:
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+  device = jax.devices()[0]
+  params = jax.device_put(params, device)
+  opt_state = tx.init(params)
+
+  def cast_loss(p, b):
+    cast = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), p)
+    return loss_fn(cast, b).astype(jnp.float32)
+
+  @jax.jit
+  def step(p, s, b):
+    loss, g = jax.value_and_grad(cast_loss)(p, b)
+    g = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), g)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  losses = []
+  for b in batches:
+    params, opt_state, loss = step(params, opt_state,
+                                   jax.device_put(b, device))
+    losses.append(float(loss))
+  return np.array(losses), params

@@ -1,0 +1,95 @@
+"""examples/gpt2_medium.py runs end to end, as a user starts it.
+
+The example runs as a subprocess with its own environment (it sets its own
+XLA_FLAGS for 8 simulated CPU devices). Most of a tiny run is compilation,
+and both runs compile the same programs (same model, same batch shapes), so
+they share a fresh JAX persistent compilation cache: the second run takes a
+few seconds instead of half a minute.
+"""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt2_medium.py"
+STEPS = 40
+
+PARAGRAPH = (
+    "It was the best of times, it was the worst of times, it was the age of "
+    "wisdom, it was the age of foolishness, it was the epoch of belief, it "
+    "was the epoch of incredulity, it was the season of Light, it was the "
+    "season of Darkness, it was the spring of hope, it was the winter of "
+    "despair, we had everything before us, we had nothing before us.\n")
+
+
+def _run(args, out, cache):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  cmd = [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps",
+         str(STEPS), "--json", str(out), *args]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, (f"{' '.join(cmd)} failed:\n"
+                                f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("example")
+  text = tmp / "paragraph.txt"
+  text.write_text(PARAGRAPH * 40)
+  cache = tmp / "jax_cache"
+  return {"random": _run([], tmp / "random.json", cache),
+          "text": _run(["--text", str(text)], tmp / "text.json", cache)}
+
+
+def _losses(result):
+  return [s["loss"] for s in result["steps"]]
+
+
+@pytest.mark.parametrize("name", ["random", "text"])
+def test_json_has_documented_keys(runs, name):
+  result = runs[name]
+  assert {"config", "steps", "memory"} <= set(result)
+  config = result["config"]
+  for key in ("preset", "stage", "devices", "num_params", "model", "batch",
+              "seq", "steps", "lr", "precision", "accum", "clip", "seed"):
+    assert key in config, key
+  assert config["preset"] == "tiny" and config["stage"] == 3
+  assert config["devices"] == 8
+  assert config["model"]["vocab"] == 256
+  assert [s["step"] for s in result["steps"]] == list(range(1, STEPS + 1))
+  for s in result["steps"]:
+    assert set(s) == {"step", "loss", "tokens_per_s", "step_time_s"}
+    assert math.isfinite(s["loss"])
+    assert s["tokens_per_s"] > 0 and s["step_time_s"] > 0
+  memory = result["memory"]
+  assert memory["compiled_footprint_bytes_per_device"] > 0
+  # ZeRO-3 with Adam keeps 12 bytes per parameter, split over the devices
+  # (plus padding of at most 7 elements per chunk row and the step counter).
+  bound = 12 * config["num_params"] / config["devices"] + 4096
+  assert 0 < memory["persistent_bytes_per_device"] <= bound
+
+
+def test_random_tokens_loss_falls(runs):
+  # Zipf-distributed tokens: from ~ln(256) = 5.55 toward their entropy 4.31.
+  losses = _losses(runs["random"])
+  assert abs(losses[0] - math.log(256)) < 0.3
+  first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+  assert last < first - 0.5, losses
+  assert last > 4.0, losses  # cannot beat the data's entropy by much
+
+
+def test_text_loss_falls(runs):
+  losses = _losses(runs["text"])
+  first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+  assert last < first - 1.5, losses
+  assert last < 3.5, losses

@@ -1,0 +1,155 @@
+"""ChunkLayout: packing rules, the chunk-size search, exact round trips."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from zerojax.layout import ChunkLayout, search_chunk_size
+
+DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.bool_]
+
+shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def leaves(draw):
+  shape = draw(shapes)
+  dtype = draw(st.sampled_from(DTYPES))
+  seed = draw(st.integers(0, 2 ** 31 - 1))
+  values = np.random.default_rng(seed).normal(size=shape) * 10
+  return jnp.asarray(values).astype(dtype)
+
+
+trees = st.recursive(
+    leaves(),
+    lambda children: st.one_of(
+        st.dictionaries(st.text("abcxyz", min_size=1, max_size=3), children,
+                        max_size=4),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple)),
+    max_leaves=12)
+
+
+def _check_invariants(layout, tree):
+  flat = jax.tree_util.tree_leaves(tree)
+  n = layout.num_shards
+  for c, chunk in enumerate(layout.chunks):
+    assert chunk.length % n == 0 and 0 <= chunk.padding < n
+    members = [layout.leaves[i] for i in chunk.leaves]
+    assert {m.dtype for m in members} == {chunk.dtype}
+    assert sum(m.size for m in members) == chunk.used
+    ends = [m.offset + m.size for m in members]
+    assert [m.offset for m in members] == [0] + ends[:-1]  # packed in order
+    if len(members) > 1:
+      assert chunk.used <= layout.chunk_size
+  for info, leaf in zip(layout.leaves, flat):
+    floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+    assert (info.chunk >= 0) == (floating and leaf.size > 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree=trees, num_shards=st.integers(1, 8),
+       chunk_size=st.one_of(st.none(), st.integers(1, 40)))
+def test_split_merge_round_trip_is_exact(tree, num_shards, chunk_size):
+  layout = ChunkLayout.build(jax.eval_shape(lambda t: t, tree), num_shards,
+                             chunk_size=chunk_size, min_chunk_size=4,
+                             search_range=32, search_interval=4)
+  _check_invariants(layout, tree)
+  chunks, rest = layout.split(tree)
+  for chunk, arr in zip(layout.chunks, chunks):
+    assert arr.shape == chunk.shape and arr.dtype == chunk.dtype
+    assert not np.any(np.asarray(arr[..., chunk.used:], np.float32))
+  back = layout.merge(chunks, rest)
+  assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+  for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@settings(max_examples=50, deadline=None)
+@given(tree=trees, num_shards=st.integers(1, 8))
+def test_views_round_trip(tree, num_shards):
+  layout = ChunkLayout.build(jax.eval_shape(lambda t: t, tree), num_shards,
+                             chunk_size=16)
+  chunks, _ = layout.split(tree)
+  views = layout.views(chunks)
+  assert jax.tree_util.tree_structure(views) == jax.tree_util.tree_structure(tree)
+  for view, info in zip(jax.tree_util.tree_leaves(views), layout.leaves):
+    assert view.ndim in (info.ndim, 1)   # rank kept (a scalar rep gets rank 1)
+  for a, b in zip(layout.from_views(views), chunks):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_large_leaf_gets_its_own_chunk_and_order_is_kept():
+  tree = {"a": jnp.ones(3), "b": jnp.ones(50), "c": jnp.ones(4), "d": jnp.ones(5)}
+  layout = ChunkLayout.build(tree, 4, chunk_size=10)
+  assert [tuple(layout.leaves[i].path for i in c.leaves)
+          for c in layout.chunks] == [("['a']",), ("['b']",), ("['c']", "['d']")]
+  assert [c.length for c in layout.chunks] == [4, 52, 12]
+
+
+def test_frozen_and_labels_split_chunks():
+  tree = {"w": jnp.ones(6), "b": jnp.ones(2), "frozen": jnp.ones(3),
+          "step": jnp.ones((), jnp.int32)}
+  # leaf order is sorted by key: b, frozen, step, w
+  layout = ChunkLayout.build(tree, 2, chunk_size=100,
+                             trainable=[True, False, True, True],
+                             labels=[1, 0, 0, 0])
+  assert layout.rest_indices == (1, 2)
+  assert [c.label for c in layout.chunks] == [1, 0]
+
+
+def test_layer_stacked_leaves_are_chunked_per_layer():
+  tree = {"blocks": {"k": jnp.arange(3 * 4 * 5.0).reshape(3, 4, 5),
+                     "b": jnp.arange(3 * 5.0).reshape(3, 5)},
+          "head": jnp.ones(7)}
+  layout = ChunkLayout.build(tree, 8, chunk_size=64, stacked=("blocks",))
+  shapes = sorted(c.shape for c in layout.chunks)
+  assert shapes == [(3, 32), (8,)]
+  chunks, rest = layout.split(tree)
+  stacked = next(a for a in chunks if a.ndim == 2)
+  # layer 1 of the chunk holds exactly layer 1 of every stacked leaf
+  np.testing.assert_array_equal(stacked[1, :5], tree["blocks"]["b"][1])
+  np.testing.assert_array_equal(stacked[1, 5:25], tree["blocks"]["k"][1].ravel())
+  back = layout.merge(chunks, rest)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, back, tree)
+
+
+def test_stacked_leaves_must_agree_on_layers():
+  tree = {"blocks": {"k": jnp.ones((3, 4)), "b": jnp.ones((2, 4))}}
+  with pytest.raises(ValueError, match="layer count"):
+    ChunkLayout.build(tree, 2, stacked=("blocks",))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=20))
+def test_search_minimises_waste(sizes):
+  size, frac = search_chunk_size([sizes], min_chunk_size=64, search_range=256,
+                                 search_interval=16)
+  candidates = range(64, 64 + 256 + 1, 16)
+  wastes = {c: _waste(sizes, c) for c in candidates}
+  assert wastes[size] == min(wastes.values())
+  assert size == max(c for c in candidates if wastes[c] == wastes[size])
+  assert frac == pytest.approx(wastes[size] / (sum(sizes) + wastes[size]))
+
+
+def _waste(sizes, capacity):
+  """Independent greedy packing: unused capacity, leaves too big alone."""
+  waste, used = 0, 0
+  for s in sizes:
+    if s > capacity:
+      continue
+    if used + s > capacity:
+      waste += capacity - used
+      used = 0
+    used += s
+  return waste + (capacity - used if used else 0)
+
+
+def test_search_reports_chosen_size_and_waste():
+  tree = {f"l{i}": jnp.ones(s) for i, s in enumerate([700, 324, 1024, 250, 774])}
+  layout = ChunkLayout.build(tree, 4, min_chunk_size=512, search_range=1024,
+                             search_interval=256)
+  assert layout.chunk_size == 1024 and layout.waste == 0.0
+  assert "chunk size 1024" in layout.summary()

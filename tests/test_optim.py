@@ -1,0 +1,147 @@
+"""optax on chunks: masks on the original tree, per-leaf classes, refusals,
+global norms, and optimizer-state conversion — against plain optax."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+from flax.training import train_state
+
+import zerojax
+from models import MLP, make_problem, reference_run
+
+
+def _decay_mask(params):
+  """No weight decay on biases and LayerNorm scales: by rank and name."""
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict(
+      {k: v.ndim > 1 and "LayerNorm" not in "/".join(k) for k, v in flat.items()})
+
+
+def _run(kind, tx, stage=3, steps=5, state=None, **fields):
+  model, params, loss_fn, batches = make_problem(kind, steps=steps)
+  if state is None:
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                          tx=tx)
+  state = zerojax.shard(state, stage=stage, chunk_size=512, **fields)
+  step = zerojax.train_step(loss_fn)
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return np.array(losses), zerojax.gather_params(state), state
+
+
+def _assert_matches_reference(kind, tx, losses, params, **ref_kw):
+  _, p0, loss_fn, batches = make_problem(kind, steps=len(losses))
+  ref_losses, ref_params = reference_run(loss_fn, p0, tx, batches, **ref_kw)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      params, ref_params)
+
+
+def test_callable_mask_sees_original_shapes():
+  seen = []
+
+  def mask(params):
+    seen.extend(x.ndim for x in jax.tree_util.tree_leaves(params))
+    return _decay_mask(params)
+
+  tx = optax.adamw(1e-2, weight_decay=0.5, mask=mask)
+  losses, params, state = _run("transformer", tx)
+  assert 2 in seen and 1 in seen   # kernels and biases, not all 1-D
+  # biases/LayerNorm and kernels are separate optimizer classes
+  assert len({c.label for c in state.layout.chunks}) == 2
+  _assert_matches_reference("transformer", tx, losses, params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_masked_and_multi_transform(stage):
+  def labels(params):
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {k: "slow" if "Dense_1" in k else "fast" for k in flat})
+
+  tx = optax.chain(
+      optax.masked(optax.add_decayed_weights(0.3), _decay_mask),
+      optax.multi_transform({"fast": optax.adam(3e-2), "slow": optax.sgd(1e-3)},
+                            labels))
+  losses, params, _ = _run("mlp", tx, stage=stage)
+  _assert_matches_reference("mlp", tx, losses, params)
+
+
+@pytest.mark.parametrize("name,tx", [
+    ("sgd", optax.sgd(1e-2)),
+    ("momentum", optax.sgd(1e-2, momentum=0.9, nesterov=True)),
+    ("lion", optax.lion(1e-3, weight_decay=0.1)),
+    ("rmsprop", optax.rmsprop(1e-3)),
+    ("schedule", optax.adam(optax.warmup_cosine_decay_schedule(0, 1e-2, 2, 5))),
+    ("clip_in_chain", optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))),
+])
+def test_elementwise_transformations_are_exact(name, tx):
+  losses, params, _ = _run("mlp", tx, stage=2, accum_steps=2)
+  _assert_matches_reference("mlp", tx, losses, params)
+
+
+@pytest.mark.parametrize("tx,culprit", [
+    (optax.lamb(1e-3), "scale_by_trust_ratio"),
+    (optax.lars(1e-3), "scale_by_trust_ratio"),
+    (optax.adafactor(1e-3), "clip_by_block_rms"),
+])
+def test_per_tensor_transformations_are_refused(tx, culprit):
+  model, params, _, _ = make_problem("mlp")
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  with pytest.raises(ValueError, match=f"'{culprit}' cannot run on flat ZeRO"):
+    zerojax.shard(state, stage=3)
+
+
+def test_trained_optimizer_state_is_carried_over():
+  """A TrainState with momentum already built up shards without loss."""
+  tx = optax.adam(1e-2)
+  model, params, loss_fn, batches = make_problem("mlp", steps=6)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  grad = jax.jit(jax.grad(loss_fn))
+  for b in batches[:3]:
+    state = state.apply_gradients(grads=grad(state.params, b))
+  zstate = zerojax.shard(state, stage=3, chunk_size=512)
+  assert int(zstate.step) == 3
+  step = zerojax.train_step(loss_fn)
+  for b in batches[3:]:
+    zstate, _ = step(zstate, b)
+    state = state.apply_gradients(grads=grad(state.params, b))
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      zerojax.gather_params(zstate), state.params)
+
+
+def test_frozen_parameters_stay_untouched():
+  def frozen(params):
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: k[0] == "Dense_0" for k in flat})
+
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  losses, params, state = _run("mlp", tx, stage=3, frozen=frozen)
+  _, p0, loss_fn, batches = make_problem("mlp")
+  assert len(state.rest) == 2
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params["Dense_0"],
+                         p0["Dense_0"])
+  labels = traverse_util.unflatten_dict(
+      {k: "frozen" if k[0] == "Dense_0" else "train"
+       for k in traverse_util.flatten_dict(p0)})
+  ref_tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                 labels)
+  _assert_matches_reference("mlp", ref_tx, losses, params)
+
+
+def test_factored_statistics_are_refused():
+  """Factoring only starts at 128-wide axes: the state shapes give it away."""
+  model = MLP(hidden=256)
+  params = model.init(jax.random.key(0), jnp.ones((1, 256)))["params"]
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.scale_by_factored_rms())
+  with pytest.raises(ValueError, match="per-tensor statistics"):
+    zerojax.shard(state, stage=3)

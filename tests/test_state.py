@@ -1,0 +1,169 @@
+"""shard() and gather_params(): what is stored where, bad input, subclasses."""
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct
+from flax.training import train_state
+from jax.sharding import AxisType, Mesh
+
+import zerojax
+from models import make_problem, reference_run
+
+
+def _state(kind="mlp", tx=None):
+  model, params, loss_fn, batches = make_problem(kind)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx or optax.adam(1e-2))
+  return state, loss_fn, batches
+
+
+def _snapshot(state):
+  return [np.array(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+@pytest.mark.parametrize("stage,dtype,master_split,compute", [
+    (0, "float32", False, 0), (0, "bfloat16", False, 0),
+    (1, "float32", False, 0), (1, "bfloat16", True, 1),
+    (2, "float32", False, 0), (2, "bfloat16", True, 1),
+    (3, "float32", True, 0), (3, "bfloat16", True, 0)])
+def test_what_each_stage_stores(stage, dtype, master_split, compute):
+  state, _, _ = _state()
+  z = zerojax.shard(state, stage=stage, compute_dtype=dtype, chunk_size=256)
+  n = 8
+  for arr, chunk in zip(z.master, z.layout.chunks):
+    local = arr.addressable_shards[0].data.shape[-1]
+    assert local == (chunk.length // n if master_split else chunk.length)
+    assert arr.dtype == jnp.float32
+  assert len(z.compute) == compute * len(z.layout.chunks)
+  for arr in z.compute:
+    assert arr.dtype == jnp.bfloat16 and arr.sharding.is_fully_replicated
+  for leaf in jax.tree_util.tree_leaves(z.opt_state):
+    if leaf.ndim and leaf.size:   # the chunk views, not counters
+      assert leaf.sharding.is_fully_replicated == (stage == 0)
+
+
+def test_gather_params_returns_the_original_tree():
+  state, _, _ = _state("transformer")
+  z = zerojax.shard(state, stage=3, chunk_size=1000)
+  back = zerojax.gather_params(z)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, back, state.params)
+  half = zerojax.gather_params(z, dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(half))
+  with pytest.raises(TypeError, match="ZeroTrainState"):
+    zerojax.gather_params(state)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"stage": 4}, ValueError, "stage=4 is not a ZeRO stage"),
+    ({"stage": -1}, ValueError, "stage=-1"),
+    ({"chunk_size": 0}, ValueError, "chunk_size=0 must be positive"),
+    ({"chunk_size": -5}, ValueError, "chunk_size=-5"),
+    ({"accum_steps": 0}, ValueError, "accum_steps=0"),
+    ({"compute_dtype": "int8"}, ValueError, "compute_dtype='int8'"),
+    ({"clip_norm": 0.0}, ValueError, "clip_norm=0.0"),
+    ({"loss_scale": -1.0}, ValueError, "loss_scale=-1.0"),
+    ({"loss_scale": "big"}, TypeError, "loss_scale='big'"),
+    ({"frozen": {"x": 1}}, TypeError, "frozen must be"),
+    ({"chunk_sz": 10}, TypeError, r"unknown ZeroConfig field\(s\) \['chunk_sz'\]"),
+])
+def test_bad_config_raises_and_leaves_state_unchanged(kwargs, error, match):
+  state, _, _ = _state()
+  before = _snapshot(state)
+  kwargs = dict(kwargs)
+  stage = kwargs.pop("stage", 3)
+  with pytest.raises(error, match=match):
+    zerojax.shard(state, stage=stage, **kwargs)
+  for a, b in zip(before, _snapshot(state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_mesh_without_the_axis():
+  state, _, _ = _state()
+  mesh = Mesh(np.array(jax.devices()), ("batch",), axis_types=(AxisType.Auto,))
+  with pytest.raises(ValueError, match=r"no axis 'data'"):
+    zerojax.shard(state, stage=1, mesh=mesh)
+  z = zerojax.shard(state, stage=1, mesh=mesh, axis_name="batch")
+  assert z.num_shards == 8
+
+
+def test_already_sharded_and_not_a_train_state():
+  state, _, _ = _state()
+  z = zerojax.shard(state, stage=2)
+  with pytest.raises(ValueError, match="already a ZeroTrainState"):
+    zerojax.shard(z, stage=3)
+  with pytest.raises(TypeError, match="has no .*params"):
+    zerojax.shard({"params": 1}, stage=3)
+
+
+def test_frozen_mask_must_match_params():
+  state, _, _ = _state()
+  with pytest.raises(ValueError, match="one bool per parameter leaf"):
+    zerojax.shard(state, stage=3, frozen=lambda p: {"Dense_0": True})
+
+
+def test_opt_state_of_another_tx_is_refused():
+  state, _, _ = _state(tx=optax.adam(1e-2))
+  state = state.replace(tx=optax.sgd(1e-2, momentum=0.9))
+  with pytest.raises(ValueError, match="structure of tx.init"):
+    zerojax.shard(state, stage=3)
+
+
+class StateWithExtras(train_state.TrainState):
+  ema: Any = None
+  note: str = struct.field(pytree_node=False, default="")
+
+
+def test_train_state_subclass_fields_are_kept():
+  state, loss_fn, batches = _state()
+  state = StateWithExtras.create(apply_fn=state.apply_fn, params=state.params,
+                                 tx=state.tx, ema=jnp.arange(3.0), note="run-7")
+  z = zerojax.shard(state, stage=3)
+  z, _ = zerojax.train_step(loss_fn)(z, batches[0])
+  np.testing.assert_array_equal(z.ema, np.arange(3.0))
+  assert z.note == "run-7"
+  with pytest.raises(AttributeError, match="gather_params"):
+    z.params
+
+
+class ConvNet(nn.Module):
+  """A model this project did not design around: conv, group norm, pooling."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.GroupNorm(num_groups=4)(x)
+    x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+    x = nn.Conv(4, (3, 3), use_bias=False)(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_any_linen_model(stage):
+  model = ConvNet()
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(16, 8, 8, 2)).astype(np.float32),
+              "y": rng.integers(0, 3, 16).astype(np.int32)} for _ in range(4)]
+  params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  tx = optax.adamw(1e-2)
+  z = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=stage, chunk_size=200)
+  step = zerojax.train_step(loss_fn)
+  losses = []
+  for b in batches:
+    z, m = step(z, b)
+    losses.append(float(m["loss"]))
+  ref_losses, ref_params = reference_run(loss_fn, params, tx, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      zerojax.gather_params(z), ref_params)
