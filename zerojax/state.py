@@ -167,6 +167,163 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
   if missing:
     raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
                     f"has no {', '.join(missing)}.")
+  config, mesh = _config_and_mesh(stage, mesh, config_fields)
+  extras, static_extras = _extra_fields(state)
+  program, args = _build_program(
+      state.params, state.opt_state, state.step, extras, static_extras,
+      tx=state.tx, apply_fn=state.apply_fn, config=config, mesh=mesh)
+  return program(*args)
+
+
+def create(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
+           tx: optax.GradientTransformation, stage: int = 3,
+           mesh: Optional[Mesh] = None, **config_fields) -> ZeroTrainState:
+  """Builds a ZeroTrainState without ever materialising the full parameters
+  or optimizer state on one device (DeepSpeed's `zero.Init`, Gemini's
+  `LazyInitContext`).
+
+  `init_fn` is traced with `jax.eval_shape` to compute the chunk layout. Then
+  each chunk is made by its own jitted program, which runs `init_fn` with
+  every leaf outside that chunk dead-code eliminated, each leaf constrained to
+  be sharded (the partitionable threefry RNG then computes only this device's
+  part), and the chunk's output sharded over the data axis. At any moment a
+  device holds the shards made so far plus about one chunk's leaves. The
+  optimizer state is `tx.init` on the sharded chunks. Values equal
+  `jax.jit(init_fn)(rng)` followed by `zerojax.shard`, bit for bit.
+
+  Args:
+    init_fn: `init_fn(rng) -> params` (e.g. `lambda r: model.init(r, x)["params"]`).
+    rng: the PRNG key handed to `init_fn`.
+    apply_fn, tx: as for `TrainState.create`.
+    stage, mesh, **config_fields: as for `zerojax.shard`.
+  """
+  chunk_programs, rest_program, assemble = _create_programs(
+      init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
+  made = [program(rng) for program in chunk_programs]
+  master = tuple(m for m, _ in made)
+  compute = tuple(c for _, c in made if c is not None)
+  return assemble(master, compute, rest_program(rng))
+
+
+def create_footprint(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
+                     tx: optax.GradientTransformation, stage: int = 3,
+                     mesh: Optional[Mesh] = None, **config_fields) -> dict:
+  """Per-device bytes `create` needs at its peak, from the compiled programs:
+  the outputs of the programs already run plus the running program's
+  argument + output + temp - alias (see `zerojax.compiled_footprint`)."""
+  from zerojax.memory import compiled_footprint
+  chunk_programs, rest_program, assemble = _create_programs(
+      init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
+  held, peak, prints = 0, 0, []
+  for program in chunk_programs + [rest_program]:
+    fp = compiled_footprint(program.lower(rng).compile())
+    peak = max(peak, held + fp["footprint"])
+    held += fp["output"]
+    prints.append(fp)
+  shapes = [jax.eval_shape(p, rng) for p in chunk_programs]
+  master = tuple(m for m, _ in shapes)
+  compute = tuple(c for _, c in shapes if c is not None)
+  fp = compiled_footprint(assemble.lower(master, compute,
+                                         jax.eval_shape(rest_program, rng)).compile())
+  # the assembling program's arguments are the shards held so far (donated)
+  peak = max(peak, fp["footprint"])
+  return {"peak": peak, "programs": prints + [fp]}
+
+
+def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
+  if not callable(init_fn):
+    raise TypeError(f"init_fn={init_fn!r} must be a function rng -> params.")
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
+  config, mesh = _config_and_mesh(stage, mesh, config_fields)
+  layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
+                       mesh.shape[config.axis_name])
+  rep = NamedSharding(mesh, P())
+  with_compute = config.stage in (1, 2) and config.mixed_precision
+
+  def chunk_program(c):
+    chunk = layout.chunks[c]
+    sharding = (NamedSharding(mesh, chunk_spec(len(chunk.shape), config.axis_name))
+                if master_is_sharded(config) else rep)
+
+    def make(rng):
+      leaves = layout.treedef.flatten_up_to(init_fn(rng))
+      if master_is_sharded(config):
+        master = _pack_from_sharded_leaves(layout, c, leaves, mesh, config.axis_name)
+      else:
+        master = layout.pack_chunk(c, leaves)
+      return master, (master.astype(config.compute_dtype) if with_compute
+                       else None)
+
+    return jax.jit(make, out_shardings=(sharding, rep if with_compute else None))
+
+  def make_rest(rng):
+    leaves = layout.treedef.flatten_up_to(init_fn(rng))
+    return tuple(leaves[i] for i in layout.rest_indices)
+
+  def assemble(master, compute, rest):
+    return ZeroTrainState(
+        step=jnp.zeros((), jnp.int32), master=master, compute=compute,
+        rest=rest, opt_state=tx.init(layout.views(master)),
+        loss_scale=precision.init(config.loss_scale), extras={},
+        apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh)
+
+  chunk_programs = [chunk_program(c) for c in range(len(layout.chunks))]
+  rest_program = jax.jit(make_rest, out_shardings=rep)
+  shapes = [jax.eval_shape(p, rng) for p in chunk_programs]
+  args = (tuple(m for m, _ in shapes),
+          tuple(c for _, c in shapes if c is not None),
+          jax.eval_shape(make_rest, rng))
+  out = state_shardings(jax.eval_shape(assemble, *args))
+  return (chunk_programs, rest_program,
+          jax.jit(assemble, out_shardings=out, donate_argnums=(0, 1, 2)))
+
+
+def _leaf_spec(shape, n, axis_name) -> P:
+  """A leaf sharded on its largest axis the device count divides."""
+  dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
+                key=lambda d: -shape[d])
+  spec = [None] * len(shape)
+  if dims:
+    spec[dims[0]] = axis_name
+  return P(*spec)
+
+
+def _pack_from_sharded_leaves(layout, c, leaves, mesh, axis_name):
+  """Chunk `c`, sharded, from leaves made sharded: each leaf is gathered in
+  turn, and this device keeps the window of it that falls in its slice of
+  the chunk. A device holds its shards plus about one full leaf at a time."""
+  chunk = layout.chunks[c]
+  n = mesh.shape[axis_name]
+  width = chunk.length // n
+  lead = (chunk.layers,) if chunk.layers else ()
+  specs = [_leaf_spec(leaves[i].shape, n, axis_name) for i in chunk.leaves]
+  parts = [jax.lax.with_sharding_constraint(leaves[i], NamedSharding(mesh, spec))
+           for i, spec in zip(chunk.leaves, specs)]
+
+  def local(*parts):
+    start = jax.lax.axis_index(axis_name) * width
+    out = jnp.zeros(lead + (width,), chunk.dtype)
+    for i, part, spec in zip(chunk.leaves, parts, specs):
+      info = layout.leaves[i]
+      for d, name in enumerate(spec):
+        if name is not None:
+          part = jax.lax.all_gather(part, axis_name, axis=d, tiled=True)
+      flat = jnp.reshape(part, lead + (-1,)).astype(chunk.dtype)
+      pad = [(0, 0)] * len(lead) + [(width, width)]
+      padded = jnp.pad(flat, pad)  # zeros around: windows past the leaf
+      # position p of this device's slice holds leaf element start + p - offset
+      begin = jnp.clip(start - info.offset, -width, info.size) + width
+      window = jax.lax.dynamic_slice_in_dim(padded, begin, width, axis=len(lead))
+      out = out + window
+    return out
+
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                       out_specs=chunk_spec(len(chunk.shape), axis_name),
+                       check_vma=False)(*parts)
+
+
+def _config_and_mesh(stage, mesh, config_fields):
   unknown = sorted(set(config_fields) - set(FIELDS))
   if unknown:
     raise TypeError(f"unknown ZeroConfig field(s) {unknown}; known: "
@@ -177,17 +334,42 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
     raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
                      f"{config.axis_name!r}; pass axis_name= one of them or "
                      "build the mesh with that axis.")
-  num_shards = mesh.shape[config.axis_name]
-  tx = state.tx
-  abstract = jax.eval_shape(lambda p: p, state.params)
+  return config, mesh
+
+
+def _extra_fields(state) -> tuple:
+  """Fields a TrainState subclass adds: (pytree fields, static fields)."""
+  extras, static_extras = {}, []
+  if dataclasses.is_dataclass(state):
+    for f in dataclasses.fields(state):
+      if f.name in _TRAIN_STATE_FIELDS:
+        continue
+      if f.metadata.get("pytree_node", True):
+        extras[f.name] = getattr(state, f.name)
+      else:
+        static_extras.append((f.name, getattr(state, f.name)))
+  return extras, tuple(static_extras)
+
+
+def plan_layout(tx, params, config: ZeroConfig, num_shards: int) -> ChunkLayout:
+  """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
+  optimizer classes found, per-tensor transformations refused."""
+  abstract = jax.eval_shape(lambda p: p, params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   optim.check_elementwise(tx, abstract, trainable, labels, config.stacked)
-  layout = ChunkLayout.build(
+  return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size, trainable=trainable,
       labels=labels, stacked=config.stacked,
       min_chunk_size=config.min_chunk_size, search_range=config.search_range,
       search_interval=config.search_interval)
+
+
+def _build_program(params, opt_state, step, extras, static_extras, *, tx,
+                   apply_fn, config, mesh) -> tuple:
+  """`(program, args)` placing a state: one jitted program whose outputs
+  carry the shardings."""
+  layout = plan_layout(tx, params, config, mesh.shape[config.axis_name])
 
   def build(params, opt_state, step, extras):
     master, rest = layout.split(params)
@@ -198,22 +380,12 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
     return ZeroTrainState(
         step=jnp.asarray(step, jnp.int32), master=master, compute=compute,
         rest=rest, opt_state=opt, loss_scale=precision.init(config.loss_scale),
-        extras=extras, apply_fn=state.apply_fn, tx=tx, layout=layout,
+        extras=extras, apply_fn=apply_fn, tx=tx, layout=layout,
         config=config, mesh=mesh, static_extras=static_extras)
 
-  extras, static_extras = {}, []
-  if dataclasses.is_dataclass(state):
-    for f in dataclasses.fields(state):
-      if f.name in _TRAIN_STATE_FIELDS:
-        continue
-      if f.metadata.get("pytree_node", True):
-        extras[f.name] = getattr(state, f.name)
-      else:
-        static_extras.append((f.name, getattr(state, f.name)))
-  static_extras = tuple(static_extras)
-  args = (state.params, state.opt_state, state.step, extras)
+  args = (params, opt_state, step, extras)
   shapes = jax.eval_shape(build, *args)
-  return jax.jit(build, out_shardings=state_shardings(shapes))(*args)
+  return jax.jit(build, out_shardings=state_shardings(shapes)), args
 
 
 # ---- reading -------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""Bytes per device: measured from a state's arrays, predicted from Ψ, and
+read from a compiled step. Never imports `step`.
+
+The predictions follow DESIGN.md's table (Adam: two fp32 moments, 8 bytes a
+parameter; no persistent 16-bit copy at stages 0 and 3):
+
+  stage   float32 training     16-bit compute, fp32 master
+  0       12Ψ                  12Ψ
+  1, 2    4Ψ + 8Ψ/N            2Ψ + 12Ψ/N
+  3       12Ψ/N                12Ψ/N
+
+next to the ZeRO paper's mixed-precision figures (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N,
+16Ψ/N). zerojax accumulates micro-batches inside one step, so the gradient
+accumulator is transient (in the step's temp memory): 4Ψ at stages 0-1, 4Ψ/N
+at stages 2-3, reported beside the persistent figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
+              "loss scale", "other")
+
+
+def _kind(x) -> str:
+  return getattr(x.sharding, "memory_kind", None) or "device"
+
+
+def _per_device_bytes(x) -> int:
+  """Bytes `x` occupies on its most loaded addressable device."""
+  if not isinstance(x, jax.Array):
+    return int(np.asarray(x).nbytes)
+  by_device = defaultdict(int)
+  for shard in x.addressable_shards:
+    by_device[shard.device] += shard.data.nbytes
+  return max(by_device.values(), default=0)
+
+
+def estimate_memory(num_params: int, *, stage: int, num_devices: int,
+                    compute_dtype: Any = jnp.float32, accum_steps: int = 1,
+                    optimizer_bytes_per_param: int = 8) -> dict:
+  """Predicted bytes per device, allocating nothing (DeepSpeed's
+  `estimate_zero3_model_states_mem_needs`).
+
+  Args:
+    num_params: Ψ, trainable parameters.
+    stage: ZeRO stage 0-3.
+    num_devices: N, devices on the data axis.
+    compute_dtype: float32, or a 16-bit dtype (fp32 master kept).
+    accum_steps: micro-batches per step (sizes the transient accumulator).
+    optimizer_bytes_per_param: 8 for Adam/AdamW (two fp32 moments), 4 for
+      momentum, 0 for plain SGD.
+
+  Returns:
+    dict with `persistent` (zerojax, per device), its parts (`master`,
+    `compute`, `optimizer`), `accumulator` (transient, 0 without
+    accumulation) and `paper` (the ZeRO paper's mixed-precision figure).
+  """
+  if stage not in (0, 1, 2, 3):
+    raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0-3.")
+  if num_devices < 1 or num_params < 0:
+    raise ValueError("num_devices must be >= 1 and num_params >= 0.")
+  psi, n = float(num_params), float(num_devices)
+  half = np.dtype(compute_dtype).itemsize < 4
+  opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
+  if stage == 0:
+    master, compute = 4 * psi, 0.0
+  elif stage in (1, 2):
+    master = 4 * psi / n if half else 4 * psi
+    compute = 2 * psi if half else 0.0
+  else:
+    master, compute = 4 * psi / n, 0.0
+  accumulator = 0.0 if accum_steps == 1 else 4 * psi / (n if stage >= 2 else 1)
+  paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
+           3: 16 * psi / n}[stage]
+  return {"persistent": int(master + compute + opt), "master": int(master),
+          "compute": int(compute), "optimizer": int(opt),
+          "accumulator": int(accumulator), "paper": int(paper)}
+
+
+@dataclasses.dataclass
+class MemoryReport:
+  """Per-device bytes of a ZeroTrainState, by category and memory kind."""
+  stage: int
+  num_devices: int
+  num_params: int
+  compute_dtype: str
+  accum_steps: int
+  measured: dict            # category -> {memory kind -> bytes}
+  estimate: dict            # from `estimate_memory`
+
+  @property
+  def persistent(self) -> int:
+    return sum(sum(k.values()) for k in self.measured.values())
+
+  def by_kind(self) -> dict:
+    out = defaultdict(int)
+    for kinds in self.measured.values():
+      for kind, b in kinds.items():
+        out[kind] += b
+    return dict(out)
+
+  def __str__(self) -> str:
+    kinds = sorted({k for v in self.measured.values() for k in v} | {"device"})
+    mib = lambda b: f"{b / 2 ** 20:,.2f}"
+    head = ["per device (MiB)"] + kinds + ["total"]
+    rows = []
+    for cat in CATEGORIES:
+      parts = self.measured.get(cat, {})
+      rows.append([cat] + [mib(parts.get(k, 0)) for k in kinds] +
+                  [mib(sum(parts.values()))])
+    rows.append(["persistent, measured"] + [mib(self.by_kind().get(k, 0))
+                                            for k in kinds] + [mib(self.persistent)])
+    blank = [""] * len(kinds)
+    est = self.estimate
+    rows.append(["DESIGN table (zerojax)"] + blank + [mib(est["persistent"])])
+    rows.append(["ZeRO paper"] + blank + [mib(est["paper"])])
+    if est["accumulator"]:
+      rows.append(["+ accumulator (in step)"] + blank + [mib(est["accumulator"])])
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(r, widths)))
+    title = (f"ZeRO-{self.stage}, {self.num_devices} devices, Ψ = "
+             f"{self.num_params:,} parameters, {self.compute_dtype} compute, "
+             f"accum {self.accum_steps}")
+    return "\n".join([title, fmt(head), fmt(["-" * w for w in widths])] +
+                     [fmt(r) for r in rows])
+
+
+def memory_report(state) -> MemoryReport:
+  """Measured per-device bytes of `state` (a ZeroTrainState), with the
+  DESIGN-table and ZeRO-paper predictions for the same Ψ, N and stage."""
+  cfg = state.config
+  parts = {
+      "master parameters": state.master,
+      "compute parameters": state.compute,
+      "optimizer state": state.opt_state,
+      "loss scale": state.loss_scale,
+      "other": (state.step, state.rest, state.extras),
+  }
+  measured = {}
+  for cat, tree in parts.items():
+    kinds = defaultdict(int)
+    for leaf in jax.tree_util.tree_leaves(tree):
+      kinds[_kind(leaf)] += _per_device_bytes(leaf)
+    measured[cat] = dict(kinds)
+  opt_bytes = sum(x.size * x.dtype.itemsize
+                  for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x))
+  psi = state.layout.num_chunked_elements
+  padded = sum(int(np.prod(c.shape)) for c in state.layout.chunks)
+  opt_bytes = round(opt_bytes / padded) if padded else 0
+  estimate = estimate_memory(psi, stage=cfg.stage, num_devices=state.num_shards,
+                             compute_dtype=cfg.compute_dtype,
+                             accum_steps=cfg.accum_steps,
+                             optimizer_bytes_per_param=opt_bytes)
+  return MemoryReport(cfg.stage, state.num_shards, psi,
+                      np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
+                      measured, estimate)
+
+
+def compiled_footprint(compiled) -> dict:
+  """Per-device bytes of a compiled program (`jax.jit(f).lower(...).compile()`
+  or a `step.lower(state, batch).compile()`): argument + output + temp -
+  alias, from `memory_analysis()`."""
+  ma = compiled.memory_analysis()
+  out = {"argument": int(ma.argument_size_in_bytes),
+         "output": int(ma.output_size_in_bytes),
+         "temp": int(ma.temp_size_in_bytes),
+         "alias": int(ma.alias_size_in_bytes)}
+  out["footprint"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  return out
