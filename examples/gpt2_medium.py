@@ -73,8 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--width", type=int, help="override the preset's width "
                  "(heads become width // 64)")
   p.add_argument("--remat", action="store_true",
-                 help="rematerialise each block in the backward pass "
-                 "(nn.remat): less activation memory, ~1/3 more compute")
+                 help="with --no-layerwise: rematerialise each block in the "
+                 "backward pass (nn.remat). zerojax's layerwise blocks always "
+                 "rematerialise (that is what keeps gathered layers from "
+                 "piling up).")
+  p.add_argument("--no-layerwise", dest="layerwise", action="store_false",
+                 help="do not wrap the block with zerojax.nn.layerwise: "
+                 "stage 3 then gathers every layer at the start of the step")
   p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
                  help="ZeRO stage (default 3)")
   p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
@@ -160,6 +165,7 @@ class GPTConfig:
   width: int
   heads: int
   remat: bool = False
+  layerwise: bool = True
 
 
 def _normal(std):
@@ -218,7 +224,12 @@ class GPT(nn.Module):
     wte = nn.Embed(cfg.vocab, cfg.width, embedding_init=_normal(0.02), name="wte")
     wpe = nn.Embed(cfg.ctx, cfg.width, embedding_init=_normal(0.01), name="wpe")
     x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))
-    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    if cfg.layerwise:
+      # zerojax's one-line opt-in: at stage 3 each layer's chunk is gathered
+      # right before it runs and again in the backward pass.
+      block = zerojax.nn.layerwise(Block, prevent_cse=False)
+    else:
+      block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
     # One scanned block: parameters get a leading layer axis, which
     # zerojax's stacked=("blocks",) chunks per layer.
     blocks = nn.scan(block, variable_axes={"params": 0},
@@ -282,19 +293,14 @@ class Batches:
 
 # ---- measurements --------------------------------------------------------------
 def memory_summary(state, step, batch) -> dict:
-  """Bytes per device: the state's arrays, and the compiled step's footprint
-  (arguments + outputs + temporaries - donated aliases). A stand-in until
-  `zerojax.memory_report` exists."""
-  persistent = sum(x.addressable_shards[0].data.nbytes
-                   for x in jax.tree_util.tree_leaves(state)
-                   if isinstance(x, jax.Array))
-  stats = step.lower(state, batch).compile().memory_analysis()
-  footprint = None
-  if stats is not None:
-    footprint = int(stats.argument_size_in_bytes + stats.output_size_in_bytes +
-                    stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-  return {"persistent_bytes_per_device": int(persistent),
-          "compiled_footprint_bytes_per_device": footprint}
+  """Bytes per device: the state's arrays (zerojax.memory_report), and the
+  compiled step's footprint (arguments + outputs + temporaries - donated
+  aliases, zerojax.compiled_footprint)."""
+  report = zerojax.memory_report(state)
+  compiled = zerojax.compiled_footprint(step.lower(state, batch).compile())
+  return {"persistent_bytes_per_device": int(report.persistent),
+          "compiled_footprint_bytes_per_device": int(compiled["footprint"]),
+          "compiled": compiled, "report": str(report)}
 
 
 def zero_theory_bytes(psi: int, n: int, stage: int, mixed: bool) -> int:
@@ -355,7 +361,7 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
   seq = args.seq or min(pre["seq"], pre["ctx"])
   cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
                   layers=args.layers or pre["layers"], width=width, heads=heads,
-                  remat=args.remat)
+                  remat=args.remat, layerwise=args.layerwise)
   steps = args.steps or pre["steps"]
   batch = args.batch or pre["micro_batch"] * n_devices * args.accum
   if batch % (n_devices * args.accum):
@@ -390,17 +396,16 @@ def main(argv=None) -> dict:
   tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
                    mask=decay_mask)
 
-  @jax.jit  # one program, instead of one per optimizer-state leaf
-  def create(rng):
-    params = model.init(rng, jnp.zeros((1, run["seq"]), jnp.int32))["params"]
-    return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=tx)
+  def init_fn(rng):
+    return model.init(rng, jnp.zeros((1, run["seq"]), jnp.int32))["params"]
 
-  state = create(jax.random.key(args.seed))
-  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-  state = zerojax.shard(state, stage=args.stage, compute_dtype=run["precision"],
-                        accum_steps=args.accum, clip_norm=args.clip or None,
-                        stacked=("blocks",))
+  # Sharded initialisation: every device makes only its own chunk shards
+  # (the same values as model.init followed by zerojax.shard on a TrainState).
+  state = zerojax.create(init_fn, jax.random.key(args.seed),
+                         apply_fn=model.apply, tx=tx, stage=args.stage,
+                         compute_dtype=run["precision"], accum_steps=args.accum,
+                         clip_norm=args.clip or None, stacked=("blocks",))
+  num_params = state.layout.num_chunked_elements
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["tokens"])
@@ -467,6 +472,7 @@ def main(argv=None) -> dict:
   log(f"memory per device: state {_mib(memory['persistent_bytes_per_device'])} "
       f"(ZeRO-{args.stage} theory {_mib(theory)} for {psi:,} parameters), "
       f"compiled step {_mib(memory['compiled_footprint_bytes_per_device'])}")
+  log(memory["report"])
   if backend != "cpu" and steady:
     achieved = (timing["tokens_per_s"] * flops_per_token(cfg, num_params, run["seq"])
                 / len(devices) / 1e12)
