@@ -6,13 +6,13 @@
     params = zerojax.gather_params(state)
 """
 from zerojax.config import DynamicLossScale, ZeroConfig
-from zerojax import nn
+from zerojax import checkpoint, nn
 from zerojax.layout import ChunkLayout
 from zerojax.memory import MemoryReport, compiled_footprint, estimate_memory, memory_report
 from zerojax.state import ZeroTrainState, create, gather_params, shard
 from zerojax.step import train_step
 
 __all__ = ["ChunkLayout", "DynamicLossScale", "MemoryReport", "ZeroConfig",
-           "ZeroTrainState", "compiled_footprint", "create", "estimate_memory",
+           "ZeroTrainState", "checkpoint", "compiled_footprint", "create", "estimate_memory",
            "gather_params", "memory_report", "nn", "shard", "train_step"]
 __version__ = "0.1.0"

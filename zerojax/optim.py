@@ -238,3 +238,40 @@ def opt_state_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any) -> 
     else:
       out.append(jnp.zeros(target.shape, target.dtype))
   return jax.tree_util.tree_unflatten(v_def, out)
+
+
+def opt_state_from_views(layout: ChunkLayout, view_state: Any, tree_state: Any) -> Any:
+  """Inverse of `opt_state_to_views`: the optax state on the original tree.
+
+  Args:
+    layout: the parameter layout.
+    view_state: the state over chunk views (full, gathered chunk arrays).
+    tree_state: the target's shapes, `jax.eval_shape(tx.init, params)`.
+  """
+  t_flat, t_def = jax.tree_util.tree_flatten_with_path(tree_state)
+  v_flat, v_def = jax.tree_util.tree_flatten_with_path(view_state)
+  if t_def != v_def:
+    raise ValueError("optimizer state structure differs between the chunks "
+                     f"and the parameter tree:\n  {v_def}\n  {t_def}")
+  by_path = {jax.tree_util.keystr(p): x for p, x in v_flat}
+  param_paths = sorted(((info.path, i) for i, info in enumerate(layout.leaves)),
+                       key=lambda t: -len(t[0]))
+  out = []
+  for (path, target), (_, view) in zip(t_flat, v_flat):
+    key = jax.tree_util.keystr(path)
+    match = next(((p, i) for p, i in param_paths if p and key.endswith(p) and
+                  tuple(target.shape) == layout.leaves[i].shape), None)
+    if match is None or tuple(np.shape(view)) == tuple(target.shape):
+      out.append(view)
+      continue
+    info = layout.leaves[match[1]]
+    if info.chunk < 0:   # frozen / non-floating: the optimizer never saw it
+      out.append(jnp.zeros(target.shape, target.dtype))
+      continue
+    prefix = key[:len(key) - len(match[0])]
+    rep = layout.leaves[layout.representative(info.chunk)]
+    chunk = jnp.reshape(by_path[prefix + rep.path],
+                        layout.chunks[info.chunk].shape)
+    seg = chunk[..., info.offset:info.offset + info.size]
+    out.append(jnp.reshape(seg, info.shape).astype(target.dtype))
+  return jax.tree_util.tree_unflatten(t_def, out)

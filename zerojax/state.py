@@ -279,7 +279,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
           jax.jit(assemble, out_shardings=out, donate_argnums=(0, 1, 2)))
 
 
-def _leaf_spec(shape, n, axis_name) -> P:
+def leaf_spec(shape, n, axis_name) -> P:
   """A leaf sharded on its largest axis the device count divides."""
   dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
                 key=lambda d: -shape[d])
@@ -297,7 +297,7 @@ def _pack_from_sharded_leaves(layout, c, leaves, mesh, axis_name):
   n = mesh.shape[axis_name]
   width = chunk.length // n
   lead = (chunk.layers,) if chunk.layers else ()
-  specs = [_leaf_spec(leaves[i].shape, n, axis_name) for i in chunk.leaves]
+  specs = [leaf_spec(leaves[i].shape, n, axis_name) for i in chunk.leaves]
   parts = [jax.lax.with_sharding_constraint(leaves[i], NamedSharding(mesh, spec))
            for i, spec in zip(chunk.leaves, specs)]
 

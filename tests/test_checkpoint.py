@@ -1,0 +1,144 @@
+"""Checkpoints: round trip, any device count and stage, export, plain orbax,
+bad input."""
+import os
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax.training import train_state
+from jax.sharding import AxisType, Mesh
+
+import zerojax
+from models import make_problem
+
+STEPS = 6
+SPLIT = 3
+
+
+def _mesh(n):
+  return Mesh(np.array(jax.devices()[:n]), ("data",), axis_types=(AxisType.Auto,))
+
+
+@pytest.fixture(scope="module")
+def problem():
+  # batch 24: divisible by 8, 4, 3, 2 and 1 devices
+  model, params, loss_fn, batches = make_problem("transformer", steps=STEPS,
+                                                 batch=24)
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  return plain, loss_fn, batches
+
+
+def _train(state, loss_fn, batches):
+  step = zerojax.train_step(loss_fn)
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return state, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def saved(problem, tmp_path_factory):
+  """Trained SPLIT steps on 8 devices at stage 3, saved; plus the
+  uninterrupted run's remaining losses."""
+  plain, loss_fn, batches = problem
+  state = zerojax.shard(plain, stage=3, chunk_size=3000)
+  state, _ = _train(state, loss_fn, batches[:SPLIT])
+  directory = str(tmp_path_factory.mktemp("ckpt"))
+  zerojax.checkpoint.save(directory, state)     # asynchronous
+  params = zerojax.gather_params(state)
+  _, rest = _train(state, loss_fn, batches[SPLIT:])  # donates `state`
+  zerojax.checkpoint.wait(directory)
+  return directory, params, rest
+
+
+def test_round_trip_is_bit_identical(problem, saved):
+  plain, loss_fn, batches = problem
+  directory, params, rest = saved
+  state = zerojax.checkpoint.restore(directory, like=plain, stage=3,
+                                     chunk_size=3000)
+  assert int(state.step) == SPLIT
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(state), params)
+  _, losses = _train(state, loss_fn, batches[SPLIT:])
+  np.testing.assert_array_equal(losses, rest)
+
+
+@pytest.mark.parametrize("devices,stage", [(4, 3), (2, 2), (1, 1), (3, 3), (8, 0)])
+def test_restore_on_another_mesh_and_stage(problem, saved, devices, stage):
+  plain, loss_fn, batches = problem
+  directory, params, rest = saved
+  state = zerojax.checkpoint.restore(directory, like=plain, mesh=_mesh(devices),
+                                     stage=stage)
+  assert state.num_shards == devices and state.config.stage == stage
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.checkpoint.export_params(state), params)
+  _, losses = _train(state, loss_fn, batches[SPLIT:])
+  np.testing.assert_allclose(losses, rest, rtol=1e-5)
+
+
+def test_save_on_three_restore_on_eight(problem, tmp_path):
+  plain, loss_fn, batches = problem
+  state = zerojax.shard(plain, stage=3, mesh=_mesh(3), chunk_size=1000)
+  state, _ = _train(state, loss_fn, batches[:SPLIT])
+  zerojax.checkpoint.save(str(tmp_path), state, wait=True)
+  params = zerojax.gather_params(state)
+  _, rest = _train(state, loss_fn, batches[SPLIT:])
+  back = zerojax.checkpoint.restore(str(tmp_path), like=plain, stage=2)
+  assert back.num_shards == 8
+  _, losses = _train(back, loss_fn, batches[SPLIT:])
+  np.testing.assert_allclose(losses, rest, rtol=1e-5)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.checkpoint.export_params(str(tmp_path)), params)
+
+
+def test_export_equals_gather_and_plain_orbax_reads_it(saved):
+  directory, params, _ = saved
+  exported, opt = zerojax.checkpoint.export_params(directory, with_opt_state=True)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, exported, params)
+  assert int(opt[0]["count"]) == SPLIT        # adam's count, ordinary form
+  plain = ocp.StandardCheckpointer().restore(
+      os.path.join(directory, str(SPLIT), "state"))
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         jax.tree_util.tree_map(np.asarray, plain["params"]), params)
+
+
+def test_start_from_a_plain_train_state_checkpoint(problem, tmp_path):
+  plain, loss_fn, batches = problem
+  path = str(tmp_path / "plain")
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(path, plain)
+  ckptr.wait_until_finished()
+  state = zerojax.checkpoint.restore(path, like=plain, stage=3)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(state), plain.params)
+  _, losses = _train(state, loss_fn, batches[:2])
+  assert np.all(np.isfinite(losses))
+
+
+def test_bad_input(problem, saved, tmp_path):
+  plain, _, _ = problem
+  directory, params, _ = saved
+  with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    zerojax.checkpoint.restore(str(tmp_path / "missing"), like=plain)
+  with pytest.raises(ValueError, match=rf"step 99 is not in .*saved steps: \[{SPLIT}\]"):
+    zerojax.checkpoint.restore(directory, like=plain, step=99)
+  other = plain.replace(params={**plain.params, "extra": np.zeros(3, np.float32)})
+  with pytest.raises(ValueError, match=r"only in `like`: extra"):
+    zerojax.checkpoint.restore(directory, like=other)
+  sgd = plain.replace(tx=optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match="does not match like.tx"):
+    zerojax.checkpoint.restore(directory, like=sgd)
+  with pytest.raises(TypeError, match="like="):
+    zerojax.checkpoint.restore(directory, like=None)
+  state = zerojax.checkpoint.restore(directory, like=plain)
+  before = sorted(os.listdir(directory))
+  with pytest.raises(ValueError, match=f"step {SPLIT} already exists"):
+    zerojax.checkpoint.save(directory, state)
+  assert sorted(os.listdir(directory)) == before
+  with pytest.raises(TypeError, match="ZeroTrainState"):
+    zerojax.checkpoint.save(directory, plain)
