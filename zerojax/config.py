@@ -89,6 +89,11 @@ class ZeroConfig:
     frozen: parameters the optimizer must not touch: a callable
       `params -> tree of bools` or such a tree (True = frozen). Frozen and
       non-floating leaves stay outside the chunks, replicated.
+    offload_optimizer: keep the fp32 master shards and the optimizer state
+      in `pinned_host` memory between steps (ZeRO-Offload); stages 1-3.
+    offload_params: stage 3: keep the parameter (master) shards on host.
+    offload_fraction: with `offload_optimizer`, the fraction of chunk bytes
+      offloaded (largest chunks first).
     stacked: names of submodules (first-level keys below "params", or any
       path component) whose leaves carry a leading layer axis, as
       `flax.linen.scan` produces; they are chunked per layer.
@@ -106,6 +111,9 @@ class ZeroConfig:
   loss_scale: Union[None, float, DynamicLossScale] = None
   frozen: Union[None, Callable, Any] = None
   stacked: Sequence[str] = ()
+  offload_optimizer: bool = False
+  offload_params: bool = False
+  offload_fraction: float = 1.0
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -148,6 +156,15 @@ class ZeroConfig:
     if not all(isinstance(s, str) and s for s in self.stacked):
       raise TypeError(f"stacked={self.stacked!r} must be a sequence of "
                       "submodule names.")
+    if not 0.0 <= self.offload_fraction <= 1.0:
+      raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
+                       "in [0, 1].")
+    if self.offload_optimizer and self.stage == 0:
+      raise ValueError("offload_optimizer needs stage >= 1 (stage 0 keeps "
+                       "everything replicated); use stage=1, 2 or 3.")
+    if self.offload_params and self.stage != 3:
+      raise ValueError(f"offload_params needs stage=3 (got stage="
+                       f"{self.stage}): only stage 3 shards the parameters.")
     if self.frozen is not None and not callable(self.frozen):
       # A tree of bools is hashed as part of the static state: freeze it.
       leaves, treedef = jax.tree_util.tree_flatten(self.frozen)

@@ -23,7 +23,7 @@ import optax
 from flax import struct
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optim, precision
+from zerojax import offload, optim, precision
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.layout import ChunkLayout
 
@@ -103,13 +103,30 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
       return split(x)
     return rep
 
-  master_rule = split if master_is_sharded(cfg) else (lambda x: rep)
+  host_opt = (offload.offloaded_chunks(layout, cfg.offload_fraction)
+              if cfg.offload_optimizer else frozenset())
+  host_master = (frozenset(range(len(layout.chunks))) if cfg.offload_params
+                 else host_opt if master_is_sharded(cfg) else frozenset())
+  kind = lambda s, host: s.with_memory_kind(offload.HOST if host else offload.DEVICE)
+
+  def master_rule(c, x):
+    return kind(split(x) if master_is_sharded(cfg) else rep, c in host_master)
+
+  reps = {layout.leaves[layout.representative(c)].path: c
+          for c in range(len(layout.chunks))}
+
+  def opt_path_rule(path, x):
+    key = jax.tree_util.keystr(path)
+    chunk = next((c for p, c in reps.items() if key.endswith(p)), None)
+    return kind(opt_rule(x), chunk in host_opt and np.ndim(x) > 0
+                and np.prod(np.shape(x)) > 0)
+
   return state.replace(
       step=rep,
-      master=tuple(master_rule(x) for x in state.master),
+      master=tuple(master_rule(c, x) for c, x in enumerate(state.master)),
       compute=tuple(rep for _ in state.compute),
       rest=tuple(rep for _ in state.rest),
-      opt_state=jax.tree_util.tree_map(opt_rule, state.opt_state),
+      opt_state=jax.tree_util.tree_map_with_path(opt_path_rule, state.opt_state),
       loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
       extras=jax.tree_util.tree_map(lambda x: rep, state.extras))
 
@@ -334,6 +351,8 @@ def _config_and_mesh(stage, mesh, config_fields):
     raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
                      f"{config.axis_name!r}; pass axis_name= one of them or "
                      "build the mesh with that axis.")
+  if config.offload_optimizer or config.offload_params:
+    offload.check_backend(mesh)
   return config, mesh
 
 

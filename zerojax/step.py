@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax import traverse_util
 
-from zerojax import collectives, precision
+from zerojax import collectives, offload, precision
 from zerojax import nn as zero_nn
 from zerojax.state import (ZeroTrainState, chunk_spec, master_is_sharded,
                            state_shardings)
@@ -170,6 +170,10 @@ def _gather_updated(state, shards):
 def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   cfg, layout = state.config, state.layout
   shardings = state_shardings(state)
+  # Offloaded chunks come to the device for the step and go back at its end.
+  state = state.replace(
+      master=offload.to_device(state.master, shardings.master),
+      opt_state=offload.to_device(state.opt_state, shardings.opt_state))
   grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng)
 
   metrics = {"loss": loss}
@@ -221,7 +225,7 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
                          else 1),
       master=new_master, compute=compute, opt_state=opt_state,
       loss_scale=loss_scale)
-  new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+  new_state = offload.place(new_state, shardings)
   return new_state, metrics
 
 

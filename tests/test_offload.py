@@ -1,0 +1,104 @@
+"""Host offload: memory kinds of the state, results unchanged, partial
+offload, and bad input."""
+import types
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax
+from zerojax import offload
+from models import make_problem
+
+
+def _run(stage, steps=5, **fields):
+  model, params, loss_fn, batches = make_problem("transformer", steps=steps)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adamw(1e-2))
+  state = zerojax.shard(plain, stage=stage, chunk_size=3000, **fields)
+  kinds = [_kinds(state)]
+  step = zerojax.train_step(loss_fn)
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+    kinds.append(_kinds(state))
+  return state, np.array(losses), kinds, plain
+
+
+def _kinds(state):
+  """(master kinds, optimizer-state kinds) of the chunk arrays."""
+  opt = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim and x.size]
+  return ({x.sharding.memory_kind for x in state.master},
+          {x.sharding.memory_kind for x in opt})
+
+
+def _assert_same(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(zerojax.gather_params(a)),
+                  jax.tree_util.tree_leaves(zerojax.gather_params(b))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "bfloat16"), (2, "float32"), (3, "float32")])
+def test_optimizer_offload_is_exact_and_stays_on_host(stage, dtype):
+  base, base_losses, _, _ = _run(stage, compute_dtype=dtype)
+  state, losses, kinds, _ = _run(stage, compute_dtype=dtype,
+                                 offload_optimizer=True)
+  np.testing.assert_array_equal(losses, base_losses)
+  _assert_same(state, base)
+  master_sharded = stage == 3 or dtype != "float32"
+  for master, opt in kinds:          # after shard() and after every step
+    assert opt == {"pinned_host"}
+    assert master == ({"pinned_host"} if master_sharded else {"device"})
+  report = zerojax.memory_report(state)
+  host = sum(x.addressable_shards[0].data.nbytes
+             for x in jax.tree_util.tree_leaves((state.master, state.opt_state))
+             if x.sharding.memory_kind == "pinned_host")
+  assert report.by_kind()["pinned_host"] == host > 0
+
+
+def test_parameter_offload_at_stage3():
+  base, base_losses, _, _ = _run(3)
+  state, losses, kinds, _ = _run(3, offload_params=True)
+  np.testing.assert_array_equal(losses, base_losses)
+  _assert_same(state, base)
+  assert all(master == {"pinned_host"} and opt == {"device"}
+             for master, opt in kinds)
+
+
+def test_half_offload_splits_by_chunk_bytes():
+  base, base_losses, _, _ = _run(3, steps=2)
+  state, losses, _, _ = _run(3, steps=2, offload_optimizer=True,
+                             offload_fraction=0.5)
+  np.testing.assert_array_equal(losses, base_losses)
+  kinds = zerojax.memory_report(state).measured["optimizer state"]
+  total = kinds.get("pinned_host", 0) + kinds.get("device", 0)
+  largest = max(np.prod(c.shape) for c in state.layout.chunks) * 4 * 2 / 8
+  assert abs(kinds["pinned_host"] - total / 2) <= largest
+
+
+def test_restore_keeps_memory_kinds(tmp_path):
+  state, _, _, plain = _run(3, steps=1, offload_optimizer=True)
+  zerojax.checkpoint.save(str(tmp_path), state, wait=True)
+  back = zerojax.checkpoint.restore(str(tmp_path), like=state)
+  assert _kinds(back) == ({"pinned_host"}, {"pinned_host"})
+  _assert_same(back, state)
+
+
+def test_offload_bad_input():
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  with pytest.raises(ValueError, match="offload_optimizer needs stage >= 1"):
+    zerojax.shard(plain, stage=0, offload_optimizer=True)
+  with pytest.raises(ValueError, match="offload_params needs stage=3"):
+    zerojax.shard(plain, stage=2, offload_params=True)
+  with pytest.raises(ValueError, match=r"offload_fraction=1.5"):
+    zerojax.shard(plain, stage=3, offload_optimizer=True, offload_fraction=1.5)
+  device = types.SimpleNamespace(addressable_memories=lambda: [
+      types.SimpleNamespace(kind="device")])
+  mesh = types.SimpleNamespace(devices=np.array([device]))
+  with pytest.raises(ValueError, match="'pinned_host'"):
+    offload.check_backend(mesh)
