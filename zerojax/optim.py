@@ -117,24 +117,21 @@ def _inner_transforms(tx) -> list:
 
 
 def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
-  """Why running `tx` on chunk views differs from running it on the tree."""
+  """Why running `tx` on chunk views differs from running it on the tree.
+
+  One jitted probe runs `tx` on a small surrogate tree (random values, each
+  axis capped at 3) and on two packings of it: many leaves per chunk
+  (exposes per-tensor reductions) and small padded chunks (exposes updates
+  that move zeros).
+  """
   leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
   shapes = _surrogate_shapes(abstract_params)
-  surrogate = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)]
-  # Two packings: many leaves per chunk (exposes per-tensor reductions) and
-  # small chunks with padding (exposes updates that move zeros).
-  for chunk_size in (sum(int(np.prod(s)) for s in shapes) + 1, 5):
-    layout = ChunkLayout.build(
-        jax.tree_util.tree_unflatten(treedef, surrogate), num_shards=2,
-        chunk_size=chunk_size, trainable=trainable, labels=labels,
-        stacked=stacked)
-    why = _mismatch_on(tx, layout, leaves, shapes, trainable, treedef)
-    if why is not None:
-      return why
-  return None
-
-
-def _mismatch_on(tx, layout, leaves, shapes, trainable, treedef) -> Optional[str]:
+  surrogate = jax.tree_util.tree_unflatten(
+      treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)])
+  layouts = [ChunkLayout.build(surrogate, num_shards=2, chunk_size=size,
+                               trainable=trainable, labels=labels,
+                               stacked=stacked)
+             for size in (sum(int(np.prod(s)) for s in shapes) + 1, 5)]
   rng = np.random.default_rng(0)
   draw = lambda s, x: jnp.asarray(rng.normal(size=s), x.dtype)
   params = [draw(s, x) if _is_float(x) else jnp.zeros(s, x.dtype)
@@ -143,16 +140,27 @@ def _mismatch_on(tx, layout, leaves, shapes, trainable, treedef) -> Optional[str
             for s, x, t in zip(shapes, leaves, trainable)]
            for _ in range(_PROBE_STEPS)]
   unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-  def on_chunks(p, gs):
-    views = lambda ls: layout.views(layout.split(unflat(ls))[0])
-    return _run(tx, views(p), [views(g) for g in gs])
+
+  def probe(p, gs):
+    reference = _run(tx, unflat(p), [unflat(g) for g in gs])
+    chunked = []
+    for layout in layouts:
+      views = lambda ls: layout.views(layout.split(unflat(ls))[0])
+      chunked.append(_run(tx, views(p), [views(g) for g in gs]))
+    return reference, chunked
 
   try:
-    reference = jax.jit(lambda p, gs: _run(tx, unflat(p), [unflat(g) for g in gs]))(
-        params, grads)
-    chunked = jax.jit(on_chunks)(params, grads)
+    reference, chunked = jax.jit(probe)(params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
+  for layout, outs in zip(layouts, chunked):
+    why = _compare(layout, reference, outs)
+    if why is not None:
+      return why
+  return None
+
+
+def _compare(layout, reference, chunked) -> Optional[str]:
   for ref, out in zip(reference, chunked):
     out_chunks = layout.from_views(out)
     for c, chunk in enumerate(layout.chunks):
