@@ -118,8 +118,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="multi-host: address of process 0")
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
-  # Room for --offload, --checkpoint-dir and --resume once zerojax has them.
+  p.add_argument("--offload", action="store_true",
+                 help="ZeRO-Offload: keep fp32 master shards and optimizer "
+                 "state in pinned host memory between steps (stage >= 1)")
+  p.add_argument("--checkpoint-dir", metavar="DIR",
+                 help="save an (asynchronous) orbax checkpoint here every "
+                 "--save-every steps and at the end")
+  p.add_argument("--save-every", type=int, default=0,
+                 help="steps between checkpoints (0: only at the end)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the newest checkpoint in "
+                 "--checkpoint-dir (any device count or stage)")
   args = p.parse_args(argv)
+  if args.resume and not args.checkpoint_dir:
+    p.error("--resume needs --checkpoint-dir")
   if (args.coordinator is None) != (args.num_processes is None) or (
       args.coordinator is None) != (args.process_id is None):
     p.error("multi-host needs all of --coordinator, --num-processes and "
@@ -404,8 +416,12 @@ def main(argv=None) -> dict:
   state = zerojax.create(init_fn, jax.random.key(args.seed),
                          apply_fn=model.apply, tx=tx, stage=args.stage,
                          compute_dtype=run["precision"], accum_steps=args.accum,
-                         clip_norm=args.clip or None, stacked=("blocks",))
+                         clip_norm=args.clip or None, stacked=("blocks",),
+                         offload_optimizer=args.offload)
   num_params = state.layout.num_chunked_elements
+  if args.resume:
+    state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state)
+    log(f"resumed from {args.checkpoint_dir} at step {int(state.step)}")
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["tokens"])
@@ -434,7 +450,10 @@ def main(argv=None) -> dict:
   log(f"chunks: {chunks}")
 
   records = []
-  bar = tqdm(range(1, run["steps"] + 1), disable=not is_main, unit="step",
+  first = int(state.step) + 1
+  for _ in range(first - 1):
+    next(data)  # the batches the resumed run already saw
+  bar = tqdm(range(first, run["steps"] + 1), disable=not is_main, unit="step",
              dynamic_ncols=True)
   for i in bar:
     batch = next(data)
@@ -447,7 +466,12 @@ def main(argv=None) -> dict:
                     "step_time_s": seconds})
     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / seconds:,.0f}",
                     step_s=f"{seconds:.3f}")
+    if args.checkpoint_dir and (i == run["steps"] or (
+        args.save_every and i % args.save_every == 0)):
+      zerojax.checkpoint.save(args.checkpoint_dir, state, keep=3)
   bar.close()
+  if args.checkpoint_dir:
+    zerojax.checkpoint.wait(args.checkpoint_dir)
 
   # Step 1 includes compilation; throughput is measured on the rest.
   steady = records[1:]
