@@ -1,0 +1,133 @@
+"""Per-device memory of the variants: persistent state and compiled footprint.
+
+  persistent  bytes of the train state on one device: the first shard of
+              every array of the state (`x.addressable_shards[0].data.nbytes`),
+              or, for a state too large to allocate on this host, the same
+              sum from the arrays' shapes and shardings
+  footprint   `compiled.memory_analysis()` of the step: argument + output +
+              temp - alias (what one device needs to run the step; the CPU
+              backend's peak figure is not meaningful)
+  theory      ZeRO's persistent bytes, fp32 parameters with Adam, Ψ
+              parameters on N devices: 12Ψ (stage 0, plain DP), 4Ψ + 8Ψ/N
+              (stages 1-2), 12Ψ/N (stage 3, FSDP)
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Dict, Iterable
+
+from benchmarks import variants as V
+
+FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
+           "zero-1": "4Ψ+8Ψ/N", "zero-2": "4Ψ+8Ψ/N",
+           "zero-3": "12Ψ/N", "gspmd-fsdp": "12Ψ/N", "1dev-zero-3": "12Ψ/N"}
+
+# Programs that are analysed but never run are compiled without LLVM
+# optimisation: the HLO, its buffer assignment, memory_analysis() and the
+# collectives are the same as with the default options (tests check it),
+# compilation is about twice as fast.
+ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
+# The depth and chunk-size sweeps also skip the CPU fusion emitters: three
+# times faster again; buffers can differ by a few hundred bytes, the
+# collectives not at all. Every point of a sweep is compiled this way.
+SWEEP_OPTIONS = {**ANALYSIS_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+
+
+def host_memory() -> Dict[str, int]:
+  """MemTotal and MemAvailable of this host, in bytes."""
+  out = {}
+  with open("/proc/meminfo") as f:
+    for line in f:
+      key, value = line.split(":", 1)
+      if key in ("MemTotal", "MemAvailable"):
+        out[key] = int(value.split()[0]) * 1024
+  return out
+
+
+def allocation_check(name: str, num_params: int, n: int,
+                     fraction: float = 0.6) -> str:
+  """Why this variant's state should not be allocated on this host, or ""
+  when it can be: its state on all n simulated devices, next to the
+  unsharded source state (12Ψ), must stay within `fraction` of the memory
+  available now (other jobs share the host)."""
+  per_device = V.theory_bytes(name, num_params, n)
+  devices = 1 if name in V.ONE_DEVICE_VARIANTS else n
+  need = per_device * devices + 12.0 * num_params
+  available = host_memory()["MemAvailable"]
+  if need <= fraction * available:
+    return ""
+  return (f"state not allocated: {need / 2 ** 30:.1f} GiB (the state on "
+          f"{devices} simulated devices plus the unsharded source state) is "
+          f"more than {fraction:.0%} of the {available / 2 ** 30:.1f} GiB "
+          "available; bytes from shapes and shardings, program compiled from "
+          "the abstract state")
+
+
+def footprint(compiled) -> Dict[str, int]:
+  m = compiled.memory_analysis()
+  out = {"argument": m.argument_size_in_bytes,
+         "output": m.output_size_in_bytes,
+         "temp": m.temp_size_in_bytes,
+         "alias": m.alias_size_in_bytes}
+  out["footprint"] = (out["argument"] + out["output"] + out["temp"]
+                      - out["alias"])
+  return out
+
+
+def row(v: V.Variant, compiled=None, note: str = "") -> dict:
+  """The memory row of one built variant."""
+  compiled = compiled if compiled is not None else v.compiled()
+  theory = V.theory_bytes(v.name, v.num_params, v.num_devices)
+  persistent = v.persistent_bytes()
+  out = {"variant": v.name, "num_params": v.num_params,
+         "devices": v.num_devices, "persistent_bytes": persistent,
+         "persistent_from": ("addressable_shards" if v.materialized
+                             else "shapes"),
+         "theory": FORMULA.get(v.name), "theory_bytes": theory,
+         "persistent_over_theory": persistent / theory if theory else None,
+         **footprint(compiled)}
+  total = host_memory()["MemTotal"]
+  out["host_bytes_to_run"] = out["footprint"] * v.num_devices
+  out["runs_on_this_host"] = out["host_bytes_to_run"] <= total
+  if note:
+    out["note"] = note
+  return out
+
+
+def depth_sweep(cfg, layers: Iterable[int], names: Iterable[str],
+                build: Callable[..., V.Variant]) -> dict:
+  """Compiled footprint per device against the number of layers.
+
+  Args:
+    cfg: the model config whose depth is varied.
+    layers: the depths.
+    names: the variants.
+    build: `build(name, cfg, materialize=..., options=...)`.
+
+  Returns:
+    {"layers", "num_params", "footprint": {variant: [bytes per depth]}};
+    programs are compiled from abstract states with `SWEEP_OPTIONS`.
+  """
+  layers = list(layers)
+  out = {"layers": layers, "num_params": [], "footprint": {}}
+  for depth in layers:
+    c = cfg.replace(layers=depth)
+    out["num_params"].append(c.num_params)
+    for name in names:
+      v = build(name, c, materialize=False, options=SWEEP_OPTIONS)
+      out["footprint"].setdefault(name, []).append(
+          footprint(v.compiled())["footprint"])
+      del v
+    gc.collect()
+  return out
+
+
+def goal_checks(rows: list, config: str = "") -> list:
+  """[(what, measured, bound, met)]: stage 3 footprint <= GSPMD FSDP's."""
+  by = {r["variant"]: r for r in rows if "footprint" in r}
+  if "zero-3" in by and "gspmd-fsdp" in by:
+    value = by["zero-3"]["footprint"] / by["gspmd-fsdp"]["footprint"]
+    where = f" ({config})" if config else ""
+    return [(f"zero-3 footprint / gspmd-fsdp footprint{where}", value, 1.0,
+             value <= 1.0)]
+  return []

@@ -1,0 +1,144 @@
+"""A GPT-2-style Flax linen model for the benchmarks, its configs and loss.
+
+Pre-LayerNorm blocks (causal self-attention, GELU MLP), learned positions,
+output tied to the token embedding. The blocks are one `nn.scan` under the
+submodule "blocks" (parameters stacked on a leading layer axis), so zerojax
+gets `stacked=("blocks",)` and GSPMD sees one while loop over layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+import zerojax
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Model shape. `activation_sharding` (GSPMD runs only) pins the
+  activations between blocks to this sharding (batch over the data axis), as
+  MaxText's logical constraints do; inside zerojax's shard_map it stays None."""
+  vocab_size: int = 50257
+  max_len: int = 1024
+  width: int = 768
+  layers: int = 12
+  heads: int = 12
+  activation_sharding: Optional[NamedSharding] = None
+  # zerojax stage 3: gather each layer right before use (zerojax.nn.layerwise,
+  # which also rematerialises the block)
+  layerwise: bool = False
+
+  def replace(self, **kw) -> "GPTConfig":
+    return dataclasses.replace(self, **kw)
+
+  @property
+  def num_params(self) -> int:
+    """Ψ, counted from the shapes (tied embedding counted once)."""
+    d, v, t, l = self.width, self.vocab_size, self.max_len, self.layers
+    block = (2 * 2 * d            # two LayerNorms
+             + d * 3 * d + 3 * d  # qkv
+             + d * d + d          # attention out
+             + d * 4 * d + 4 * d  # mlp in
+             + 4 * d * d + d)     # mlp out
+    return v * d + t * d + l * block + 2 * d
+
+
+CONFIGS = {
+    # the test smoke run
+    "tiny": GPTConfig(vocab_size=256, max_len=64, width=64, layers=2, heads=4),
+    # --quick, and --full's speed runs: ~1M parameters, steps of 0.2-2.5 s
+    # on 2 CPU cores running 8 simulated devices
+    "cpu-1m": GPTConfig(vocab_size=2048, max_len=128, width=128, layers=4,
+                        heads=4),
+    "gpt2-small": GPTConfig(),                                   # 124M
+    "gpt2-medium": GPTConfig(width=1024, layers=24, heads=16),  # 355M
+}
+
+
+class Block(nn.Module):
+  cfg: GPTConfig
+
+  def _pin(self, x):
+    if self.cfg.activation_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.cfg.activation_sharding)
+
+  @nn.compact
+  def __call__(self, x, _):
+    cfg = self.cfg
+    b, t, d = x.shape
+    hd = d // cfg.heads
+    x = self._pin(x)
+    h = nn.LayerNorm(name="ln_1")(x)
+    qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.heads, hd)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    attn = jax.nn.softmax(scores, axis=-1)
+    h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
+    x = x + nn.Dense(d, name="attn_out")(h)
+    h = nn.LayerNorm(name="ln_2")(x)
+    h = nn.gelu(nn.Dense(4 * d, name="mlp_in")(h))
+    x = x + nn.Dense(d, name="mlp_out")(h)
+    return self._pin(x), None
+
+
+class GPT(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    init = nn.initializers.normal(0.02)
+    wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=init, name="wte")
+    wpe = self.param("wpe", init, (cfg.max_len, cfg.width))
+    x = wte(tokens) + wpe[: tokens.shape[1]]
+    block = (zerojax.nn.layerwise(Block, prevent_cse=False) if cfg.layerwise
+             else Block)
+    x, _ = nn.scan(block, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=cfg.layers)(
+                       cfg, name="blocks")(x, None)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return wte.attend(x)
+
+
+def make_model(cfg: GPTConfig) -> GPT:
+  return GPT(cfg)
+
+
+def init_params(model: GPT, seed: int = 0):
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  return model.init(jax.random.key(seed), tokens)["params"]
+
+
+def make_loss_fn(model: GPT):
+  """Mean next-token cross entropy, written on the full parameter tree."""
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["targets"]).mean()
+  return loss_fn
+
+
+def make_batch(cfg: GPTConfig, batch: int, seq: int, seed: int = 0) -> dict:
+  """A random token batch (host numpy arrays), `seq` tokens per row."""
+  rng = np.random.default_rng(seed)
+  t = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
+  return {"tokens": t[:, :-1].astype(np.int32),
+          "targets": t[:, 1:].astype(np.int32)}
+
+
+@functools.lru_cache(maxsize=None)
+def make_tx():
+  """AdamW; one object per process, so that zerojax's per-optimizer work
+  can be shared between variants (see `variants._memoize_optimizer_probes`)."""
+  return optax.adamw(3e-4, weight_decay=0.1)

@@ -1,0 +1,382 @@
+"""README.md tables and PNG plots from the result files of a folder.
+
+`write(out, mode)` draws the plots of `mode` and rewrites `out/README.md`
+from every `<mode>_<suite>.json` in `out`, so `--quick` and `--full` results
+live side by side.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODES = ("quick", "full", "smoke")
+MIB = 2 ** 20
+COLORS = {"zero-0": "#9ecae1", "zero-1": "#6baed6", "zero-2": "#3182bd",
+          "zero-3": "#08519c", "plain-dp": "#969696", "gspmd-fsdp": "#e6550d",
+          "1dev-zero-3": "#08519c", "1dev-optax": "#969696"}
+
+
+def _load(out: str, mode: str) -> dict:
+  found = {}
+  for suite in ("speed", "memory", "comm"):
+    path = os.path.join(out, f"{mode}_{suite}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        found[suite] = json.load(f)
+  return found
+
+
+def _mib(x) -> str:
+  return "—" if x is None else f"{x / MIB:,.2f}"
+
+
+def _goals_table(results: dict) -> list:
+  rows = [g for suite in ("speed", "memory", "comm")
+          for g in results.get(suite, {}).get("goals", [])]
+  if not rows:
+    return []
+  lines = ["| goal | measured | bound | met |", "|---|---:|---:|:---:|"]
+  for what, value, bound, met in rows:
+    bound_txt = (f"±{bound - 1:.0%} of 1" if "theory" in what
+                 else f"≤ {bound:.2f}")
+    lines.append(f"| {what} | {value:.3f} | {bound_txt} | "
+                 f"{'yes' if met else '**no**'} |")
+  return lines
+
+
+# ---- markdown ------------------------------------------------------------------
+def _speed_md(r: dict, mode: str) -> list:
+  s = r["setup"]
+  per_device = max(s["global_batch"] // s["devices"], 1)
+  lines = [f"### Step time ({s['config']}: Ψ = {s['num_params']:,}, "
+           f"{s['layers']} layers, width {s['width']}, batch "
+           f"{s['global_batch']}×{s['seq']} tokens = {per_device * s['seq']} "
+           f"tokens per device, {s['devices']} devices)", "",
+           f"{r['rounds']} interleaved rounds after warm-up; ratios of the "
+           "medians and of the minima (the least disturbed samples). The "
+           "machine is shared (2 cores run 8 simulated devices, other jobs "
+           "run beside): read the ratios, not the times; over several runs the "
+           "zero-*/plain-dp ratios spread over about 0.4 at 128 tokens per "
+           "device and 0.1 at 1024.", "",
+           "| variant | median step (ms) | median × plain-dp | min × plain-dp "
+           "| median × gspmd-fsdp |",
+           "|---|---:|---:|---:|---:|"]
+  for name, t in r["median_s"].items():
+    if name.startswith("1dev"):
+      continue
+    vs_fsdp = r["ratio_vs_gspmd_fsdp"].get(name)
+    lines.append(f"| {name} | {1e3 * t:.1f} | "
+                 f"{r['ratio_vs_plain_dp'][name]:.3f} | "
+                 f"{r['min_ratio_vs_plain_dp'][name]:.3f} | "
+                 f"{'' if vs_fsdp is None else f'{vs_fsdp:.3f}'} |")
+  if "one_device_overhead" in r:
+    m = r["median_s"]
+    lines += ["", f"1-device overhead: zerojax stage 3 on a 1-device mesh "
+              f"{1e3 * m['1dev-zero-3']:.1f} ms vs plain optax jit "
+              f"{1e3 * m['1dev-optax']:.1f} ms: "
+              f"**{r['one_device_overhead']:.3f}×** (minima: "
+              f"{r['min_one_device_overhead']:.3f}×; batch "
+              f"{per_device}×{s['seq']})."]
+  return lines + ["", f"![step time]({mode}_speed.png)", ""]
+
+
+def _memory_md(r: dict, mode: str) -> list:
+  s = r["setup"]
+  lines = [f"### Memory per device (batch {s['global_batch']}×{s['seq']} "
+           f"tokens, {s['devices']} devices, fp32 + AdamW)", "",
+           "persistent: the state's bytes on one device; footprint: "
+           "`memory_analysis()` argument + output + temp − alias; theory: "
+           "ZeRO's persistent bytes (Ψ parameters, N devices); last column: "
+           "whether a step on 8 simulated devices (8 × footprint) fits in "
+           "this host's memory.", ""]
+  notes = []
+  for cfg_name, rows in r["rows"].items():
+    c = r["configs"][cfg_name]
+    lines += [f"**{cfg_name}** (Ψ = {c['num_params']:,}, {c['layers']} layers, "
+              f"width {c['width']})", "",
+              "| variant | persistent MiB | theory | theory MiB | persistent / "
+              "theory | argument MiB | output MiB | temp MiB | alias MiB | "
+              "footprint MiB | 8 × footprint fits host |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for row in rows:
+      if "error" in row:
+        lines.append(f"| {row['variant']} | failed: {row['error'][:120]} |"
+                     + " |" * 9)
+        continue
+      mark = "" if row["persistent_from"] == "addressable_shards" else " ¹"
+      lines.append(
+          f"| {row['variant']} | {_mib(row['persistent_bytes'])}{mark} | "
+          f"{row['theory']} | {_mib(row['theory_bytes'])} | "
+          f"{row['persistent_over_theory']:.4f} | {_mib(row['argument'])} | "
+          f"{_mib(row['output'])} | {_mib(row['temp'])} | "
+          f"{_mib(row['alias'])} | {_mib(row['footprint'])} | "
+          f"{'yes' if row['runs_on_this_host'] else 'no'} |")
+      if row.get("note"):
+        notes.append(f"{cfg_name} {row['variant']}: {row['note']}")
+    lines.append("")
+  if notes:
+    lines += ["¹ " + n for n in notes] + [""]
+  d = r["depth_sweep"]
+  lines += [f"Depth sweep ({r['depth_config']} width, compiled footprint "
+            "MiB per device; compiled for analysis only, without LLVM "
+            "optimisation and fusion emitters: within a few hundred bytes of "
+            "the tables above):", "",
+            "| layers | Ψ | " + " | ".join(d["footprint"]) + " |",
+            "|---:|---:|" + "---:|" * len(d["footprint"])]
+  for i, layers in enumerate(d["layers"]):
+    lines.append(f"| {layers} | {d['num_params'][i]:,} | " + " | ".join(
+        _mib(v[i]) for v in d["footprint"].values()) + " |")
+  return lines + ["", f"![memory]({mode}_memory.png)",
+                  f"![depth sweep]({mode}_depth.png)", ""]
+
+
+def _comm_md(r: dict, mode: str) -> list:
+  s = r["setup"]
+  lines = [f"### Communication per step ({s['config']}: Ψ = "
+           f"{s['num_params']:,}, fp32, {s['devices']} devices)", "",
+           "Counted in the optimized HLO (`benchmarks/hlo.py`); bytes per "
+           "device: all-gather = gathered output, reduce-scatter = input, "
+           "all-reduce = operand. Ops in loop bodies (the scanned layers) "
+           "count once per iteration.", "",
+           "| variant | all-gather n / MiB | reduce-scatter n / MiB | "
+           "all-reduce n / MiB | total (Ψ·4 B) | theory (Ψ·4 B) | measured / "
+           "theory | ring wire MiB |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for row in r["rows"]:
+    cells = []
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+      k = row["per_kind"].get(kind)
+      loop = (f" ({k['in_loop_count']} in loops)" if k and k["in_loop_count"]
+              else "")
+      cells.append("—" if k is None else
+                   f"{k['count']}{loop} / {_mib(k['bytes'])}")
+    other = [k for k in row["per_kind"] if k not in
+             ("all-gather", "reduce-scatter", "all-reduce")]
+    name = row["variant"] + (f" (+{', '.join(other)})" if other else "")
+    lines.append(f"| {name} | " + " | ".join(cells) +
+                 f" | {row['measured_in_psi']:.3f} | {row['theory_in_psi']} | "
+                 f"{row['measured_over_theory']:.3f} | "
+                 f"{_mib(row['wire_bytes'])} |")
+  lines += ["", "On this backend XLA reduces GSPMD's sharded gradients with "
+            "all-reduce (no reduce-scatter rewrite on CPU) and runs 16-bit "
+            "all-gathers / reduce-scatters in float32, so the tables use "
+            "fp32 training.",
+            "", "Chunk-size sweep: collectives follow the number of chunks, "
+            "not the number of parameter leaves.", "",
+            "| stage | chunk_size | chunks | leaves | all-gather ops | "
+            "reduce-scatter ops | all-reduce ops | collectives / step | "
+            "MiB / step |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for c in r["chunk_sweep"]:
+    lines.append(f"| {c['stage']} | {c['chunk_size']:,} | {c['chunks']} | "
+                 f"{c['leaves']} | {c['all_gather_ops']} | "
+                 f"{c['reduce_scatter_ops']} | {c['all_reduce_ops']} | "
+                 f"{c['total_count']} | {_mib(c['total_bytes'])} |")
+  return lines + ["", f"![communication]({mode}_comm.png)",
+                  f"![chunk sweep]({mode}_chunks.png)", ""]
+
+
+def markdown(out: str) -> str:
+  lines = ["# zerojax benchmarks", "",
+           "Generated by `python -m benchmarks.run --quick` and "
+           "`python -m benchmarks.run --full` (add `--suites memory,comm` for "
+           "a part). Everything runs in one process on 8 simulated CPU "
+           "devices (`--xla_force_host_platform_device_count=8`) on a GPT-2-"
+           "style model (`benchmarks/models.py`: pre-LN, causal attention, "
+           "GELU MLP, learned positions, tied embeddings, blocks in one "
+           "`nn.scan`). Variants: zerojax stages 0-3 "
+           "(`stacked=(\"blocks\",)`), `plain-dp` (jax.jit, replicated "
+           "params, batch sharded), `gspmd-fsdp` (MaxText-style: every leaf "
+           "sharded on its largest divisible axis, XLA inserts the "
+           "collectives); see `benchmarks/variants.py`.", ""]
+  for mode in MODES:
+    results = _load(out, mode)
+    if not results:
+      continue
+    meta = next(iter(results.values()))["meta"]
+    lines += [f"## `--{mode}`", "",
+              f"jax {meta['jax']}, {meta['backend']} backend, "
+              f"{meta['devices']} devices, {meta['cpu_count']} CPU cores, "
+              f"{meta['host_memory_bytes'] / 2 ** 30:.0f} GiB host memory, "
+              f"{meta['date']}.", ""]
+    goals = _goals_table(results)
+    if goals:
+      lines += ["Goals:", ""] + goals + [""]
+    if "speed" in results:
+      lines += _speed_md(results["speed"], mode)
+    if "memory" in results:
+      lines += _memory_md(results["memory"], mode)
+    if "comm" in results:
+      lines += _comm_md(results["comm"], mode)
+  return "\n".join(lines) + "\n"
+
+
+# ---- plots ---------------------------------------------------------------------
+def _bar_colors(names):
+  return [COLORS.get(n, "#756bb1") for n in names]
+
+
+def plot_speed(r: dict, path: str):
+  ratios = r["ratio_vs_plain_dp"]
+  minima = r["min_ratio_vs_plain_dp"]
+  names = list(ratios)
+  fig, ax = plt.subplots(figsize=(7, 3.8))
+  ax.barh(names, [ratios[n] for n in names], color=_bar_colors(names),
+          label="median")
+  ax.scatter([minima[n] for n in names], names, marker="|", s=250,
+             color="k", zorder=3, label="minimum")
+  ax.axvline(1.0, color="k", lw=0.8)
+  for i, n in enumerate(names):
+    ax.text(max(ratios[n], minima[n]), i, f"  {ratios[n]:.2f}×", va="center",
+            fontsize=9)
+  s = r["setup"]
+  tokens = max(s["global_batch"] // s["devices"], 1) * s["seq"]
+  title = (f"Step time vs plain-dp ({s['config']}, {tokens} tokens/device, "
+           f"{s['devices']} devices)")
+  if "one_device_overhead" in r:
+    title += (f"\n1-device zerojax stage 3 / optax: "
+              f"{r['one_device_overhead']:.2f}×")
+  ax.set_title(title, fontsize=10)
+  ax.set_xlabel("step time / plain-dp (lower is better)")
+  ax.invert_yaxis()
+  ax.set_xlim(0, max(list(ratios.values()) + list(minima.values())) * 1.45)
+  ax.legend(fontsize=8, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_memory(r: dict, path: str):
+  configs = list(r["rows"])
+  fig, axes = plt.subplots(1, len(configs), figsize=(6.5 * len(configs), 4),
+                           squeeze=False)
+  for ax, cfg_name in zip(axes[0], configs):
+    rows = [row for row in r["rows"][cfg_name] if "error" not in row]
+    names = [row["variant"] for row in rows]
+    x = range(len(rows))
+    w = 0.27
+    ax.bar([i - w for i in x], [row["theory_bytes"] / MIB for row in rows], w,
+           label="theory (persistent)", color="#d9d9d9", edgecolor="k", lw=0.5)
+    ax.bar(list(x), [row["persistent_bytes"] / MIB for row in rows], w,
+           label="persistent (measured)", color="#6baed6")
+    ax.bar([i + w for i in x], [row["footprint"] / MIB for row in rows], w,
+           label="compiled footprint", color="#08519c")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=20, fontsize=8)
+    ax.set_ylabel("MiB per device")
+    n_params = r["configs"][cfg_name]["num_params"]
+    ax.set_title(f"{cfg_name} (Ψ = {n_params / 1e6:.1f}M)", fontsize=10)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_depth(r: dict, path: str):
+  d = r["depth_sweep"]
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for name, values in d["footprint"].items():
+    ax.plot(d["layers"], [v / MIB for v in values], marker="o", label=name,
+            color=COLORS.get(name), ls="--" if name in ("plain-dp",
+                                                        "gspmd-fsdp") else "-")
+  ax.set_xlabel("layers")
+  ax.set_xticks(d["layers"])
+  ax.set_ylabel("compiled footprint per device (MiB)")
+  ax.set_title(f"Footprint vs depth ({r['depth_config']} width, 8 devices)",
+               fontsize=10)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_comm(r: dict, path: str):
+  rows = r["rows"]
+  names = [row["variant"] for row in rows]
+  kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+           "collective-permute")
+  colors = {"all-gather": "#08519c", "reduce-scatter": "#6baed6",
+            "all-reduce": "#e6550d", "all-to-all": "#31a354",
+            "collective-permute": "#756bb1"}
+  fig, ax = plt.subplots(figsize=(8, 4))
+  x = list(range(len(rows)))
+  bottom = [0.0] * len(rows)
+  for kind in kinds:
+    vals = [row["per_kind"].get(kind, {}).get("bytes", 0) /
+            (row["num_params"] * row["elem_bytes"]) for row in rows]
+    if any(vals):
+      ax.bar(x, vals, 0.55, bottom=bottom, label=kind, color=colors[kind])
+      bottom = [b + v for b, v in zip(bottom, vals)]
+  ax.hlines([row["theory_in_psi"] for row in rows], [i - 0.38 for i in x],
+            [i + 0.38 for i in x], colors="k", linewidth=2, zorder=3,
+            label="theory")
+  for i, row in enumerate(rows):
+    ax.text(i, bottom[i] + 0.05, f"{row['measured_in_psi']:.2f}",
+            ha="center", fontsize=8)
+  ax.set_xticks(x)
+  ax.set_xticklabels(names, rotation=15, fontsize=8)
+  ax.set_ylabel("bytes per step / (Ψ × 4 B)")
+  ax.set_ylim(0, max(bottom + [3.0]) * 1.15)
+  ax.set_title(f"Collectives per step ({r['setup']['config']}, fp32, "
+               "8 devices)", fontsize=10)
+  ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_chunks(r: dict, path: str):
+  rows = r["chunk_sweep"]
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  top = max(c["chunks"] for c in rows)
+  ax.plot([0, top], [0, 2 * top], ls=":", color="k", lw=1,
+          label="2 × chunks")
+  markers = {2: "s", 3: "o"}
+  for stage in sorted({c["stage"] for c in rows}):
+    sel = sorted((c for c in rows if c["stage"] == stage),
+                 key=lambda c: c["chunks"])
+    ax.plot([c["chunks"] for c in sel],
+            [c["all_gather_ops"] + c["reduce_scatter_ops"] for c in sel],
+            marker=markers.get(stage, "o"), ms=9 if stage == 2 else 6,
+            mfc="none" if stage == 2 else None, lw=0 if stage == 2 else 1.5,
+            label=f"stage {stage}: all-gather + reduce-scatter ops",
+            color=COLORS.get(f"zero-{stage}"))
+  labels = {}
+  for c in rows:   # one label per point, whichever stage put it there
+    xy = (c["chunks"], c["all_gather_ops"] + c["reduce_scatter_ops"])
+    labels.setdefault(xy, f"{c['chunk_size']:,}")
+  for xy, text in labels.items():
+    ax.annotate(text, xy, textcoords="offset points", xytext=(6, -10),
+                fontsize=7)
+  leaves = rows[0]["leaves"]
+  ax.axvline(leaves, color="#e6550d", ls="--", lw=0.8,
+             label=f"parameter leaves ({leaves})")
+  ax.set_xlabel("chunks (len(state.layout.chunks)); labels: chunk_size")
+  ax.set_ylabel("collective ops in the step's HLO")
+  ax.set_title("Collectives follow chunks, not leaves "
+               f"({r['setup']['config']})", fontsize=10)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write(out: str, mode: str):
+  """Plots of `mode` from its result files, then README.md for all modes."""
+  results = _load(out, mode)
+  if "speed" in results:
+    plot_speed(results["speed"], os.path.join(out, f"{mode}_speed.png"))
+  if "memory" in results:
+    plot_memory(results["memory"], os.path.join(out, f"{mode}_memory.png"))
+    plot_depth(results["memory"], os.path.join(out, f"{mode}_depth.png"))
+  if "comm" in results:
+    plot_comm(results["comm"], os.path.join(out, f"{mode}_comm.png"))
+    plot_chunks(results["comm"], os.path.join(out, f"{mode}_chunks.png"))
+  with open(os.path.join(out, "README.md"), "w") as f:
+    f.write(markdown(out))

@@ -1,0 +1,266 @@
+"""One entry point for the benchmark suite.
+
+    python -m benchmarks.run --quick [--out benchmarks/results]
+    python -m benchmarks.run --full  [--suites speed,memory,comm]
+
+On 8 simulated CPU devices (XLA_FLAGS is set here, before jax is imported,
+unless the caller set it), in one process, for a GPT-2-style model
+(`benchmarks.models`): step time of zerojax stages 0-3 against plain jit data
+parallelism and GSPMD FSDP (`speed`), per-device memory against ZeRO's
+formulas plus a depth sweep (`memory`), collectives per step against ZeRO's
+communication volume plus a chunk-size sweep (`comm`). Writes
+`<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
+result file in the output folder (see `benchmarks.report`).
+"""
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from benchmarks import comm, memory, models, report, speed  # noqa: E402
+from benchmarks import variants as V  # noqa: E402
+
+SUITES = ("speed", "memory", "comm")
+
+# Per mode: the speed config (also analysed for memory and communication when
+# it is the first memory config), the memory configs, the depth sweep and the
+# chunk-size sweep. Batches are global (rows over all devices) x tokens.
+MODES = {
+    "smoke": dict(
+        speed=dict(config="tiny", batch=8, seq=16, rounds=1,
+                   variants=("zero-3", "plain-dp", "gspmd-fsdp"),
+                   options=memory.ANALYSIS_OPTIONS),
+        memory=dict(configs=("tiny",), batch=8, seq=16),
+        depth=dict(config="tiny", layers=(1, 2)),
+        comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
+    ),
+    # 128 tokens per device: the per-step cost of the optimizer and of
+    # parameter movement weighs heavily against so little compute.
+    "quick": dict(
+        speed=dict(config="cpu-1m", batch=16, seq=64, rounds=15,
+                   variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+        memory=dict(configs=("cpu-1m",), batch=16, seq=64),
+        depth=dict(config="cpu-1m", layers=(2, 4, 8)),
+        comm=dict(config="cpu-1m", chunk_sizes=(2 ** 14, 2 ** 16, 2 ** 18),
+                  chunk_stages=(3,)),
+    ),
+    # The same model at 1024 tokens per device for speed; GPT-2 small and
+    # medium for memory and communication (compiled, and allocated only where
+    # the state fits in this host's memory).
+    "full": dict(
+        speed=dict(config="cpu-1m", batch=64, seq=128, rounds=9,
+                   variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+        memory=dict(configs=("gpt2-small", "gpt2-medium"), batch=8, seq=256),
+        depth=dict(config="gpt2-small", layers=(2, 4, 8, 12)),
+        comm=dict(config="gpt2-small",
+                  chunk_sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24),
+                  chunk_stages=(2, 3)),
+    ),
+}
+NUM_DEVICES = 8
+
+
+def _log(msg: str):
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _write(out: str, name: str, data: dict):
+  path = os.path.join(out, name)
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1, default=_json_default)
+  _log(f"wrote {path}")
+
+
+def _json_default(x):
+  if hasattr(x, "item"):
+    return x.item()
+  if isinstance(x, (set, tuple)):
+    return list(x)
+  return str(x)
+
+
+def _meta(mode: str) -> dict:
+  return {"mode": mode, "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": jax.device_count(), "python": platform.python_version(),
+          "host_memory_bytes": memory.host_memory()["MemTotal"],
+          "cpu_count": os.cpu_count(),
+          "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _setup(cfg_name: str, batch: int, seq: int) -> dict:
+  cfg = models.CONFIGS[cfg_name]
+  return {"config": cfg_name, "num_params": cfg.num_params,
+          "width": cfg.width, "layers": cfg.layers, "heads": cfg.heads,
+          "vocab": cfg.vocab_size, "global_batch": batch, "seq": seq,
+          "devices": NUM_DEVICES}
+
+
+def _same_setup(plan: dict, cfg_name: str) -> bool:
+  """Whether the memory suite can reuse the speed suite's variants."""
+  sp, mp = plan["speed"], plan["memory"]
+  return (cfg_name == sp["config"] and
+          (mp["batch"], mp["seq"]) == (sp["batch"], sp["seq"]))
+
+
+def _analyse_config(cfg_name: str, plan: dict, main: dict, want_comm: bool):
+  """Memory rows (and communication rows) of every mesh variant of one
+  config. Variants are built in turn and released; those the speed suite
+  built are reused."""
+  cfg = models.CONFIGS[cfg_name]
+  mp = plan["memory"]
+  reuse = _same_setup(plan, cfg_name)
+  names = [n for n in V.MESH_VARIANTS if not reuse or n in main]
+  mem_rows, comm_rows = [], []
+  for name in names:
+    _log(f"analysing {name} ({cfg_name})")
+    v, note = (main[name], "") if reuse else (None, "")
+    try:
+      if v is None:
+        note = memory.allocation_check(name, cfg.num_params, NUM_DEVICES)
+        # Analysed, never run: compiled for analysis only.
+        v = V.build(name, cfg, global_batch=mp["batch"], seq=mp["seq"],
+                    num_devices=NUM_DEVICES, materialize=not note,
+                    options=memory.ANALYSIS_OPTIONS)
+      mem_rows.append(memory.row(v, note=note))
+      if want_comm:
+        comm_rows.append(comm.row(v))
+    except Exception as e:   # noqa: BLE001 - reported, not fatal
+      mem_rows.append({"variant": name, "num_params": cfg.num_params,
+                       "devices": NUM_DEVICES,
+                       "error": f"{type(e).__name__}: {e}"[:500]})
+    if v is not None and not reuse:
+      v.release()
+    del v
+    gc.collect()
+  return mem_rows, comm_rows
+
+
+def run(mode: str, out: str, suites=SUITES) -> dict:
+  """Runs the suites of `mode` and writes results into `out`.
+
+  Returns the results written, by suite.
+  """
+  plan = MODES[mode]
+  sp, mp, dp, cp = plan["speed"], plan["memory"], plan["depth"], plan["comm"]
+  os.makedirs(out, exist_ok=True)
+  if jax.device_count() < NUM_DEVICES:
+    raise RuntimeError(
+        f"the benchmarks need {NUM_DEVICES} devices, found "
+        f"{jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_"
+        f"device_count={NUM_DEVICES} before jax is imported.")
+  meta = _meta(mode)
+  written = {}
+  analyse = "memory" in suites or "comm" in suites
+
+  # Speed: the variants of the speed config, built (allocated) side by side.
+  main = {}
+  if "speed" in suites or (analyse and _same_setup(plan, mp["configs"][0])):
+    for name in sp["variants"]:
+      _log(f"building {name} ({sp['config']})")
+      main[name] = V.build(name, models.CONFIGS[sp["config"]],
+                           global_batch=sp["batch"], seq=sp["seq"],
+                           num_devices=NUM_DEVICES, options=sp.get("options"))
+      main[name].compiled()
+  if "speed" in suites:
+    _log(f"timing {len(main)} variants, {sp['rounds']} rounds")
+    result = speed.run(main, sp["rounds"], _setup(sp["config"], sp["batch"],
+                                                  sp["seq"]))
+    result.update(meta=meta, goals=speed.goal_checks(result))
+    _write(out, f"{mode}_speed.json", result)
+    written["speed"] = result
+  if not (analyse and _same_setup(plan, mp["configs"][0])):
+    for v in main.values():
+      v.release()
+    main = {}
+
+  # Memory and communication of every memory config.
+  mem_rows, comm_rows = {}, []
+  if analyse:
+    for cfg_name in mp["configs"]:
+      mem_rows[cfg_name], rows = _analyse_config(
+          cfg_name, plan, main, want_comm=cfg_name == cp["config"])
+      comm_rows += rows
+
+  if "memory" in suites:
+    _log(f"depth sweep {dp['layers']} ({dp['config']})")
+    sweep = memory.depth_sweep(
+        models.CONFIGS[dp["config"]], dp["layers"],
+        [n for n in V.MESH_VARIANTS if n in sp["variants"]],
+        functools.partial(V.build, global_batch=mp["batch"], seq=mp["seq"],
+                          num_devices=NUM_DEVICES))
+    result = {"meta": meta,
+              "setup": {"global_batch": mp["batch"], "seq": mp["seq"],
+                        "devices": NUM_DEVICES},
+              "configs": {c: _setup(c, mp["batch"], mp["seq"])
+                          for c in mp["configs"]},
+              "rows": mem_rows, "depth_sweep": sweep,
+              "depth_config": dp["config"],
+              "goals": [g for c, rows in mem_rows.items()
+                        for g in memory.goal_checks(rows, c)]}
+    _write(out, f"{mode}_memory.json", result)
+    written["memory"] = result
+
+  if "comm" in suites:
+    _log(f"chunk sweep {cp['chunk_sizes']} ({cp['config']})")
+    chunks = comm.chunk_sweep(
+        models.CONFIGS[cp["config"]], cp["chunk_sizes"],
+        functools.partial(V.build, global_batch=mp["batch"], seq=mp["seq"],
+                          num_devices=NUM_DEVICES),
+        stages=cp["chunk_stages"])
+    result = {"meta": meta,
+              "setup": _setup(cp["config"], mp["batch"], mp["seq"]),
+              "rows": comm_rows, "chunk_sweep": chunks,
+              "goals": comm.goal_checks(comm_rows)}
+    _write(out, f"{mode}_comm.json", result)
+    written["comm"] = result
+
+  for v in main.values():
+    v.release()
+  report.write(out, mode)
+  _log(f"wrote {os.path.join(out, 'README.md')}")
+  return written
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.run",
+                                   description=__doc__.split("\n\n")[0])
+  group = parser.add_mutually_exclusive_group(required=True)
+  group.add_argument("--quick", action="store_const", dest="mode",
+                     const="quick", help="small model, about two minutes")
+  group.add_argument("--full", action="store_const", dest="mode",
+                     const="full", help="GPT-2 small/medium memory and "
+                     "communication; speed at 1024 tokens per device")
+  group.add_argument("--smoke", action="store_const", dest="mode",
+                     const="smoke", help="tiny, for the tests")
+  parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                      help="output folder (default: benchmarks/results)")
+  parser.add_argument("--suites", default=",".join(SUITES),
+                      help=f"comma-separated subset of {','.join(SUITES)}")
+  args = parser.parse_args(argv)
+  suites = tuple(s for s in args.suites.split(",") if s)
+  unknown = sorted(set(suites) - set(SUITES))
+  if unknown:
+    parser.error(f"unknown suite(s) {unknown}; use {','.join(SUITES)}")
+  start = time.time()
+  run(args.mode, args.out, suites)
+  _log(f"done in {time.time() - start:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

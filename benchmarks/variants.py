@@ -1,0 +1,270 @@
+"""The training steps the benchmarks compare, built side by side in one process.
+
+  zero-0 .. zero-3   zerojax.shard(stage=s) + zerojax.train_step
+  plain-dp           plain jax.jit data parallelism, written without zerojax:
+                     parameters and optimizer state replicated, batch sharded
+                     over "data", value_and_grad + optax update, donated
+  gspmd-fsdp         MaxText-style FSDP without zerojax: every parameter and
+                     optimizer-state leaf sharded over "data" on its largest
+                     divisible axis (never the layer axis of the scanned
+                     blocks), activations pinned to batch sharding, plain
+                     jax.jit with in/out shardings; XLA's SPMD partitioner
+                     inserts the collectives
+  1dev-zero-3        zerojax stage 3 on a 1-device mesh
+  1dev-optax         plain optax under jax.jit on that one device
+
+Each `Variant` holds its state, its batch (already placed) and its lowered
+program. With `materialize=False` the state is abstract
+(`jax.ShapeDtypeStruct`s carrying shardings): the program is lowered and
+compiled exactly as for real arrays but nothing is allocated, which is how
+configs larger than host memory are analysed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from flax.training import train_state
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import zerojax
+from zerojax.state import state_shardings
+
+from benchmarks import models
+
+STACK = "blocks"
+ZERO_STAGES = (0, 1, 2, 3)
+MESH_VARIANTS = tuple(f"zero-{s}" for s in ZERO_STAGES) + ("plain-dp",
+                                                            "gspmd-fsdp")
+ONE_DEVICE_VARIANTS = ("1dev-zero-3", "1dev-optax")
+
+
+def make_mesh(n: int) -> Mesh:
+  """The first n devices on one Auto axis "data"."""
+  if n == jax.device_count():
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+  return Mesh(np.array(jax.devices()[:n]), ("data",),
+              axis_types=(AxisType.Auto,))
+
+
+@dataclasses.dataclass
+class Variant:
+  name: str
+  state: Any                 # real arrays, or ShapeDtypeStructs
+  batch: Any
+  lowered: Any
+  num_devices: int
+  num_params: int
+  layout: Any = None         # zerojax ChunkLayout, zero-* only
+  extra_args: tuple = ()     # trailing arguments of the lowered step
+  options: dict = dataclasses.field(default_factory=dict)  # compiler options
+  _compiled: Any = None
+
+  @property
+  def materialized(self) -> bool:
+    return isinstance(jax.tree_util.tree_leaves(self.state)[0], jax.Array)
+
+  def compiled(self):
+    """The compiled program (compiled once, with `options`)."""
+    if self._compiled is None:
+      self._compiled = self.lowered.compile(self.options or None)
+    return self._compiled
+
+  def run_once(self):
+    """One step of the compiled program, blocked on its results (the state
+    is donated). Calling the compiled executable times exactly the program
+    the memory and communication suites analyse."""
+    self.state, out = self.compiled()(self.state, self.batch,
+                                      *self.extra_args)
+    jax.block_until_ready((self.state, out))
+    return out
+
+  def persistent_bytes(self) -> int:
+    """Per-device bytes of the state: the first shard of every array (real
+    arrays) or the same from shapes and shardings (abstract state)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(self.state):
+      if isinstance(x, jax.Array):
+        total += x.addressable_shards[0].data.nbytes
+      else:
+        shape = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+  def release(self):
+    for x in jax.tree_util.tree_leaves(self.state):
+      if isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+    self.state = None
+    self._compiled = None
+
+
+# ---- states -----------------------------------------------------------------
+_PROBE_CACHE: dict = {}
+
+
+@contextlib.contextmanager
+def _shared_optimizer_probes():
+  """zerojax.shard() checks the optimizer on small probe programs that it
+  compiles on every call (seconds each on this machine), whatever the stage.
+  The benchmarks shard the same model and optimizer many times; the probes'
+  answers depend only on the optimizer and the parameter shapes, so while
+  the benchmarks shard, each is computed once per (tx, shapes). Nothing
+  measured runs through them; outside this context zerojax is untouched.
+  """
+  from zerojax import optim   # pylint: disable=import-outside-toplevel
+  saved = {}
+  for fn_name in ("leaf_labels", "check_elementwise"):
+    fn = getattr(optim, fn_name, None)
+    if fn is None:
+      continue
+    saved[fn_name] = fn
+
+    def memo(tx, abstract_params, *args, _fn=fn, _name=fn_name):
+      leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+      key = (_name, id(tx), treedef,
+             tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves),
+             repr(args))
+      if key not in _PROBE_CACHE:   # tx is kept alive so its id stays unique
+        _PROBE_CACHE[key] = (_fn(tx, abstract_params, *args), tx)
+      return _PROBE_CACHE[key][0]
+
+    setattr(optim, fn_name, memo)
+  try:
+    yield
+  finally:
+    for fn_name, fn in saved.items():
+      setattr(optim, fn_name, fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_train_state(cfg: models.GPTConfig, seed: int):
+  """The initial flax TrainState of a config: a jitted function (compiled
+  once per config, fresh arrays per call) and the model."""
+  model = models.make_model(cfg)
+  tx = models.make_tx()
+  make = lambda: train_state.TrainState.create(
+      apply_fn=model.apply, params=models.init_params(model, seed), tx=tx)
+  return jax.jit(make), model
+
+
+def _with_shardings(abstract, shardings):
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      abstract, shardings)
+
+
+def fsdp_spec(path, shape, n: int, axis: str = "data") -> P:
+  """MaxText-style FSDP: shard the largest axis divisible by n (the leading
+  layer axis of stacked blocks excluded); replicate when none divides."""
+  names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+  first = 1 if STACK in names and len(shape) > 1 else 0
+  best = None
+  for i in range(first, len(shape)):
+    if shape[i] % n == 0 and shape[i] >= n and (
+        best is None or shape[i] > shape[best]):
+      best = i
+  if best is None:
+    return P()
+  spec = [None] * len(shape)
+  spec[best] = axis
+  return P(*spec)
+
+
+def _optax_step(loss_fn):
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+  return step
+
+
+# ---- builders ---------------------------------------------------------------
+def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
+          num_devices: int, materialize: bool = True, seed: int = 0,
+          options: Optional[dict] = None, **zero_fields) -> Variant:
+  """Builds variant `name` (see the module docstring) of the GPT config.
+
+  Args:
+    name: one of MESH_VARIANTS or ONE_DEVICE_VARIANTS.
+    cfg: the model config.
+    global_batch, seq: the batch (rows over all devices, tokens per row);
+      1-device variants take one device's share, global_batch / num_devices.
+    num_devices: devices on the "data" mesh (1-device variants use 1).
+    materialize: allocate the state (else an abstract state, see above).
+    options: XLA compiler options for the step.
+    **zero_fields: extra `ZeroConfig` fields for zero-* variants.
+  """
+  if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; use one of "
+                     f"{MESH_VARIANTS + ONE_DEVICE_VARIANTS}.")
+  one_device = name in ONE_DEVICE_VARIANTS
+  n = 1 if one_device else num_devices
+  if one_device:
+    global_batch = max(global_batch // num_devices, 1)
+  mesh = make_mesh(n)
+  data = NamedSharding(mesh, P("data"))
+  if name == "gspmd-fsdp":
+    cfg = cfg.replace(activation_sharding=data)
+  if name in ("zero-3", "1dev-zero-3"):
+    cfg = cfg.replace(layerwise=True)   # the opt-in a stage-3 user writes
+  make, model = _make_train_state(cfg, seed)
+  loss_fn = models.make_loss_fn(model)
+  batch = jax.device_put(models.make_batch(cfg, global_batch, seq, seed),
+                         data)
+  source = make() if materialize else jax.eval_shape(make)
+
+  if name.startswith("zero-") or name == "1dev-zero-3":
+    stage = int(name[-1])
+    fields = {"stacked": (STACK,), **zero_fields}
+
+    def shard(st):
+      with _shared_optimizer_probes():
+        return zerojax.shard(st, stage=stage, mesh=mesh, **fields)
+
+    if materialize:
+      state = shard(source)
+    else:
+      def shard_abstract(st):
+        # zerojax.shard probes the optimizer on small concrete arrays;
+        # let those run eagerly while the parameters stay abstract.
+        with jax.ensure_compile_time_eval():
+          return shard(st)
+      abstract = jax.eval_shape(shard_abstract, source)
+      state = _with_shardings(abstract, state_shardings(abstract))
+    step = zerojax.train_step(loss_fn)
+    lowered = step.lower(state, batch)
+    layout, extra = state.layout, (None,)   # train_step's rng argument
+  else:
+    if name == "gspmd-fsdp":
+      shardings = jax.tree_util.tree_map_with_path(
+          lambda p, x: NamedSharding(mesh, fsdp_spec(p, np.shape(x), n)),
+          source)
+    else:   # plain-dp, 1dev-optax: replicated
+      shardings = jax.tree_util.tree_map(
+          lambda x: NamedSharding(mesh, P()), source)
+    state = (jax.device_put(source, shardings) if materialize
+             else _with_shardings(source, shardings))
+    step = jax.jit(_optax_step(loss_fn), in_shardings=(shardings, data),
+                   out_shardings=(shardings, NamedSharding(mesh, P())),
+                   donate_argnums=(0,))
+    lowered = step.lower(state, batch)
+    layout, extra = None, ()
+  del source
+  return Variant(name, state, batch, lowered, n, cfg.num_params, layout,
+                 extra, dict(options or {}))
+
+
+def theory_bytes(name: str, num_params: int, n: int) -> Optional[float]:
+  """ZeRO's persistent bytes per device, fp32 params + Adam (DESIGN.md)."""
+  psi = num_params
+  if name in ("zero-0", "plain-dp", "1dev-optax"):
+    return 12.0 * psi
+  if name in ("zero-1", "zero-2"):
+    return 4.0 * psi + 8.0 * psi / n
+  if name in ("zero-3", "gspmd-fsdp", "1dev-zero-3"):
+    return 12.0 * psi / n
+  return None

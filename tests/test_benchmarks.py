@@ -1,0 +1,220 @@
+"""benchmarks/: the HLO collective counter on programs with known collectives,
+and a smoke run of the whole suite (tiny model, no timing assertions)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from benchmarks import hlo
+
+N = 8
+F32 = 4
+
+
+def _mesh():
+  return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def _compile(fn, in_specs, out_specs, *args):
+  mapped = jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs,
+                         out_specs=out_specs, check_vma=False)
+  return jax.jit(mapped).lower(*args).compile()
+
+
+def test_one_of_each_collective_exact_counts_and_bytes():
+  def fn(shard, full, small):
+    gathered = jax.lax.all_gather(shard, "data", tiled=True)     # [8*128]
+    scattered = jax.lax.psum_scatter(full, "data", tiled=True)   # [128]
+    summed = jax.lax.psum(small, "data")                         # [4, 16]
+    return gathered, scattered, summed
+
+  compiled = _compile(fn, (P("data"), P("data"), P("data")),
+                      (P(), P("data"), P("data")),
+                      jnp.arange(N * 128.0), jnp.ones((N * N * 128,)),
+                      jnp.ones((N * 4, 16)))
+  report = hlo.count_collectives(compiled)
+  assert report.devices == N
+  assert report.summary() == {
+      "all-gather": {"ops": 1, "count": 1, "bytes": N * 128 * F32,
+                     "wire_bytes": 7 * 128 * F32, "in_loop_count": 0},
+      "reduce-scatter": {"ops": 1, "count": 1, "bytes": N * 128 * F32,
+                         "wire_bytes": 7 * 128 * F32, "in_loop_count": 0},
+      "all-reduce": {"ops": 1, "count": 1, "bytes": 4 * 16 * F32,
+                     "wire_bytes": 2 * 7 * 8 * F32, "in_loop_count": 0},
+  }
+  assert report.count() == 3
+  assert report.bytes() == 2 * N * 128 * F32 + 4 * 16 * F32
+  assert {op.group_size for op in report.ops} == {N}
+  assert report.unknown_trip_summary() == {}
+
+
+def test_lowered_and_text_give_the_same_report():
+  def fn(x):
+    return jax.lax.all_gather(x, "data", tiled=True)
+
+  mapped = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("data"),
+                                 out_specs=P(), check_vma=False))
+  lowered = mapped.lower(jnp.ones((N * 16,)))
+  from_lowered = hlo.count_collectives(lowered)
+  from_text = hlo.count_collectives(lowered.compile().as_text())
+  assert from_lowered.summary() == from_text.summary()
+  assert from_text.bytes("all-gather") == N * 16 * F32
+
+
+def test_scan_body_collectives_count_once_per_iteration():
+  def fn(xs):
+    def body(carry, x):
+      return carry + jax.lax.psum(x, "data").sum(), None
+    return jax.lax.scan(body, jnp.zeros(()), xs)[0]
+
+  compiled = _compile(fn, P(None, "data"), P(), jnp.ones((5, N * 32)))
+  report = hlo.count_collectives(compiled)
+  (op,) = [op for op in report.ops if op.kind == "all-reduce"]
+  assert op.in_loop and op.trips == 5 and op.bytes == 32 * F32
+  row = report.summary()["all-reduce"]
+  assert row == {"ops": 1, "count": 5, "bytes": 5 * 32 * F32,
+                 "wire_bytes": 5 * 2 * 7 * 4 * F32, "in_loop_count": 5}
+
+
+# Hand-written optimized HLO in the GPU backend's asynchronous forms: each
+# start/done pair and the async-wrapped reduce-scatter count once; a variadic
+# all-reduce sums its operands; a loop without a known trip count is
+# reported apart.
+_ASYNC_HLO = """\
+HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%wrapped_reduce_scatter (p0: bf16[64,32]) -> bf16[16,32] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  ROOT %rs = bf16[16,32]{1,0} reduce-scatter(%p0), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%add
+}
+
+%body (state: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %state = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %v = f32[8]{0} get-tuple-element(%state), index=1
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%v), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %cp-done)
+}
+
+%cond (state.1: (s32[], f32[8])) -> pred[] {
+  %state.1 = (s32[], f32[8]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[32], y: bf16[64,32], z: f32[10], w: s32[6]) -> f32[128] {
+  %x = f32[32]{0} parameter(0)
+  %y = bf16[64,32]{1,0} parameter(1)
+  %z = f32[10]{0} parameter(2)
+  %w = s32[6]{0} parameter(3)
+  %ag-start = (f32[32]{0}, f32[128]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  %ag-done = f32[128]{0} all-gather-done(%ag-start)
+  %ar-start = (f32[10]{0}, s32[6]{0}) all-reduce-start(%z, %w), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar-done = (f32[10]{0}, s32[6]{0}) all-reduce-done(%ar-start)
+  %rs-start = ((bf16[64,32]{1,0}), bf16[16,32]{1,0}, u32[]) async-start(%y), calls=%wrapped_reduce_scatter
+  %rs-done = bf16[16,32]{1,0} async-done(%rs-start), calls=%wrapped_reduce_scatter
+  %init = (s32[], f32[8]{0}) tuple(%w, %z)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[128]{0} copy(%ag-done)
+}
+"""
+
+
+def test_async_pairs_variadic_ops_and_unknown_loops():
+  report = hlo.count_collectives(_ASYNC_HLO)
+  assert report.devices == 4
+  assert report.summary() == {
+      "all-gather": {"ops": 1, "count": 1, "bytes": 128 * F32,
+                     "wire_bytes": 128 * F32 * 3 / 4, "in_loop_count": 0},
+      "reduce-scatter": {"ops": 1, "count": 1, "bytes": 64 * 32 * 2,
+                         "wire_bytes": 64 * 32 * 2 * 3 / 4,
+                         "in_loop_count": 0},
+      "all-reduce": {"ops": 1, "count": 1, "bytes": 10 * F32 + 6 * 4,
+                     "wire_bytes": 2 * (10 * F32 + 6 * 4) / 2,
+                     "in_loop_count": 0},
+  }
+  assert report.unknown_trip_summary() == {
+      "collective-permute": {"ops": 1, "bytes_per_iteration": 8 * F32}}
+  rs = next(op for op in report.ops if op.kind == "reduce-scatter")
+  assert rs.dtypes == ("bf16",) and rs.group_size == 4
+  assert "in loop bodies" in hlo.markdown_table(report)
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ("f32[]", 4), ("bf16[4,8]{1,0}", 64), ("(f32[2]{0}, s8[3]{0})", 11),
+    ("pred[7]", 7), ("f16[<=10]", 20), ("(f32[2], (bf16[2], u64[1]))", 20),
+    ("s4[3]", 2),
+])
+def test_shape_bytes(shape, expected):
+  assert hlo.shape_bytes(shape) == expected
+
+
+def test_text_without_entry_is_refused():
+  with pytest.raises(ValueError, match="no ENTRY computation"):
+    hlo.count_collectives("HloModule m\n")
+
+
+def test_abstract_state_is_analysed_like_the_allocated_one():
+  # Configs larger than host memory are analysed from abstract states,
+  # compiled without LLVM optimisation: same bytes, footprint, collectives.
+  from benchmarks import memory, models, variants
+
+  kw = dict(global_batch=8, seq=16, num_devices=N)
+  real = variants.build("zero-3", models.CONFIGS["tiny"], **kw)
+  abstract = variants.build("zero-3", models.CONFIGS["tiny"],
+                            materialize=False,
+                            options=memory.ANALYSIS_OPTIONS, **kw)
+  assert real.materialized and not abstract.materialized
+  assert abstract.persistent_bytes() == real.persistent_bytes()
+  assert (memory.footprint(abstract.compiled()) ==
+          memory.footprint(real.compiled()))
+  assert (hlo.count_collectives(abstract.compiled()).summary() ==
+          hlo.count_collectives(real.compiled()).summary())
+  # The sweeps' faster options: the same collectives, buffers within 1 KiB.
+  sweep = variants.build("zero-3", models.CONFIGS["tiny"], materialize=False,
+                         options=memory.SWEEP_OPTIONS, **kw)
+  assert (hlo.count_collectives(sweep.compiled()).summary() ==
+          hlo.count_collectives(real.compiled()).summary())
+  assert abs(memory.footprint(sweep.compiled())["footprint"] -
+             memory.footprint(real.compiled())["footprint"]) <= 1024
+
+
+def test_smoke_suite_writes_results(tmp_path):
+  from benchmarks import run
+
+  assert run.main(["--smoke", "--out", str(tmp_path)]) == 0
+  names = {p.name for p in tmp_path.iterdir()}
+  for suite in ("speed", "memory", "comm"):
+    assert f"smoke_{suite}.json" in names
+  for plot in ("speed", "memory", "depth", "comm", "chunks"):
+    assert f"smoke_{plot}.png" in names
+  speed = json.loads((tmp_path / "smoke_speed.json").read_text())
+  assert {"setup", "median_s", "ratio_vs_plain_dp", "ratio_vs_gspmd_fsdp",
+          "goals", "meta"} <= set(speed)
+  assert speed["ratio_vs_plain_dp"]["plain-dp"] == 1.0
+  memory = json.loads((tmp_path / "smoke_memory.json").read_text())
+  rows = memory["rows"]["tiny"]
+  assert {r["variant"] for r in rows} == set(speed["median_s"])
+  for r in rows:
+    assert {"persistent_bytes", "theory_bytes", "footprint", "temp",
+            "argument", "output", "alias"} <= set(r)
+  assert set(memory["depth_sweep"]) >= {"layers", "footprint", "num_params"}
+  comm = json.loads((tmp_path / "smoke_comm.json").read_text())
+  assert {r["variant"] for r in comm["rows"]} == set(speed["median_s"])
+  for r in comm["rows"]:
+    assert {"per_kind", "measured_bytes", "theory_bytes",
+            "measured_over_theory"} <= set(r)
+  assert {"chunk_size", "chunks", "leaves", "all_gather_ops",
+          "reduce_scatter_ops"} <= set(comm["chunk_sweep"][0])
+  readme = (tmp_path / "README.md").read_text()
+  for heading in ("## `--smoke`", "### Step time", "### Memory per device",
+                  "### Communication per step", "Chunk-size sweep"):
+    assert heading in readme
