@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim, precision
 from zerojax.config import DynamicLossScale, ZeroConfig
-from zerojax.state import (ZeroTrainState, _auto_mesh, _build_program,
-                           default_mesh, gather_params, leaf_spec)
+from zerojax.state import (ZeroTrainState, _build_program, _config_and_mesh,
+                           leaf_spec)
 
 FORMAT = "zerojax-1"
 _MANAGERS: dict = {}
@@ -218,11 +218,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   if stage is not None:
     fields["stage"] = stage
   fields.update(config_fields)
-  config = ZeroConfig(**fields)
-  mesh = _auto_mesh(mesh if mesh is not None else default_mesh(config.axis_name))
-  if config.axis_name not in mesh.axis_names:
-    raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
-                     f"{config.axis_name!r}.")
+  config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
   saved = _saved_tree(path)
   if _signature(saved["params"]) != _signature(abstract):
     raise ValueError(_describe_mismatch(saved["params"], abstract, "parameter tree"))
