@@ -9,7 +9,8 @@ from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax import checkpoint, nn
 from zerojax.layout import ChunkLayout
 from zerojax.memory import MemoryReport, compiled_footprint, estimate_memory, memory_report
-from zerojax.state import ZeroTrainState, create, gather_params, shard
+from zerojax.sharded_init import create
+from zerojax.state import ZeroTrainState, gather_params, shard
 from zerojax.step import train_step
 
 __all__ = ["ChunkLayout", "DynamicLossScale", "MemoryReport", "ZeroConfig",
