@@ -9,11 +9,13 @@ from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax import checkpoint, nn
 from zerojax.layout import ChunkLayout
 from zerojax.memory import MemoryReport, compiled_footprint, estimate_memory, memory_report
+from zerojax.planner import OffloadPlan, plan_offload
 from zerojax.sharded_init import create
 from zerojax.state import ZeroTrainState, gather_params, shard
 from zerojax.step import train_step
 
 __all__ = ["ChunkLayout", "DynamicLossScale", "MemoryReport", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create", "estimate_memory",
-           "gather_params", "memory_report", "nn", "shard", "train_step"]
+           "gather_params", "memory_report", "nn", "OffloadPlan", "plan_offload",
+           "shard", "train_step"]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ at stages 2-3, reported beside the persistent figures.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -164,14 +165,78 @@ def memory_report(state) -> MemoryReport:
                       measured, estimate)
 
 
+_HOST_MEMORY_SPACE = "S(5)"   # XLA's host memory space in a layout
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](?:\{([^{}]*)\})?")
+_ALIAS = re.compile(r"\{([0-9, ]*)\}:\s*\((\d+),")
+
+
+def _entry_buffers(hlo_text: str) -> tuple:
+  """([(bytes, on_host)] of the parameters, same of the outputs, {output:
+  parameter} aliases) from the module header of a compiled, partitioned
+  program: its `entry_computation_layout` (per-device shapes, with the
+  memory space in each layout) and its `input_output_alias`."""
+  header = hlo_text.split("\n", 1)[0]
+  layout = header.split("entry_computation_layout={", 1)[1]
+  depth, end = 1, 0
+  while depth:
+    depth += {"{": 1, "}": -1}.get(layout[end], 0)
+    end += 1
+  params, outputs = layout[:end - 1].split(")->", 1)
+
+  def buffers(text):
+    out = []
+    for dtype, dims, lay in _SHAPE.findall(text):
+      size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+      bits = re.search(r"\d+", dtype)     # f32, bf16, s4, f8e4m3fn; pred
+      width = max(int(bits.group()) // 8, 1) if bits else 1
+      out.append((size * width, _HOST_MEMORY_SPACE in (lay or "")))
+    return out
+
+  aliases = {}
+  if "input_output_alias={" in header:
+    for index, param in _ALIAS.findall(header.split("input_output_alias={", 1)[1]
+                                       .split("}, entry_computation_layout", 1)[0]):
+      aliases[int(index.split(",")[0]) if index.strip() else 0] = int(param)
+  return buffers(params), buffers(outputs), aliases
+
+
 def compiled_footprint(compiled) -> dict:
   """Per-device bytes of a compiled program (`jax.jit(f).lower(...).compile()`
-  or a `step.lower(state, batch).compile()`): argument + output + temp -
-  alias, from `memory_analysis()`."""
+  or a `step.lower(state, batch).compile()`).
+
+  Measured, from `memory_analysis()`: `argument`, `output`, `temp`, `alias`
+  and `footprint` = argument + output + temp - alias.
+
+  The host split: the CPU backend leaves `memory_analysis()`'s host_* fields
+  at 0 and counts host-resident buffers in argument/output/alias. The
+  memory space of every parameter and output is read from the compiled
+  module's entry layout (`S(5)` = host) and its input/output aliases:
+  `host_argument`, `host_output`, `host_alias` (host outputs that reuse a
+  donated host argument), and `device` = footprint - host_argument -
+  host_output + host_alias, the bytes that must fit in device memory. Where
+  a backend fills the host_* fields itself, they are used and `device` is
+  the footprint as reported (assumed, not checked: no such backend here).
+  Temporaries are all counted as device memory; on CPU the host <-> device
+  copies of offloaded arrays compile to nothing, so `temp` holds no device
+  copy of an offloaded array (an accelerator's would, while it is in use).
+  """
   ma = compiled.memory_analysis()
   out = {"argument": int(ma.argument_size_in_bytes),
          "output": int(ma.output_size_in_bytes),
          "temp": int(ma.temp_size_in_bytes),
          "alias": int(ma.alias_size_in_bytes)}
   out["footprint"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  reported = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0)
+              for k in ("argument", "output", "alias", "temp")}
+  if any(reported.values()):
+    out.update({f"host_{k}": v for k, v in reported.items()})
+    out["device"] = out["footprint"]
+    return out
+  params, outputs, aliases = _entry_buffers(compiled.as_text())
+  out["host_argument"] = sum(b for b, host in params if host)
+  out["host_output"] = sum(b for b, host in outputs if host)
+  out["host_alias"] = sum(outputs[o][0] for o, p in aliases.items()
+                          if o < len(outputs) and outputs[o][1] and params[p][1])
+  out["device"] = (out["footprint"] - out["host_argument"] - out["host_output"]
+                   + out["host_alias"])
   return out

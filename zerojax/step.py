@@ -245,7 +245,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     leading axis (numpy arrays are fine). `metrics` holds `loss` (mean over
     the global batch), `grad_norm` (global, before clipping), the aux values,
     and under loss scaling `loss_scale` and `skipped`. `step.lower(state,
-    batch)` gives the lowered program (for `memory_analysis()`).
+    batch)` gives the lowered program (for `memory_analysis()`); state and
+    batch may be `jax.ShapeDtypeStruct`s (nothing is allocated).
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
@@ -272,7 +273,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
           f"x accum_steps {cfg.accum_steps} = {per_step}; use a multiple of "
           f"{per_step}.")
     sharding = NamedSharding(state.mesh, P(cfg.axis_name))
-    return jax.device_put(batch, sharding)
+    # ShapeDtypeStructs (an abstract batch, for `step.lower`) get the sharding.
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
+        batch)
 
   def step(state, batch, rng=None):
     return jitted(state, prepare(state, batch), rng)

@@ -1,0 +1,250 @@
+"""The offload budget planner: the least host offload whose compiled step fits
+a per-device device-memory budget, decided before the first step.
+
+Gemini decides placement from a warm-up trace at run time; here each
+candidate setting's step is lowered from an abstract state
+(`jax.ShapeDtypeStruct`s carrying that setting's shardings and memory kinds)
+and compiled, so nothing is allocated. It lives beside `offload` rather than
+in it because it compiles the step (`offload` never imports `step`).
+
+The ladder, least offload first (each rung keeps every host byte of the one
+before, so device bytes fall and host bytes grow along it):
+
+  0        no offload;
+  1..C-1   `offload_optimizer=True`, the optimizer state (and, where the
+           master is a sharded copy, the master shard) of the 1, 2, ... C-1
+           largest chunks on host: `offload_fraction` at chunk granularity,
+           largest first as `offload.offloaded_chunks` places them, so each
+           rung moves the most bytes for one more chunk's transfers;
+  C        full optimizer offload (`offload_fraction=1.0`);
+  C+1      stage 3: `offload_params=True` on top, kept only where it moves
+           more to host. With this project's placement it never does: at
+           stage 3 the master shard is the parameter, and full optimizer
+           offload already keeps it on host. Parameters go last because
+           they are read in the forward and backward (a transfer before each
+           use), the optimizer state only once per step.
+
+Rungs with the same placement as the one before are dropped. The planner
+bisects the ladder (device bytes do not grow along it): 2 + O(log C)
+compiles.
+
+What is measured and what is derived (see `zerojax.compiled_footprint`):
+the argument/output/temp/alias bytes come from `memory_analysis()`; the
+CPU backend does not split them by memory space, so the host-resident
+parameters and outputs are found from the compiled module's entry layout
+and subtracted: `device_bytes` = footprint - host arguments - host outputs
++ host outputs that alias donated host arguments. On CPU the host <-> device
+copies compile away, so `device_bytes` holds no transient device copy of an
+offloaded chunk; on an accelerator the optimizer update also needs the
+device copies of the offloaded optimizer state (see `zerojax.offload`).
+`host_bytes` is the per-device bytes of the state arrays placed in
+`pinned_host` memory (from the shardings; it equals the compiled
+`host_argument`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from zerojax import offload
+from zerojax.memory import compiled_footprint
+from zerojax.state import ZeroTrainState, state_shardings
+from zerojax.step import train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+  """The planner's answer.
+
+  Attributes:
+    offload_optimizer, offload_params, offload_fraction: the setting; pass
+      `plan.config_fields` to `zerojax.shard` / `zerojax.create`.
+    offloaded_chunks: how many chunks have their optimizer state on host.
+    device_bytes: per-device device memory of the compiled step (derived,
+      see the module docstring).
+    host_bytes: per-device bytes of the state kept in `pinned_host` memory.
+    budget_bytes: the budget asked for.
+    footprint: `zerojax.compiled_footprint` of the chosen setting's step.
+    ladder: every rung's config fields, least offload first.
+    rung: the chosen rung's index in `ladder`.
+    tried: {rung index: device bytes} of every rung compiled.
+  """
+  offload_optimizer: bool
+  offload_params: bool
+  offload_fraction: float
+  offloaded_chunks: int
+  device_bytes: int
+  host_bytes: int
+  budget_bytes: int
+  footprint: dict
+  ladder: tuple
+  rung: int
+  tried: dict
+
+  @property
+  def config_fields(self) -> dict:
+    return {"offload_optimizer": self.offload_optimizer,
+            "offload_params": self.offload_params,
+            "offload_fraction": self.offload_fraction}
+
+
+def offload_ladder(state: ZeroTrainState) -> list:
+  """The offload settings the planner chooses from, least offload first, as
+  ZeroConfig field dicts (see the module docstring)."""
+  cfg, layout = state.config, state.layout
+  none = {"offload_optimizer": False, "offload_params": False,
+          "offload_fraction": 1.0}
+  if cfg.stage == 0 or not _has_host_memory(state.mesh):
+    return [none]
+  sizes = [int(np.prod(c.shape)) * c.dtype.itemsize for c in layout.chunks]
+  total = sum(sizes)
+  candidates = [none]
+  cumulative = 0
+  for i, size in enumerate(sorted(sizes, reverse=True)):
+    cumulative += size
+    fraction = 1.0 if i == len(sizes) - 1 else cumulative / total
+    candidates.append({"offload_optimizer": True, "offload_params": False,
+                       "offload_fraction": fraction})
+  if cfg.stage == 3:
+    candidates.append({"offload_optimizer": True, "offload_params": True,
+                       "offload_fraction": 1.0})
+  ladder, seen = [], set()
+  for fields in candidates:
+    kinds = _placement(_abstract_state(state, fields))
+    if kinds not in seen:
+      seen.add(kinds)
+      ladder.append(fields)
+  return ladder
+
+
+def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
+                 budget_bytes: int, *, has_aux: bool = False,
+                 compiler_options: Optional[dict] = None) -> OffloadPlan:
+  """The least offload (along `offload_ladder`) whose compiled step needs at
+  most `budget_bytes` of device memory per device.
+
+  Args:
+    state: a `ZeroTrainState`, real or abstract (e.g. `jax.eval_shape` of
+      `zerojax.shard`); only its shapes, dtypes, layout, config and mesh are
+      read, and its own offload fields are ignored.
+    loss_fn, has_aux: as for `zerojax.train_step`.
+    batch: one step's global batch: arrays or `jax.ShapeDtypeStruct`s.
+    budget_bytes: device memory per device, in bytes.
+    compiler_options: XLA options for the compiles (the same as the run's,
+      so the analysis matches what will run).
+
+  Returns:
+    An `OffloadPlan`; `zerojax.shard(..., **plan.config_fields)`.
+
+  Raises:
+    ValueError: when even the most offload of the ladder does not fit,
+      saying by how many bytes.
+  """
+  if not isinstance(state, ZeroTrainState):
+    raise TypeError(f"plan_offload() takes a ZeroTrainState (from "
+                    f"zerojax.shard, or jax.eval_shape of it), got "
+                    f"{type(state).__name__}.")
+  if not callable(loss_fn):
+    raise TypeError(f"plan_offload() takes the loss function, got {loss_fn!r}.")
+  if (isinstance(budget_bytes, bool) or
+      not isinstance(budget_bytes, numbers.Real)):
+    raise TypeError(f"budget_bytes={budget_bytes!r} must be a number of bytes "
+                    "per device (an int).")
+  if not (math.isfinite(budget_bytes) and budget_bytes > 0):
+    raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive, "
+                     "finite number of bytes per device.")
+  budget = int(budget_bytes)
+  batch = jax.eval_shape(lambda b: b, batch)   # shapes only: nothing moved
+  step = train_step(loss_fn, has_aux=has_aux)
+  ladder = offload_ladder(state)
+  measured = {}
+
+  def device_bytes(rung):
+    if rung not in measured:
+      abstract = _abstract_state(state, ladder[rung])
+      compiled = step.lower(abstract, batch).compile(compiler_options)
+      measured[rung] = compiled_footprint(compiled)
+    return measured[rung]["device"]
+
+  last = len(ladder) - 1
+  if device_bytes(last) > budget:
+    need = device_bytes(last)
+    why = _why_no_more(state)
+    raise ValueError(
+        f"budget_bytes={budget:,} cannot be met: the step needs "
+        f"{need:,} bytes of device memory per device with the most offload "
+        f"{_describe(ladder[last])}, {need - budget:,} bytes over the budget. "
+        f"{why}Raise the budget, use more devices, a smaller batch or "
+        "model, or accumulate gradients (accum_steps).")
+  lo, hi = -1, last            # lo: known not to fit (or none), hi: fits
+  if last > 0:
+    if device_bytes(0) <= budget:
+      hi = 0
+    else:
+      lo = 0
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if device_bytes(mid) <= budget:
+      hi = mid
+    else:
+      lo = mid
+  fields = ladder[hi]
+  chosen = _abstract_state(state, fields)
+  host_chunks = (offload.offloaded_chunks(state.layout, fields["offload_fraction"])
+                 if fields["offload_optimizer"] else frozenset())
+  return OffloadPlan(
+      **fields, offloaded_chunks=len(host_chunks),
+      device_bytes=measured[hi]["device"], host_bytes=_host_bytes(chosen),
+      budget_bytes=budget, footprint=measured[hi], ladder=tuple(ladder),
+      rung=hi, tried={r: fp["device"] for r, fp in sorted(measured.items())})
+
+
+def _abstract_state(state, fields) -> ZeroTrainState:
+  """`state` as ShapeDtypeStructs with the shardings of `fields`' offload."""
+  config = dataclasses.replace(state.config, **fields)
+  state = state.replace(config=config)
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+      state, state_shardings(state))
+
+
+def _placement(abstract) -> tuple:
+  return tuple(x.sharding.memory_kind for x in jax.tree_util.tree_leaves(abstract))
+
+
+def _host_bytes(abstract) -> int:
+  """Per-device bytes of the arrays placed in host memory."""
+  total = 0
+  for x in jax.tree_util.tree_leaves(abstract):
+    if x.sharding.memory_kind == offload.HOST:
+      shape = x.sharding.shard_shape(x.shape)
+      total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def _has_host_memory(mesh) -> bool:
+  try:
+    offload.check_backend(mesh)
+  except ValueError:
+    return False
+  return True
+
+
+def _why_no_more(state) -> str:
+  if state.config.stage == 0:
+    return "Stage 0 cannot offload (use stage >= 1). "
+  if not _has_host_memory(state.mesh):
+    return (f"The devices have no {offload.HOST!r} memory, so nothing can be "
+            "offloaded. ")
+  return ""
+
+
+def _describe(fields) -> str:
+  if not fields["offload_optimizer"] and not fields["offload_params"]:
+    return "(no offload)"
+  return ("(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")")
