@@ -128,3 +128,14 @@ def reference_run(loss_fn, params, tx, batches, compute_dtype=jnp.float32,
                                    jax.device_put(b, device))
     losses.append(float(loss))
   return np.array(losses), params
+
+
+def zero_run(state, loss_fn, batches):
+  """Trains a ZeroTrainState on `batches`; returns (state, losses)."""
+  import zerojax
+  step = zerojax.train_step(loss_fn)
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return state, np.array(losses)

@@ -11,7 +11,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
-from models import make_problem
+from models import make_problem, zero_run as _train
 
 STEPS = 6
 SPLIT = 3
@@ -30,15 +30,6 @@ def problem():
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
   return plain, loss_fn, batches
-
-
-def _train(state, loss_fn, batches):
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  return state, np.array(losses)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim, precision
@@ -260,13 +261,25 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   `zero_to_fp32.py`). With `with_opt_state`, returns `(params, opt_state)`,
   the optax state in its ordinary tree form."""
   if isinstance(directory_or_state, ZeroTrainState):
-    state = directory_or_state
-    tree = _tree_form(state)
-    params = jax.tree_util.tree_map(np.asarray, tree["params"])
-    opt = jax.tree_util.tree_map(np.asarray, tree["opt_state"])
+    tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
   else:
     path, _, _ = _open(directory_or_state, step)
-    loaded = ocp.StandardCheckpointer().restore(path)
-    params = jax.tree_util.tree_map(np.asarray, loaded["params"])
-    opt = jax.tree_util.tree_map(np.asarray, loaded["opt_state"])
-  return (params, opt) if with_opt_state else params
+    tree = _restore_to_host(path)
+  return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  # Under multi-host, every process ends up with the whole tree (export's
+  # purpose); np.asarray alone refuses arrays with shards on other hosts.
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _restore_to_host(path: str) -> dict:
+  """A saved tree as numpy arrays, read straight from the files: no device
+  mesh, so neither the device count nor the process count at save matters."""
+  as_numpy = jax.tree_util.tree_map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(path))
+  return ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

@@ -1,0 +1,63 @@
+"""One process of the two-process run in test_multihost.py (not a test).
+
+`python multihost_worker.py RANK PORT CKPT_DIR OUT`: joins a 2-process
+jax.distributed run on 127.0.0.1:PORT with 4 simulated CPU devices (the parent
+sets XLA_FLAGS), trains SPLIT steps at stage 3, saves, restores from the
+checkpoint, trains the remaining steps; rank 0 writes the losses and the
+final parameters (from export_params of the live state and of the checkpoint
+directory) to OUT (.npz).
+"""
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+from flax.training import train_state
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_problem, zero_run as train  # noqa: E402
+
+STEPS, SPLIT, BATCH, CHUNK = 6, 3, 24, 128
+
+
+def problem():
+  """Shared with the parent's single-process reference run."""
+  model, params, loss_fn, batches = make_problem("mlp", steps=STEPS,
+                                                 batch=BATCH)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adamw(1e-2, weight_decay=0.1))
+  return plain, loss_fn, batches
+
+
+def main(rank: int, port: int, directory: str, out: str) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
+                             process_id=rank, initialization_timeout=60)
+  import zerojax
+  assert jax.process_count() == 2 and jax.local_device_count() == 4, (
+      jax.process_count(), jax.local_device_count())
+  plain, loss_fn, batches = problem()
+  state = zerojax.shard(plain, stage=3, chunk_size=CHUNK)
+  assert not state.master[0].is_fully_addressable  # really spread over hosts
+  state, first = train(state, loss_fn, batches[:SPLIT])
+  zerojax.checkpoint.save(directory, state, wait=True)
+  del state
+  state = zerojax.checkpoint.restore(directory, like=plain, stage=3,
+                                     chunk_size=CHUNK)
+  assert int(state.step) == SPLIT
+  state, rest = train(state, loss_fn, batches[SPLIT:])
+  params = zerojax.checkpoint.export_params(state)
+  zerojax.checkpoint.save(directory, state, wait=True)
+  from_disk = zerojax.checkpoint.export_params(directory)
+  if rank == 0:
+    flat = {f"params/{jax.tree_util.keystr(k)}": v for k, v in
+            jax.tree_util.tree_leaves_with_path(params)}
+    flat.update({f"disk/{jax.tree_util.keystr(k)}": v for k, v in
+                 jax.tree_util.tree_leaves_with_path(from_disk)})
+    np.savez(out, losses=np.concatenate([first, rest]), **flat)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
