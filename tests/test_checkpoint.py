@@ -1,6 +1,10 @@
 """Checkpoints: round trip, any device count and stage, export, plain orbax,
-bad input."""
+bad input, a crash during an asynchronous save."""
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -133,3 +137,42 @@ def test_bad_input(problem, saved, tmp_path):
   assert sorted(os.listdir(directory)) == before
   with pytest.raises(TypeError, match="ZeroTrainState"):
     zerojax.checkpoint.save(directory, plain)
+
+
+def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+  from crash_worker import plain_state
+  directory = tmp_path / "a"
+  worker = os.path.join(os.path.dirname(__file__), "crash_worker.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, worker, str(directory)], env=env,
+                        capture_output=True, text=True, timeout=180)
+  assert proc.returncode == -signal.SIGKILL, (
+      f"worker exited with {proc.returncode}, not killed:\n{proc.stderr[-4000:]}")
+  # Killed mid-write: step 1 committed, step 2 only as orbax's temporary.
+  assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp"]
+  shutil.copytree(directory, tmp_path / "b")
+
+  like = plain_state(0.0)
+  state = zerojax.checkpoint.restore(str(directory), like=like)
+  assert int(state.step) == 1
+  np.testing.assert_array_equal(zerojax.gather_params(state)["w"], 1.0)
+  np.testing.assert_array_equal(
+      zerojax.checkpoint.export_params(str(directory))["b"], like.params["b"] + 1)
+  with pytest.raises(ValueError, match=r"step 2 is not in .*saved steps: \[1\]"):
+    zerojax.checkpoint.restore(str(directory), like=like, step=2)
+
+  # The resumed run reaches step 2 again and saves it: it commits.
+  zerojax.checkpoint.save(str(directory), zerojax.shard(plain_state(2.0)),
+                          wait=True)
+  assert sorted(os.listdir(directory)) == ["1", "2"]
+  np.testing.assert_array_equal(
+      zerojax.checkpoint.export_params(str(directory))["w"], 2.0)
+  with pytest.raises(ValueError, match=r"step 0 is older than the newest "
+                     r"checkpoint \(2\)"):
+    zerojax.checkpoint.save(str(directory), zerojax.shard(like))
+  assert sorted(os.listdir(directory)) == ["1", "2"]
+
+  # A first save under another number removes the dead temporary.
+  zerojax.checkpoint.save(str(tmp_path / "b"), zerojax.shard(plain_state(5.0)),
+                          wait=True)
+  assert sorted(os.listdir(tmp_path / "b")) == ["1", "5"]

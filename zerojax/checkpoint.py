@@ -35,9 +35,12 @@ _MANAGERS: dict = {}
 def _manager(directory: str, keep: Optional[int] = None) -> ocp.CheckpointManager:
   directory = os.path.abspath(directory)
   if directory not in _MANAGERS:
+    # The process that saves owns the directory: orbax's leftovers of a save
+    # that a crash cut short (`<step>.orbax-checkpoint-tmp`) are removed.
     _MANAGERS[directory] = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True))
+            max_to_keep=keep, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True))
   return _MANAGERS[directory]
 
 
@@ -117,6 +120,12 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
   if step in mgr.all_steps():
     raise ValueError(f"step {step} already exists in {directory}; pass "
                      "another step= (nothing was overwritten).")
+  latest = mgr.latest_step()
+  if latest is not None and step < latest:
+    # orbax would skip it without a word.
+    raise ValueError(f"step {step} is older than the newest checkpoint "
+                     f"({latest}) in {directory}; pass a step= above {latest} "
+                     "or another directory (nothing was written).")
   meta = {"format": FORMAT, "config": _config_json(state.config),
           "num_shards": state.num_shards,
           "leaves": [i.path for i in state.layout.leaves]}
