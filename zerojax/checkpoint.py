@@ -13,6 +13,7 @@ Never imports `step`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Optional
 
@@ -50,21 +51,28 @@ def _leaf_shardings(tree, mesh, axis_name):
       lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
 
 
-def _tree_form(state: ZeroTrainState) -> dict:
-  """The ordinary TrainState content of `state`, leaves sharded."""
-  layout, cfg = state.layout, state.config
+@functools.lru_cache(maxsize=8)
+def _tree_form_program(layout, tx, mesh: Mesh, axis_name: str):
+  """The jitted chunks -> tree conversion; cached, so that the saves of a
+  run after the first do not compile again."""
   abstract = jax.tree_util.tree_unflatten(
       layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
-  tree_opt = jax.eval_shape(state.tx.init, abstract)
+  tree_opt = jax.eval_shape(tx.init, abstract)
 
   def convert(master, rest, opt_state):
     return (layout.merge(master, rest),
             optim.opt_state_from_views(layout, opt_state, tree_opt))
 
-  shardings = (_leaf_shardings(abstract, state.mesh, cfg.axis_name),
-               _leaf_shardings(tree_opt, state.mesh, cfg.axis_name))
-  params, opt_state = jax.jit(convert, out_shardings=shardings)(
-      state.master, state.rest, state.opt_state)
+  shardings = (_leaf_shardings(abstract, mesh, axis_name),
+               _leaf_shardings(tree_opt, mesh, axis_name))
+  return jax.jit(convert, out_shardings=shardings)
+
+
+def _tree_form(state: ZeroTrainState) -> dict:
+  """The ordinary TrainState content of `state`, leaves sharded."""
+  convert = _tree_form_program(state.layout, state.tx, state.mesh,
+                               state.config.axis_name)
+  params, opt_state = convert(state.master, state.rest, state.opt_state)
   out = {"step": state.step, "params": params, "opt_state": opt_state}
   if state.loss_scale is not None:
     out["loss_scale"] = {"scale": state.loss_scale.scale,
