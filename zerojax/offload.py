@@ -13,6 +13,30 @@ Placement, per chunk:
 the chunk bytes is reached (within one chunk): the fewest, largest transfers
 for the bytes moved (DeepSpeed's Twin-Flow `ratio`, Gemini's
 `offload_optim_frac`).
+
+Device residency inside the step, as measured on this project's CPU
+machines (jax 0.10.2) and not yet on an accelerator:
+  - `to_device` runs at the start of the step for every offloaded array
+    and `place` at its end, and the optax update is one call over all
+    chunks, so the program's data dependencies allow every offloaded
+    chunk's device copy to be live at once; the issue's bound (a bounded
+    number of chunks' optimizer state on device at a time) is NOT enforced.
+    Enforcing it needs the update split per chunk with each chunk's copy
+    ordered after the previous chunk's write-back, which changes results
+    for a user `tx` that reads all chunks (e.g. `clip_by_global_norm`
+    inside an `optax.chain`).
+  - On CPU, jax lowers a memory-kind `device_put` to nothing (only the
+    TPU/GPU lowering emits the `annotate_device_placement` transfers):
+    the compiled CPU program computes on the host buffers directly, so its
+    `memory_analysis()` holds no device copy of an offloaded array and
+    cannot show residency. `zerojax.compiled_footprint`'s `device` figure
+    there is the footprint less the host-resident arguments and outputs.
+  - On a GPU, XLA's host-offload passes turn the annotations into
+    host <-> device copies; when each copy runs (and so how many chunks
+    are resident at once) is up to XLA's scheduler. Expect the update to
+    need, at worst, device room for the offloaded optimizer state on top
+    of `device`, and transfer time ~ offloaded bytes / PCIe bandwidth
+    each step in each direction.
 """
 from __future__ import annotations
 
