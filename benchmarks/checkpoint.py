@@ -1,0 +1,205 @@
+"""Checkpoint save and restore: zerojax stage 3 on 8 simulated devices against
+a plain orbax `StandardCheckpointer` of the same unsharded flax `TrainState`
+(fp32 parameters + AdamW, values of `model.init`).
+
+  save      `zerojax.checkpoint.save` + `wait`, from a live stage-3 state;
+            `StandardCheckpointer().save` + `wait_until_finished` of the
+            TrainState on one device. `blocking` is the part before the call
+            returns (training waits that long), `total` until committed.
+  restore   `zerojax.checkpoint.restore(like=<abstract TrainState>)` into a
+            stage-3 state on 8 devices (reads the ordinary tree, repacks it
+            into chunk shards); `StandardCheckpointer().restore` onto one
+            device. Until the arrays are ready.
+  host MiB  peak resident memory of the process during the call less its
+            resident memory just before (`VmHWM` after resetting it through
+            `/proc/self/clear_refs`, against `VmRSS`). CPU "device" memory is
+            host memory, so this counts every copy the call makes, and the
+            state itself (resident before a save) is not in it. A save whose
+            increase stays below the state's size gathered no full copy.
+
+Every measurement runs in a fresh process (`python -m benchmarks.checkpoint
+KIND CONFIG DIR`, one JSON line on stdout), so that no earlier allocation or
+compilation counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+KINDS = ("orbax-save", "zerojax-save", "orbax-restore", "zerojax-restore")
+# Model configs (benchmarks.models) per run mode. GPT-2 medium's state is
+# 4.3 GB; its zerojax save holds about twice that at its peak.
+CONFIGS = {"smoke": ("tiny",), "quick": ("gpt2-small",),
+           "full": ("gpt2-small", "gpt2-medium")}
+GOAL_TIME_RATIO = 1.2
+
+
+# ---- inside the measuring process -------------------------------------------------
+def _status() -> dict:
+  out = {}
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(("VmRSS", "VmHWM")):
+        key, value = line.split(":", 1)
+        out[key] = int(value.split()[0]) * 1024
+  return out
+
+
+def _measured(fn) -> dict:
+  """Runs fn() -> (result, blocking seconds or None); times and peak host
+  memory above the resident memory at the start."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")   # resets VmHWM to the current VmRSS
+  before = _status()["VmRSS"]
+  start = time.perf_counter()
+  result, blocking = fn()
+  total = time.perf_counter() - start
+  after = _status()
+  return {"total_s": total, "blocking_s": blocking, "rss_before": before,
+          "peak_increase": after["VmHWM"] - before,
+          "rss_after": after["VmRSS"]}, result
+
+
+def _two_saves(save) -> dict:
+  """The first save of the process (compiles zerojax's conversion program)
+  and a second one (what every later save of a run costs)."""
+  first, _ = _measured(lambda: save(0))
+  again, _ = _measured(lambda: save(1))
+  return {**again, "first": first}
+
+
+def _problem(cfg_name: str):
+  import jax
+  from flax.training import train_state
+  from benchmarks import models
+  model = models.make_model(models.CONFIGS[cfg_name])
+  tx = models.make_tx()
+
+  def init_fn(rng):
+    return model.init(rng, jax.numpy.zeros((1, 8), jax.numpy.int32))["params"]
+
+  def plain(rng):
+    return train_state.TrainState.create(apply_fn=model.apply,
+                                         params=init_fn(rng), tx=tx)
+  return model, tx, init_fn, plain
+
+
+def _state_bytes(tree) -> int:
+  import jax
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def _child(kind: str, cfg_name: str, directory: str) -> dict:
+  import jax
+  import orbax.checkpoint as ocp
+  import zerojax
+  model, tx, init_fn, plain = _problem(cfg_name)
+  rng = jax.random.key(0)
+  abstract = jax.eval_shape(plain, rng)
+  out = {"kind": kind, "config": cfg_name, "state_bytes": _state_bytes(abstract),
+         "devices": jax.device_count()}
+  zdir, odir = os.path.join(directory, "zerojax"), os.path.join(directory, "orbax")
+  if kind == "zerojax-save":
+    state = zerojax.create(init_fn, rng, apply_fn=model.apply, tx=tx, stage=3,
+                           stacked=("blocks",))
+    jax.block_until_ready(state)
+
+    def save(step):
+      t = time.perf_counter()
+      zerojax.checkpoint.save(zdir, state, step=step)
+      blocking = time.perf_counter() - t
+      zerojax.checkpoint.wait(zdir)
+      return None, blocking
+    m = _two_saves(save)
+  elif kind == "orbax-save":
+    state = jax.jit(plain)(rng)   # on one device
+    jax.block_until_ready(state)
+    ckptr = ocp.StandardCheckpointer()
+
+    def save(step):
+      t = time.perf_counter()
+      ckptr.save(os.path.join(odir, str(step)), state)
+      blocking = time.perf_counter() - t
+      ckptr.wait_until_finished()
+      return None, blocking
+    m = _two_saves(save)
+  elif kind == "zerojax-restore":
+    m, state = _measured(lambda: (jax.block_until_ready(
+        zerojax.checkpoint.restore(zdir, like=abstract)), None))
+    assert state.config.stage == 3 and state.num_shards == jax.device_count()
+  elif kind == "orbax-restore":
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
+    m, state = _measured(lambda: (jax.block_until_ready(
+        ocp.StandardCheckpointer().restore(os.path.join(odir, "1"), target)),
+        None))
+  else:
+    _check_kind(kind)
+  out.update(m)
+  return out
+
+
+# ---- driving process ----------------------------------------------------------------
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"unknown measurement {kind!r}; use one of {KINDS}.")
+
+
+def measure(kind: str, cfg_name: str, directory: str, timeout: int = 1800) -> dict:
+  """One measurement in a fresh process with 8 simulated CPU devices."""
+  _check_kind(kind)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "benchmarks.checkpoint", kind, cfg_name, directory]
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  if proc.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
+                       f"{proc.stderr[-4000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(config: str, log=print) -> dict:
+  """The four measurements of one model config, with ratios and goals."""
+  rows = {}
+  with tempfile.TemporaryDirectory(prefix="zerojax_ckpt_bench_") as tmp:
+    for kind in KINDS:   # saves first: the restores read what they wrote
+      log(f"checkpoint {kind} ({config})")
+      rows[kind] = measure(kind, config, tmp)
+  return summary(config, rows)
+
+
+def summary(config: str, rows: dict) -> dict:
+  """The result of one config from its four measurements."""
+  state = rows["orbax-save"]["state_bytes"]
+  ratios = {what: rows[f"zerojax-{what}"]["total_s"] /
+            rows[f"orbax-{what}"]["total_s"] for what in ("save", "restore")}
+  ratios["first save"] = (rows["zerojax-save"]["first"]["total_s"] /
+                          rows["orbax-save"]["first"]["total_s"])
+  return {"config": config, "state_bytes": state, "rows": rows,
+          "time_ratio": ratios,
+          "save_peak_over_state": rows["zerojax-save"]["peak_increase"] / state}
+
+
+def goal_checks(results: list) -> list:
+  goals = []
+  for r in results:
+    for what in ("save", "first save", "restore"):
+      v = r["time_ratio"][what]
+      goals.append((f"zerojax {what} time / plain orbax ({r['config']})", v,
+                    GOAL_TIME_RATIO, v <= GOAL_TIME_RATIO))
+    v = r["save_peak_over_state"]
+    goals.append((f"zerojax save peak host increase / state bytes "
+                  f"({r['config']})", v, 1.0, v < 1.0))
+  return goals
+
+
+if __name__ == "__main__":
+  print(json.dumps(_child(*sys.argv[1:4])))
