@@ -2,13 +2,16 @@
 
     python -m benchmarks.run --quick [--out benchmarks/results]
     python -m benchmarks.run --full  [--suites speed,memory,comm]
+    python -m benchmarks.run --quick --suites offload
 
 On 8 simulated CPU devices (XLA_FLAGS is set here, before jax is imported,
 unless the caller set it), in one process, for a GPT-2-style model
 (`benchmarks.models`): step time of zerojax stages 0-3 against plain jit data
 parallelism and GSPMD FSDP (`speed`), per-device memory against ZeRO's
 formulas plus a depth sweep (`memory`), collectives per step against ZeRO's
-communication volume plus a chunk-size sweep (`comm`). Writes
+communication volume plus a chunk-size sweep (`comm`); on request only,
+host offload at stage 3 (`offload`: device/host bytes, the largest model
+under a fixed device budget, step-time cost). Writes
 `<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
 result file in the output folder (see `benchmarks.report`).
 """
@@ -32,10 +35,11 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks import comm, memory, models, report, speed  # noqa: E402
+from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
 
-SUITES = ("speed", "memory", "comm")
+SUITES = ("speed", "memory", "comm")   # run by default
+EXTRA_SUITES = ("offload",)            # run when named in --suites
 
 # Per mode: the speed config (also analysed for memory and communication when
 # it is the first memory config), the memory configs, the depth sweep and the
@@ -48,6 +52,8 @@ MODES = {
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
+        offload=dict(config="tiny", batch=8, seq=16, speed_config="tiny",
+                     speed_batch=8, speed_seq=16, rounds=1),
     ),
     # 128 tokens per device: the per-step cost of the optimizer and of
     # parameter movement weighs heavily against so little compute.
@@ -58,6 +64,10 @@ MODES = {
         depth=dict(config="cpu-1m", layers=(2, 4, 8)),
         comm=dict(config="cpu-1m", chunk_sizes=(2 ** 14, 2 ** 16, 2 ** 18),
                   chunk_stages=(3,)),
+        # compiled only (abstract states): GPT-2 medium costs seconds here
+        offload=dict(config="gpt2-medium", batch=8, seq=256,
+                     speed_config="cpu-1m", speed_batch=16, speed_seq=64,
+                     rounds=9, max_layers=32),
     ),
     # The same model at 1024 tokens per device for speed; GPT-2 small and
     # medium for memory and communication (compiled, and allocated only where
@@ -70,6 +80,9 @@ MODES = {
         comm=dict(config="gpt2-small",
                   chunk_sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24),
                   chunk_stages=(2, 3)),
+        offload=dict(config="gpt2-medium", batch=8, seq=256,
+                     speed_config="cpu-1m", speed_batch=64, speed_seq=128,
+                     rounds=9, max_layers=32),
     ),
 }
 NUM_DEVICES = 8
@@ -229,6 +242,18 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     _write(out, f"{mode}_comm.json", result)
     written["comm"] = result
 
+  if "offload" in suites:
+    op = plan["offload"]
+    _log(f"offload ({op['config']}; step time {op['speed_config']})")
+    result = offload.run(op["config"], batch=op["batch"], seq=op["seq"],
+                         n=NUM_DEVICES, speed_config=op["speed_config"],
+                         speed_batch=op["speed_batch"],
+                         speed_seq=op["speed_seq"], rounds=op["rounds"],
+                         max_layers=op.get("max_layers"))
+    result.update(meta=meta, goals=offload.goal_checks(result))
+    _write(out, f"{mode}_offload.json", result)
+    written["offload"] = result
+
   for v in main.values():
     v.release()
   report.write(out, mode)
@@ -250,12 +275,14 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                       help="output folder (default: benchmarks/results)")
   parser.add_argument("--suites", default=",".join(SUITES),
-                      help=f"comma-separated subset of {','.join(SUITES)}")
+                      help="comma-separated subset of "
+                      f"{','.join(SUITES + EXTRA_SUITES)}")
   args = parser.parse_args(argv)
   suites = tuple(s for s in args.suites.split(",") if s)
-  unknown = sorted(set(suites) - set(SUITES))
+  unknown = sorted(set(suites) - set(SUITES + EXTRA_SUITES))
   if unknown:
-    parser.error(f"unknown suite(s) {unknown}; use {','.join(SUITES)}")
+    parser.error(f"unknown suite(s) {unknown}; use "
+                 f"{','.join(SUITES + EXTRA_SUITES)}")
   start = time.time()
   run(args.mode, args.out, suites)
   _log(f"done in {time.time() - start:.0f} s")

@@ -1,0 +1,144 @@
+"""Host offload at stage 3: device and host bytes per device, the largest
+model that fits a fixed per-device device budget with and without optimizer
+offload, and the step-time cost of offload on CPU.
+
+  device / host   `zerojax.compiled_footprint` of the step compiled from an
+                  abstract state (nothing allocated): `device` is derived,
+                  argument + output + temp - alias less the host-resident
+                  arguments and outputs read from the compiled entry layout
+                  (the CPU backend does not split memory kinds itself); on
+                  CPU the host <-> device copies compile to nothing, so no
+                  transient device copy of an offloaded chunk is counted
+                  (see `zerojax.offload`)
+  largest model   the budget is the device bytes of the config without
+                  offload (the device that just fits it); depth is swept
+                  at the config's width: two depths are compiled, the line
+                  through them predicts the deepest model under the budget,
+                  and compiles at that depth and the next confirm it (fits,
+                  does not fit). The blocks are one `nn.scan`, so a compile
+                  costs the same at any depth.
+  step time       the small config, allocated, with and without
+                  `offload_optimizer`, interleaved rounds (`speed`); on CPU
+                  the transfers compile to nothing, so this measures only
+                  the program differences, not PCIe traffic
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+from typing import Optional
+
+import zerojax
+
+from benchmarks import memory, models, speed
+from benchmarks import variants as V
+
+VARIANT = "zero-3"
+OFFLOAD = {"offload_optimizer": True}
+
+
+def footprint(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
+              offload: bool) -> dict:
+  """compiled_footprint of the stage-3 step of `cfg`, plus Ψ and chunks."""
+  v = V.build(VARIANT, cfg, global_batch=batch, seq=seq, num_devices=n,
+              materialize=False, options=memory.SWEEP_OPTIONS,
+              **(OFFLOAD if offload else {}))
+  out = {**zerojax.compiled_footprint(v.compiled()),
+         "num_params": cfg.num_params, "layers": cfg.layers,
+         "chunks": len(v.layout.chunks), "offload_optimizer": offload}
+  del v
+  gc.collect()
+  return out
+
+
+def largest_fitting(cfg: models.GPTConfig, budget: int, *, offload: bool,
+                    batch: int, seq: int, n: int,
+                    max_layers: Optional[int] = None) -> dict:
+  """The deepest `cfg` (at its width) whose step needs <= `budget` device
+  bytes per device: {"layers", "num_params", "device", "next_device",
+  "points": [[layers, device bytes], ...] compiled}. Compiles at the
+  config's depth and half of it, then from the depth the line through them
+  predicts, down until one fits and up while the next fits. A predicted
+  depth beyond `max_layers` is returned uncompiled, `"verified": False`:
+  building the abstract state of the `variants` path costs this host about
+  0.2 GB of RSS per GPT-2-medium layer (not the compile; not investigated),
+  so deep checks can exceed its memory."""
+  points = {}
+
+  def device(layers):
+    if layers not in points:
+      points[layers] = footprint(cfg.replace(layers=layers), batch=batch,
+                                 seq=seq, n=n, offload=offload)["device"]
+    return points[layers]
+
+  a, b = max(cfg.layers // 2, 1), max(cfg.layers, 2)
+  slope = (device(b) - device(a)) / (b - a)
+  layers = (max(1, a + int((budget - device(a)) // slope)) if slope > 0
+            else b)
+  if max_layers is not None and layers + 1 > max_layers:
+    return {"layers": layers, "verified": False,
+            "num_params": cfg.replace(layers=layers).num_params,
+            "device": device(a) + slope * (layers - a),
+            "next_device": device(a) + slope * (layers + 1 - a),
+            "slope": slope, "points": sorted(points.items())}
+  while layers > 0 and device(layers) > budget:
+    layers -= 1
+  while device(layers + 1) <= budget:
+    layers += 1
+  return {"layers": layers, "verified": True,
+          "num_params": cfg.replace(layers=layers).num_params,
+          "device": points.get(layers), "next_device": device(layers + 1),
+          "slope": slope, "points": sorted(points.items())}
+
+
+def step_times(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
+               rounds: int) -> dict:
+  """Median and minimum step seconds with and without optimizer offload."""
+  built = {}
+  for name, fields in (("no offload", {}), ("offload_optimizer", OFFLOAD)):
+    built[name] = V.build(VARIANT, cfg, global_batch=batch, seq=seq,
+                          num_devices=n, **fields)
+    built[name].compiled()
+  times = speed.time_variants(built, rounds)
+  for v in built.values():
+    v.release()
+  median = {k: statistics.median(t) for k, t in times.items()}
+  fastest = {k: min(t) for k, t in times.items()}
+  return {"times_s": times, "median_s": median, "min_s": fastest,
+          "ratio": median["offload_optimizer"] / median["no offload"],
+          "min_ratio": fastest["offload_optimizer"] / fastest["no offload"]}
+
+
+def run(cfg_name: str, *, batch: int, seq: int, n: int, speed_config: str,
+        speed_batch: int, speed_seq: int, rounds: int,
+        budget: Optional[int] = None,
+        max_layers: Optional[int] = None) -> dict:
+  """The offload suite; see the module docstring."""
+  cfg = models.CONFIGS[cfg_name]
+  rows = [footprint(cfg, batch=batch, seq=seq, n=n, offload=o)
+          for o in (False, True)]
+  budget = budget or rows[0]["device"]
+  fit = {("offload_optimizer" if o else "no offload"):
+         largest_fitting(cfg, budget, offload=o, batch=batch, seq=seq, n=n,
+                         max_layers=max_layers)
+         for o in (False, True)}
+  ratio = fit["offload_optimizer"]["num_params"] / fit["no offload"]["num_params"]
+  return {"config": cfg_name, "width": cfg.width, "layers": cfg.layers,
+          "global_batch": batch, "seq": seq, "devices": n, "rows": rows,
+          "budget": budget, "largest": fit, "size_ratio": ratio,
+          "speed": {"config": speed_config, "global_batch": speed_batch,
+                    "seq": speed_seq, "rounds": rounds,
+                    **step_times(models.CONFIGS[speed_config],
+                                 batch=speed_batch, seq=speed_seq, n=n,
+                                 rounds=rounds)}}
+
+
+def goal_checks(result: dict) -> list:
+  """[(what, measured, bound, met)]: >= 3x the parameters under the budget."""
+  value = result["size_ratio"]
+  predicted = not all(f.get("verified", True)
+                      for f in result["largest"].values())
+  return [(f"largest model with / without optimizer offload, stage 3, "
+           f"same device budget ({result['config']} width"
+           f"{'; predicted depth, see below' if predicted else ''})", value,
+           3.0, value >= 3.0)]
