@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick [--out benchmarks/results]
     python -m benchmarks.run --full  [--suites speed,memory,comm]
     python -m benchmarks.run --quick --suites offload
+    python -m benchmarks.run --full --suites checkpoint
 
 On 8 simulated CPU devices (XLA_FLAGS is set here, before jax is imported,
 unless the caller set it), in one process, for a GPT-2-style model
@@ -11,7 +12,8 @@ parallelism and GSPMD FSDP (`speed`), per-device memory against ZeRO's
 formulas plus a depth sweep (`memory`), collectives per step against ZeRO's
 communication volume plus a chunk-size sweep (`comm`); on request only,
 host offload at stage 3 (`offload`: device/host bytes, the largest model
-under a fixed device budget, step-time cost). Writes
+under a fixed device budget, step-time cost) and checkpoint save / restore
+against plain orbax (`checkpoint`, each measurement in a fresh process). Writes
 `<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
 result file in the output folder (see `benchmarks.report`).
 """
@@ -37,9 +39,10 @@ import jax  # noqa: E402
 
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
+from benchmarks import checkpoint  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
-EXTRA_SUITES = ("offload",)            # run when named in --suites
+EXTRA_SUITES = ("offload", "checkpoint")  # run when named in --suites
 
 # Per mode: the speed config (also analysed for memory and communication when
 # it is the first memory config), the memory configs, the depth sweep and the
@@ -253,6 +256,13 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     result.update(meta=meta, goals=offload.goal_checks(result))
     _write(out, f"{mode}_offload.json", result)
     written["offload"] = result
+
+  if "checkpoint" in suites:
+    rows = [checkpoint.run(c, log=_log) for c in checkpoint.CONFIGS[mode]]
+    result = {"meta": meta, "configs": rows,
+              "goals": checkpoint.goal_checks(rows)}
+    _write(out, f"{mode}_checkpoint.json", result)
+    written["checkpoint"] = result
 
   for v in main.values():
     v.release()

@@ -218,3 +218,38 @@ def test_smoke_suite_writes_results(tmp_path):
   for heading in ("## `--smoke`", "### Step time", "### Memory per device",
                   "### Communication per step", "Chunk-size sweep"):
     assert heading in readme
+
+
+def test_checkpoint_suite_summary_and_report(tmp_path):
+  """The checkpoint suite's ratios, goals, table and plot from synthetic
+  measurements (the measurements themselves take minutes)."""
+  from benchmarks import checkpoint, report
+
+  def row(total, peak, blocking=None):
+    return {"total_s": total, "peak_increase": peak, "blocking_s": blocking,
+            "state_bytes": 1000}
+
+  rows = {"orbax-save": {**row(2.0, 500, 0.5), "first": row(2.0, 600, 0.5)},
+          "zerojax-save": {**row(2.2, 900, 0.1), "first": row(8.0, 900, 6.0)},
+          "orbax-restore": row(1.0, 1000), "zerojax-restore": row(3.0, 2000)}
+  result = checkpoint.summary("tiny", rows)
+  assert result["time_ratio"] == pytest.approx(
+      {"save": 1.1, "first save": 4.0, "restore": 3.0})
+  goals = {g[0]: g[3] for g in checkpoint.goal_checks([result])}
+  assert goals == {"zerojax save time / plain orbax (tiny)": True,
+                   "zerojax first save time / plain orbax (tiny)": False,
+                   "zerojax restore time / plain orbax (tiny)": False,
+                   "zerojax save peak host increase / state bytes (tiny)": True}
+  with pytest.raises(ValueError, match="unknown measurement 'load'"):
+    checkpoint.measure("load", "tiny", str(tmp_path))
+
+  meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
+          "host_memory_bytes": 2 ** 30, "date": "today"}
+  (tmp_path / "smoke_checkpoint.json").write_text(json.dumps(
+      {"meta": meta, "configs": [result],
+       "goals": checkpoint.goal_checks([result])}))
+  report.write(str(tmp_path), "smoke")
+  text = (tmp_path / "README.md").read_text()
+  assert "| tiny | 0.00 | first save | 8.00 | 2.00 | 4.00 |" in text
+  assert "| zerojax first save time / plain orbax (tiny) | 4.000 | ≤ 1.20 | **no** |" in text
+  assert (tmp_path / "smoke_checkpoint.png").stat().st_size > 0
