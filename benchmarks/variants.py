@@ -21,7 +21,6 @@ configs larger than host memory are analysed.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any, Optional
@@ -32,8 +31,6 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax.state import state_shardings
-
 from benchmarks import models
 
 STACK = "blocks"
@@ -104,43 +101,6 @@ class Variant:
 
 
 # ---- states -----------------------------------------------------------------
-_PROBE_CACHE: dict = {}
-
-
-@contextlib.contextmanager
-def _shared_optimizer_probes():
-  """zerojax.shard() checks the optimizer on small probe programs that it
-  compiles on every call (seconds each on this machine), whatever the stage.
-  The benchmarks shard the same model and optimizer many times; the probes'
-  answers depend only on the optimizer and the parameter shapes, so while
-  the benchmarks shard, each is computed once per (tx, shapes). Nothing
-  measured runs through them; outside this context zerojax is untouched.
-  """
-  from zerojax import optim   # pylint: disable=import-outside-toplevel
-  saved = {}
-  for fn_name in ("leaf_labels", "check_elementwise"):
-    fn = getattr(optim, fn_name, None)
-    if fn is None:
-      continue
-    saved[fn_name] = fn
-
-    def memo(tx, abstract_params, *args, _fn=fn, _name=fn_name):
-      leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
-      key = (_name, id(tx), treedef,
-             tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves),
-             repr(args))
-      if key not in _PROBE_CACHE:   # tx is kept alive so its id stays unique
-        _PROBE_CACHE[key] = (_fn(tx, abstract_params, *args), tx)
-      return _PROBE_CACHE[key][0]
-
-    setattr(optim, fn_name, memo)
-  try:
-    yield
-  finally:
-    for fn_name, fn in saved.items():
-      setattr(optim, fn_name, fn)
-
-
 @functools.lru_cache(maxsize=None)
 def _make_train_state(cfg: models.GPTConfig, seed: int):
   """The initial flax TrainState of a config: a jitted function (compiled
@@ -221,20 +181,10 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
     stage = int(name[-1])
     fields = {"stacked": (STACK,), **zero_fields}
 
-    def shard(st):
-      with _shared_optimizer_probes():
-        return zerojax.shard(st, stage=stage, mesh=mesh, **fields)
-
-    if materialize:
-      state = shard(source)
-    else:
-      def shard_abstract(st):
-        # zerojax.shard probes the optimizer on small concrete arrays;
-        # let those run eagerly while the parameters stay abstract.
-        with jax.ensure_compile_time_eval():
-          return shard(st)
-      abstract = jax.eval_shape(shard_abstract, source)
-      state = _with_shardings(abstract, state_shardings(abstract))
+    # (zerojax caches its optimizer probes per tx and shapes: sharding the
+    # same model many times costs one probe)
+    state = (zerojax.shard if materialize else zerojax.shard_shape)(
+        source, stage=stage, mesh=mesh, **fields)
     step = zerojax.train_step(loss_fn)
     lowered = step.lower(state, batch)
     layout, extra = state.layout, (None,)   # train_step's rng argument

@@ -11,11 +11,11 @@ from zerojax.layout import ChunkLayout
 from zerojax.memory import MemoryReport, compiled_footprint, estimate_memory, memory_report
 from zerojax.planner import OffloadPlan, plan_offload
 from zerojax.sharded_init import create
-from zerojax.state import ZeroTrainState, gather_params, shard
+from zerojax.state import ZeroTrainState, gather_params, shard, shard_shape
 from zerojax.step import train_step
 
 __all__ = ["ChunkLayout", "DynamicLossScale", "MemoryReport", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create", "estimate_memory",
            "gather_params", "memory_report", "nn", "OffloadPlan", "plan_offload",
-           "shard", "train_step"]
+           "shard", "shard_shape", "train_step"]
 __version__ = "0.1.0"

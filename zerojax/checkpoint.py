@@ -13,7 +13,6 @@ Never imports `step`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any, Optional
 
@@ -24,10 +23,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optim, precision
+from zerojax import precision, reshard
 from zerojax.config import DynamicLossScale, ZeroConfig
-from zerojax.state import (ZeroTrainState, _build_program, _config_and_mesh,
-                           leaf_spec)
+from zerojax.reshard import leaf_spec
+from zerojax.state import ZeroTrainState, _config_and_mesh, place
 
 FORMAT = "zerojax-1"
 _MANAGERS: dict = {}
@@ -51,35 +50,25 @@ def _leaf_shardings(tree, mesh, axis_name):
       lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
 
 
-@functools.lru_cache(maxsize=8)
-def _tree_form_program(layout, tx, mesh: Mesh, axis_name: str):
-  """The jitted chunks -> tree conversion; cached, so that the saves of a
-  run after the first do not compile again."""
+def _tree_form(state: ZeroTrainState) -> dict:
+  """The ordinary TrainState content of `state`, leaves sharded, converted
+  chunk by chunk (`reshard`): no device holds more than its share plus one
+  chunk."""
+  layout, axis = state.layout, state.config.axis_name
   abstract = jax.tree_util.tree_unflatten(
       layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
-  tree_opt = jax.eval_shape(tx.init, abstract)
-
-  def convert(master, rest, opt_state):
-    return (layout.merge(master, rest),
-            optim.opt_state_from_views(layout, opt_state, tree_opt))
-
-  shardings = (_leaf_shardings(abstract, mesh, axis_name),
-               _leaf_shardings(tree_opt, mesh, axis_name))
-  return jax.jit(convert, out_shardings=shardings)
-
-
-def _tree_form(state: ZeroTrainState) -> dict:
-  """The ordinary TrainState content of `state`, leaves sharded."""
-  convert = _tree_form_program(state.layout, state.tx, state.mesh,
-                               state.config.axis_name)
-  params, opt_state = convert(state.master, state.rest, state.opt_state)
+  params = reshard.to_tree(layout, state.master, state.rest, axis)
+  opt_state = reshard.opt_to_tree(layout, state.opt_state,
+                                  jax.eval_shape(state.tx.init, abstract), axis)
   out = {"step": state.step, "params": params, "opt_state": opt_state}
   if state.loss_scale is not None:
     out["loss_scale"] = {"scale": state.loss_scale.scale,
                          "good_steps": state.loss_scale.good_steps}
   if state.extras:
     out["extras"] = state.extras
-  return out
+  # nothing shared with `state`, which the next train step donates
+  return {k: v if k in ("params", "opt_state") else
+          jax.tree_util.tree_map(reshard.copy, v) for k, v in out.items()}
 
 
 def _config_json(cfg: ZeroConfig) -> dict:
@@ -259,11 +248,9 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
       target[key] = jax.tree_util.tree_map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), saved[key])
   loaded = ocp.StandardCheckpointer().restore(path, target)
-  program, args = _build_program(
-      loaded["params"], loaded["opt_state"], loaded["step"],
-      loaded.get("extras", {}), static_extras, tx=like.tx,
-      apply_fn=like.apply_fn, config=config, mesh=mesh)
-  state = program(*args)
+  state = place(loaded["params"], loaded["opt_state"], loaded["step"],
+                loaded.get("extras", {}), static_extras, tx=like.tx,
+                apply_fn=like.apply_fn, config=config, mesh=mesh)
   if "loss_scale" in loaded and state.loss_scale is not None:
     state = state.replace(loss_scale=precision.LossScaleState(
         scale=loaded["loss_scale"]["scale"],

@@ -241,85 +241,45 @@ def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> Non
       "rmsprop, ...); clipping by global norm is fine.")
 
 
-def opt_state_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any) -> Any:
-  """Converts an optax state built on the original tree (`tx.init(params)`)
-  into the state over chunk views (`tx.init(layout.views(chunks))`).
+def statistic_slots(layout: ChunkLayout, tree_state: Any, view_state: Any) -> tuple:
+  """How the optax state on the parameter tree (`tx.init(params)`) and the
+  state over chunk views (`tx.init(layout.views(chunks))`) correspond.
 
-  Args:
-    layout: the parameter layout.
-    opt_state: the state on the original tree (arrays).
-    view_state: the target state's shapes (e.g. from `jax.eval_shape`).
-  """
-  o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
-  v_flat, v_def = jax.tree_util.tree_flatten_with_path(view_state)
-  if o_def != v_def:
-    raise ValueError(
-        "the TrainState's opt_state does not have the structure of "
-        f"tx.init(params):\n  got      {o_def}\n  expected {v_def}\n"
-        "Build the state with TrainState.create(..., tx=tx) and the same tx.")
-  by_path = {jax.tree_util.keystr(p): x for p, x in o_flat}
-  param_paths = sorted(((info.path, i) for i, info in enumerate(layout.leaves)),
-                       key=lambda t: -len(t[0]))
-  reps = {layout.representative(c): c for c in range(len(layout.chunks))}
-  out = []
-  for (path, orig), (_, target) in zip(o_flat, v_flat):
-    key = jax.tree_util.keystr(path)
-    match = next(((p, i) for p, i in param_paths if key.endswith(p) and
-                  np.shape(orig) == layout.leaves[i].shape and p), None)
-    if match is None or np.shape(orig) == target.shape:
-      if np.shape(orig) != target.shape:
-        raise ValueError(
-            f"optimizer state {key} has shape {np.shape(orig)} on the "
-            f"parameters but {target.shape} on chunks: the transformation "
-            "keeps per-tensor statistics (e.g. factored second moments), "
-            "which flat ZeRO chunks cannot hold; zerojax refuses it. Use an "
-            "element-wise optimizer (adam, adamw, lion, sgd, ...).")
-      out.append(orig)
-      continue
-    prefix = key[:len(key) - len(match[0])]
-    if match[1] in reps:
-      c = reps[match[1]]
-      members = {i: by_path[prefix + layout.leaves[i].path]
-                 for i in layout.chunks[c].leaves}
-      chunk = layout.pack_chunk(c, members, target.dtype)
-      out.append(jnp.reshape(chunk, target.shape))
-    else:
-      out.append(jnp.zeros(target.shape, target.dtype))
-  return jax.tree_util.tree_unflatten(v_def, out)
+  Both flatten alike. Returns `(slots, keys)`, one entry per leaf: `keys`,
+  the leaf's path (`jax.tree_util.keystr`); `slots`, None where the leaf is
+  the same in both forms (counts, scalars), else `(i, prefix)`: the
+  statistic of parameter leaf `i`, whose chunk's statistic the view state
+  holds at `prefix + path of the chunk's representative`.
 
-
-def opt_state_from_views(layout: ChunkLayout, view_state: Any, tree_state: Any) -> Any:
-  """Inverse of `opt_state_to_views`: the optax state on the original tree.
-
-  Args:
-    layout: the parameter layout.
-    view_state: the state over chunk views (full, gathered chunk arrays).
-    tree_state: the target's shapes, `jax.eval_shape(tx.init, params)`.
+  Raises:
+    ValueError: the structures differ (another tx), or a statistic has
+      per-tensor shape (factored moments), which chunks cannot hold.
   """
   t_flat, t_def = jax.tree_util.tree_flatten_with_path(tree_state)
   v_flat, v_def = jax.tree_util.tree_flatten_with_path(view_state)
   if t_def != v_def:
-    raise ValueError("optimizer state structure differs between the chunks "
-                     f"and the parameter tree:\n  {v_def}\n  {t_def}")
-  by_path = {jax.tree_util.keystr(p): x for p, x in v_flat}
+    raise ValueError(
+        "the TrainState's opt_state does not have the structure of "
+        f"tx.init(params):\n  got      {t_def}\n  expected {v_def}\n"
+        "Build the state with TrainState.create(..., tx=tx) and the same tx.")
   param_paths = sorted(((info.path, i) for i, info in enumerate(layout.leaves)),
                        key=lambda t: -len(t[0]))
-  out = []
-  for (path, target), (_, view) in zip(t_flat, v_flat):
+  slots, keys = [], []
+  for (path, tree_leaf), (_, view_leaf) in zip(t_flat, v_flat):
     key = jax.tree_util.keystr(path)
+    shape, view_shape = tuple(np.shape(tree_leaf)), tuple(np.shape(view_leaf))
     match = next(((p, i) for p, i in param_paths if p and key.endswith(p) and
-                  tuple(target.shape) == layout.leaves[i].shape), None)
-    if match is None or tuple(np.shape(view)) == tuple(target.shape):
-      out.append(view)
-      continue
-    info = layout.leaves[match[1]]
-    if info.chunk < 0:   # frozen / non-floating: the optimizer never saw it
-      out.append(jnp.zeros(target.shape, target.dtype))
-      continue
-    prefix = key[:len(key) - len(match[0])]
-    rep = layout.leaves[layout.representative(info.chunk)]
-    chunk = jnp.reshape(by_path[prefix + rep.path],
-                        layout.chunks[info.chunk].shape)
-    seg = chunk[..., info.offset:info.offset + info.size]
-    out.append(jnp.reshape(seg, info.shape).astype(target.dtype))
-  return jax.tree_util.tree_unflatten(t_def, out)
+                  shape == layout.leaves[i].shape), None)
+    keys.append(key)
+    if match is None or shape == view_shape:
+      if shape != view_shape:
+        raise ValueError(
+            f"optimizer state {key} has shape {shape} on the parameters but "
+            f"{view_shape} on chunks: the transformation keeps per-tensor "
+            "statistics (e.g. factored second moments), which flat ZeRO "
+            "chunks cannot hold; zerojax refuses it. Use an element-wise "
+            "optimizer (adam, adamw, lion, sgd, ...).")
+      slots.append(None)
+    else:
+      slots.append((match[1], key[:len(key) - len(match[0])]))
+  return slots, keys

@@ -129,8 +129,8 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
   most `budget_bytes` of device memory per device.
 
   Args:
-    state: a `ZeroTrainState`, real or abstract (e.g. `jax.eval_shape` of
-      `zerojax.shard`); only its shapes, dtypes, layout, config and mesh are
+    state: a `ZeroTrainState`, real or abstract (`zerojax.shard_shape`);
+      only its shapes, dtypes, layout, config and mesh are
       read, and its own offload fields are ignored.
     loss_fn, has_aux: as for `zerojax.train_step`.
     batch: one step's global batch: arrays or `jax.ShapeDtypeStruct`s.
@@ -147,7 +147,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
   """
   if not isinstance(state, ZeroTrainState):
     raise TypeError(f"plan_offload() takes a ZeroTrainState (from "
-                    f"zerojax.shard, or jax.eval_shape of it), got "
+                    f"zerojax.shard or zerojax.shard_shape), got "
                     f"{type(state).__name__}.")
   if not callable(loss_fn):
     raise TypeError(f"plan_offload() takes the loss function, got {loss_fn!r}.")

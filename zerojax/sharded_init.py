@@ -19,7 +19,6 @@ peak is about the sharded state plus the largest leaf. Values equal
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import jax
@@ -27,10 +26,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import precision
+from zerojax import precision, reshard
 from zerojax.state import (ZeroTrainState, _config_and_mesh, chunk_spec,
-                           leaf_spec, master_is_sharded, plan_layout,
-                           state_shardings)
+                           master_is_sharded, plan_layout, state_shardings)
 
 
 @dataclasses.dataclass
@@ -98,22 +96,17 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
     master = run(make.start, rng)
     for add_leaf in make.leaves:
       master = run(add_leaf, rng, master)
-    held += _bytes_per_device(master)
+    held += reshard.per_device_bytes(master)
     compute = run(make.cast, master) if make.cast else None
-    held += _bytes_per_device(compute) if compute is not None else 0
+    held += reshard.per_device_bytes(compute)
     made.append((master, compute))
   rest = run(rest_program, rng)
-  held += _bytes_per_device(rest)
+  held += reshard.per_device_bytes(rest)
   # the assembling program's arguments are the chunks held so far (donated)
   held = 0
   run(assemble, tuple(m for m, _ in made),
       tuple(c for _, c in made if c is not None), rest)
   return {"peak": peak, "programs": prints}
-
-
-def _bytes_per_device(tree) -> int:
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree_util.tree_leaves(tree))
 
 
 def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
@@ -127,16 +120,12 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   rep = NamedSharding(mesh, P())
   with_compute = config.stage in (1, 2) and config.mixed_precision
 
-  largest = max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
-                 for c in layout.chunks for i in c.leaves), default=0)
-
   def leaves_of(rng):
     return layout.treedef.flatten_up_to(init_fn(rng))
 
   def chunk_programs(c):
     chunk = layout.chunks[c]
-    cast = (jax.jit(lambda m: m.astype(config.compute_dtype), out_shardings=rep)
-            if with_compute else None)
+    cast = reshard.cast_program(config.compute_dtype, rep) if with_compute else None
     if not master_is_sharded(config):
       return _ChunkPrograms(
           jax.jit(lambda rng: layout.pack_chunk(c, leaves_of(rng)),
@@ -148,13 +137,13 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     def add_leaves(rng, master, group):
       leaves = leaves_of(rng)
       for i in group:
-        master = _add_leaf_window(layout, c, i, leaves[i], master, mesh,
-                                  config.axis_name)
+        master = reshard.add_leaf_window(layout, c, i, leaves[i], master, mesh,
+                                         config.axis_name)
       return master
 
     add = [jax.jit(lambda rng, master, group=group: add_leaves(rng, master, group),
                    out_shardings=sharding, donate_argnums=1)
-           for group in _leaf_groups(layout, chunk.leaves, largest)]
+           for group in reshard.leaf_groups(layout, chunk.leaves)]
     return _ChunkPrograms(start, add, cast)
 
   def make_rest(rng):
@@ -177,45 +166,3 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   out = state_shardings(jax.eval_shape(assemble, *args))
   return (chunks, rest_program,
           jax.jit(assemble, out_shardings=out, donate_argnums=(0, 1, 2)))
-
-
-def _leaf_groups(layout, leaves, limit) -> list:
-  """Consecutive leaves grouped up to `limit` bytes: one program per group
-  (fewer compilations) still holds at most the largest leaf's bytes."""
-  groups, size = [], limit
-  for i in leaves:
-    nbytes = layout.leaves[i].size * layout.leaves[i].dtype.itemsize
-    if size + nbytes > limit:
-      groups.append([])
-      size = 0
-    groups[-1].append(i)
-    size += nbytes
-  return groups
-
-
-def _add_leaf_window(layout, c, i, leaf, master, mesh, axis_name):
-  """`master` (chunk `c`, sharded) with leaf `i` written into it: the leaf is
-  made sharded, gathered, and each device keeps the window of it that falls
-  in its slice of the chunk."""
-  chunk, info = layout.chunks[c], layout.leaves[i]
-  n = mesh.shape[axis_name]
-  width = chunk.length // n
-  lead = (chunk.layers,) if chunk.layers else ()
-  spec = leaf_spec(leaf.shape, n, axis_name)
-  leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
-
-  def local(part, master):
-    for d, name in enumerate(spec):
-      if name is not None:
-        part = jax.lax.all_gather(part, axis_name, axis=d, tiled=True)
-    flat = jnp.reshape(part, lead + (-1,)).astype(chunk.dtype)
-    # position p of this device's slice holds leaf element start + p - offset
-    j = (jax.lax.axis_index(axis_name) * width + jnp.arange(width)
-         - info.offset)
-    inside = (j >= 0) & (j < info.size)
-    window = jnp.take(flat, jnp.clip(j, 0, info.size - 1), axis=len(lead))
-    return jnp.where(inside, window, master)
-
-  spec_chunk = chunk_spec(len(chunk.shape), axis_name)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec_chunk),
-                       out_specs=spec_chunk, check_vma=False)(leaf, master)

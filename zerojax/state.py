@@ -23,7 +23,7 @@ import optax
 from flax import struct
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import offload, optim, precision
+from zerojax import offload, optim, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.layout import ChunkLayout
 
@@ -176,6 +176,32 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
   Example:
     >>> state = zerojax.shard(state, stage=3, compute_dtype="bf16")
   """
+  config, mesh, extras, static_extras = _check_train_state(
+      state, stage, mesh, config_fields)
+  return place(state.params, state.opt_state, state.step, extras,
+               static_extras, tx=state.tx, apply_fn=state.apply_fn,
+               config=config, mesh=mesh)
+
+
+def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
+                **config_fields) -> ZeroTrainState:
+  """What `shard` returns, as `jax.ShapeDtypeStruct`s carrying their
+  shardings and memory kinds: nothing is allocated or moved. For planning
+  and ahead-of-time compiles (`zerojax.plan_offload`, `step.lower`); `state`
+  may itself hold `ShapeDtypeStruct`s (`jax.eval_shape` of the init).
+  Arguments as for `shard`."""
+  config, mesh, extras, static_extras = _check_train_state(
+      state, stage, mesh, config_fields)
+  _, shapes, where = _plan(state.params, state.opt_state, state.step, extras,
+                           static_extras, tx=state.tx, apply_fn=state.apply_fn,
+                           config=config, mesh=mesh)
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      shapes, where)
+
+
+def _check_train_state(state, stage, mesh, config_fields) -> tuple:
+  """(config, mesh, extras, static extras) of a `shard` call's arguments."""
   if isinstance(state, ZeroTrainState):
     raise ValueError("this state is already a ZeroTrainState; shard() takes "
                      "an ordinary TrainState. To change stage or mesh, gather "
@@ -185,21 +211,7 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
     raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
                     f"has no {', '.join(missing)}.")
   config, mesh = _config_and_mesh(stage, mesh, config_fields)
-  extras, static_extras = _extra_fields(state)
-  program, args = _build_program(
-      state.params, state.opt_state, state.step, extras, static_extras,
-      tx=state.tx, apply_fn=state.apply_fn, config=config, mesh=mesh)
-  return program(*args)
-
-
-def leaf_spec(shape, n, axis_name) -> P:
-  """A leaf sharded on its largest axis the device count divides."""
-  dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
-                key=lambda d: -shape[d])
-  spec = [None] * len(shape)
-  if dims:
-    spec[dims[0]] = axis_name
-  return P(*spec)
+  return (config, mesh) + _extra_fields(state)
 
 
 def _config_and_mesh(stage, mesh, config_fields):
@@ -246,27 +258,51 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int) -> ChunkLayout:
       search_interval=config.search_interval)
 
 
-def _build_program(params, opt_state, step, extras, static_extras, *, tx,
-                   apply_fn, config, mesh) -> tuple:
-  """`(program, args)` placing a state: one jitted program whose outputs
-  carry the shardings."""
+def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
+          config, mesh) -> tuple:
+  """(layout, the state's shapes, its shardings) for the ordinary TrainState
+  content, computed from shapes only."""
   layout = plan_layout(tx, params, config, mesh.shape[config.axis_name])
+  with_compute = config.stage in (1, 2) and config.mixed_precision
 
-  def build(params, opt_state, step, extras):
+  def build(params, step, extras):
     master, rest = layout.split(params)
-    compute = (tuple(c.astype(config.compute_dtype) for c in master)
-               if config.stage in (1, 2) and config.mixed_precision else ())
-    view_state = jax.eval_shape(tx.init, layout.views(master))
-    opt = optim.opt_state_to_views(layout, opt_state, view_state)
     return ZeroTrainState(
-        step=jnp.asarray(step, jnp.int32), master=master, compute=compute,
-        rest=rest, opt_state=opt, loss_scale=precision.init(config.loss_scale),
-        extras=extras, apply_fn=apply_fn, tx=tx, layout=layout,
-        config=config, mesh=mesh, static_extras=static_extras)
+        step=jnp.asarray(step, jnp.int32), master=master,
+        compute=tuple(c.astype(config.compute_dtype) for c in master)
+        if with_compute else (), rest=rest,
+        opt_state=tx.init(layout.views(master)),
+        loss_scale=precision.init(config.loss_scale), extras=extras,
+        apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh,
+        static_extras=static_extras)
 
-  args = (params, opt_state, step, extras)
-  shapes = jax.eval_shape(build, *args)
-  return jax.jit(build, out_shardings=state_shardings(shapes)), args
+  shapes = jax.eval_shape(build, params, step, extras)
+  # the user's optimizer state must match tx (raises naming what differs)
+  optim.statistic_slots(layout, opt_state, shapes.opt_state)
+  return layout, shapes, state_shardings(shapes)
+
+
+def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
+          config, mesh) -> ZeroTrainState:
+  """The ZeroTrainState of the ordinary TrainState content, packed chunk by
+  chunk from the leaves wherever they are (`reshard`), so no device holds
+  more than its share plus one chunk."""
+  layout, shapes, where = _plan(params, opt_state, step, extras, static_extras,
+                                tx=tx, apply_fn=apply_fn, config=config,
+                                mesh=mesh)
+  opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
+                             where.opt_state, config.axis_name)
+  master, rest = reshard.to_chunks(layout, params, where.master, config.axis_name)
+  put = lambda tree, shardings: jax.tree_util.tree_map(reshard.copy, tree, shardings)
+  return shapes.replace(
+      step=reshard.copy(jnp.asarray(step, jnp.int32), where.step),
+      master=master,
+      compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
+                    for m, s in zip(master, where.compute)),
+      rest=put(rest, where.rest),
+      opt_state=opt,
+      loss_scale=put(precision.init(config.loss_scale), where.loss_scale),
+      extras=put(extras, where.extras))
 
 
 # ---- reading -------------------------------------------------------------------
