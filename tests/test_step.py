@@ -21,27 +21,27 @@ BF16_LOSS_RTOL = 2e-2
 BF16_PARAM_ATOL = 2e-2
 
 
-def _tx():
-  # Momentum SGD with weight decay: linear in the gradients, so this matrix
-  # compares the gradients themselves. Adam normalises each element: where
-  # a gradient element cancels to ~1e-7 of its row's scale (a rare token's
-  # embedding), summation-order noise of 1% there becomes a 1e-4 move, in
-  # any data-parallel run. Adam itself is checked in test_optim.
-  return optax.chain(optax.add_decayed_weights(0.1),
-                     optax.sgd(LR * 10, momentum=0.9))
+# Momentum SGD with weight decay: linear in the gradients, so this matrix
+# compares the gradients themselves. Adam normalises each element: where a
+# gradient element cancels to ~1e-7 of its row's scale (a rare token's
+# embedding), summation-order noise of 1% there becomes a 1e-4 move, in any
+# data-parallel run. Adam itself is checked in test_optim. One object for the
+# whole module: zerojax probes each (tx, tree) once.
+TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(LR * 10, momentum=0.9))
+_problem = functools.lru_cache(maxsize=None)(make_problem)
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(kind, dtype_name, clip):
-  _, params, loss_fn, batches = make_problem(kind)
-  return reference_run(loss_fn, params, _tx(), batches,
+  _, params, loss_fn, batches = _problem(kind)
+  return reference_run(loss_fn, params, TX, batches,
                        compute_dtype=jnp.dtype(dtype_name), clip_norm=clip)
 
 
 def _zero_run(kind, mesh=None, **fields):
-  model, params, loss_fn, batches = make_problem(kind)
+  model, params, loss_fn, batches = _problem(kind)
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=_tx())
+                                        tx=TX)
   stacked = ("blocks",) if kind == "scan_transformer" else ()
   state = zerojax.shard(state, mesh=mesh, stacked=stacked, chunk_size=2048,
                         **fields)
@@ -67,11 +67,17 @@ def _assert_close(kind, dtype, clip, losses, params):
         params, ref_params)
 
 
-@pytest.mark.parametrize("clip", [None, CLIP], ids=["noclip", "clip"])
-@pytest.mark.parametrize("accum", [1, 4])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+# Every stage x precision x accumulation x model; clipping is on for half of
+# them, so that each stage meets clipping on and off with both precisions and
+# both accumulations (pairwise cover: all 64 combinations cost ~5 min of CI).
+MATRIX = [(kind, stage, dtype, accum, CLIP if (dtype == "bfloat16") != (accum == 4)
+           else None)
+          for kind in ("mlp", "transformer") for stage in (0, 1, 2, 3)
+          for dtype in ("float32", "bfloat16") for accum in (1, 4)]
+
+
+@pytest.mark.parametrize("kind,stage,dtype,accum,clip", MATRIX, ids=[
+    f"{k}-{s}-{d}-{a}-{'clip' if c else 'noclip'}" for k, s, d, a, c in MATRIX])
 def test_matches_plain_optax(kind, stage, dtype, accum, clip):
   losses, params, state = _zero_run(kind, stage=stage, compute_dtype=dtype,
                                     accum_steps=accum, clip_norm=clip)
@@ -105,7 +111,7 @@ def test_metrics_report_global_norm_before_clipping_and_aux():
     return loss, {"twice": 2 * loss}
 
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=_tx()), stage=3,
+      apply_fn=model.apply, params=params, tx=TX), stage=3,
                         clip_norm=1e-3, accum_steps=2)
   state, metrics = zerojax.train_step(with_aux, has_aux=True)(state, batches[0])
   want = optax.tree.norm(jax.grad(loss_fn)(params, batches[0]))
@@ -116,7 +122,7 @@ def test_metrics_report_global_norm_before_clipping_and_aux():
 def test_float16_skips_the_overflowing_step_and_recovers():
   model, params, loss_fn, batches = make_problem("mlp")
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=_tx()), stage=3,
+      apply_fn=model.apply, params=params, tx=TX), stage=3,
                         compute_dtype="float16",
                         loss_scale=zerojax.DynamicLossScale(init_scale=256.0))
   step = zerojax.train_step(loss_fn)
@@ -149,11 +155,11 @@ def test_rng_is_passed_per_device_and_micro_batch():
     return jnp.mean((out - b["y"] - noise) ** 2)
 
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=_tx()), stage=2, accum_steps=2)
+      apply_fn=model.apply, params=params, tx=TX), stage=2, accum_steps=2)
   step = zerojax.train_step(noisy_loss)
   _, m1 = step(state, batches[0], jax.random.key(1))
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=_tx()), stage=2, accum_steps=2)
+      apply_fn=model.apply, params=params, tx=TX), stage=2, accum_steps=2)
   _, m2 = step(state, batches[0], jax.random.key(2))
   assert np.isfinite(float(m1["loss"])) and float(m1["loss"]) != float(m2["loss"])
 
@@ -161,7 +167,7 @@ def test_rng_is_passed_per_device_and_micro_batch():
 def test_batch_not_divisible_raises_and_keeps_state():
   model, params, loss_fn, batches = make_problem("mlp")
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=_tx()), stage=3, accum_steps=4)
+      apply_fn=model.apply, params=params, tx=TX), stage=3, accum_steps=4)
   step = zerojax.train_step(loss_fn)
   small = {k: v[:16] for k, v in batches[0].items()}
   with pytest.raises(ValueError, match=r"global batch 16 .* 8 devices x "
@@ -174,7 +180,7 @@ def test_batch_not_divisible_raises_and_keeps_state():
 def test_step_rejects_plain_train_state():
   model, params, loss_fn, batches = make_problem("mlp")
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=_tx())
+                                        tx=TX)
   with pytest.raises(TypeError, match="zerojax.shard"):
     zerojax.train_step(loss_fn)(plain, batches[0])
   with pytest.raises(TypeError, match="loss function"):
