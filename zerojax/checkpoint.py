@@ -250,7 +250,8 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   loaded = ocp.StandardCheckpointer().restore(path, target)
   state = place(loaded["params"], loaded["opt_state"], loaded["step"],
                 loaded.get("extras", {}), static_extras, tx=like.tx,
-                apply_fn=like.apply_fn, config=config, mesh=mesh)
+                apply_fn=like.apply_fn, config=config, mesh=mesh,
+                release=True)   # `loaded` is ours: freed as it is packed
   if "loss_scale" in loaded and state.loss_scale is not None:
     state = state.replace(loss_scale=precision.LossScaleState(
         scale=loaded["loss_scale"]["scale"],

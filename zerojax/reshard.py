@@ -141,19 +141,29 @@ def _pack_programs(layout, c, sharding, dtype, axis_name) -> tuple:
 
 def chunk_from_leaves(layout: ChunkLayout, c: int, leaves: Mapping[int, Any],
                       sharding: NamedSharding, axis_name: str,
-                      dtype: Any = None) -> jax.Array:
+                      dtype: Any = None, release: bool = False) -> jax.Array:
   """Chunk `c` packed from `leaves` (leaf index -> array, any sharding), in
-  `sharding` (replicated, or split on the last axis; any memory kind)."""
+  `sharding` (replicated, or split on the last axis; any memory kind). With
+  `release`, each leaf array is deleted once packed (a restore's own copy:
+  the two forms of the state are then never both whole in memory)."""
   dtype = np.dtype(layout.chunks[c].dtype if dtype is None else dtype)
   device = sharding.with_memory_kind("device")
   start, fills = _pack_programs(layout, c, device, dtype, axis_name)
   if not fills:
     out = start({i: _on_device(leaves[i]) for i in layout.chunks[c].leaves})
+    _delete([leaves[i] for i in layout.chunks[c].leaves] if release else [])
   else:
     out = start()
     for group, fill in fills:
       out = fill([_on_device(leaves[i]) for i in group], out)
+      _delete([leaves[i] for i in group] if release else [])
   return _placed(out, sharding)
+
+
+def _delete(arrays) -> None:
+  for x in arrays:
+    if isinstance(x, jax.Array):
+      x.delete()
 
 
 # ---- chunk form -> tree form --------------------------------------------------------
@@ -204,10 +214,12 @@ def leaves_from_chunk(layout: ChunkLayout, c: int, x: jax.Array, axis_name: str,
 
 # ---- whole states ---------------------------------------------------------------
 def to_chunks(layout: ChunkLayout, params: Any, shardings: Sequence[Any],
-              axis_name: str) -> tuple:
-  """`(chunks, rest)` of a parameter tree, chunk `c` in `shardings[c]`."""
+              axis_name: str, release: bool = False) -> tuple:
+  """`(chunks, rest)` of a parameter tree, chunk `c` in `shardings[c]`;
+  `release` as for `chunk_from_leaves`."""
   leaves = dict(enumerate(layout.treedef.flatten_up_to(params)))
-  chunks = tuple(chunk_from_leaves(layout, c, leaves, s, axis_name)
+  chunks = tuple(chunk_from_leaves(layout, c, leaves, s, axis_name,
+                                   release=release)
                  for c, s in enumerate(shardings))
   return chunks, tuple(leaves[i] for i in layout.rest_indices)
 
@@ -226,9 +238,10 @@ def to_tree(layout: ChunkLayout, chunks: Sequence[Any], rest: Sequence[Any],
 
 
 def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
-                 shardings: Any, axis_name: str) -> Any:
+                 shardings: Any, axis_name: str, release: bool = False) -> Any:
   """The optax state on the parameter tree, converted to the state over
-  chunk views (`view_state`: its shapes, `shardings`: its shardings)."""
+  chunk views (`view_state`: its shapes, `shardings`: its shardings);
+  `release` as for `chunk_from_leaves`."""
   slots, keys = optim.statistic_slots(layout, opt_state, view_state)
   flat = jax.tree_util.tree_leaves(opt_state)
   views, treedef = jax.tree_util.tree_flatten(view_state)
@@ -252,7 +265,7 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
             if _is_split(sharding, axis_name) else P())
     chunk = chunk_from_leaves(layout, c, members,
                               NamedSharding(sharding.mesh, spec, memory_kind="device"),
-                              axis_name, view.dtype)
+                              axis_name, view.dtype, release)
     out.append(_placed(_reshape_program(view.shape, device)(chunk), sharding))
   return jax.tree_util.tree_unflatten(treedef, out)
 

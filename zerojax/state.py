@@ -283,16 +283,19 @@ def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
 
 
 def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
-          config, mesh) -> ZeroTrainState:
+          config, mesh, release: bool = False) -> ZeroTrainState:
   """The ZeroTrainState of the ordinary TrainState content, packed chunk by
   chunk from the leaves wherever they are (`reshard`), so no device holds
-  more than its share plus one chunk."""
+  more than its share plus one chunk. `release` deletes the chunked leaves
+  of `params` and `opt_state` as they are packed (for a restore's own
+  copy)."""
   layout, shapes, where = _plan(params, opt_state, step, extras, static_extras,
                                 tx=tx, apply_fn=apply_fn, config=config,
                                 mesh=mesh)
   opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
-                             where.opt_state, config.axis_name)
-  master, rest = reshard.to_chunks(layout, params, where.master, config.axis_name)
+                             where.opt_state, config.axis_name, release)
+  master, rest = reshard.to_chunks(layout, params, where.master,
+                                   config.axis_name, release)
   put = lambda tree, shardings: jax.tree_util.tree_map(reshard.copy, tree, shardings)
   return shapes.replace(
       step=reshard.copy(jnp.asarray(step, jnp.int32), where.step),
