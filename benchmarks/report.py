@@ -121,6 +121,15 @@ def _memory_md(r: dict, mode: str) -> list:
       if row.get("note"):
         notes.append(f"{cfg_name} {row['variant']}: {row['note']}")
     lines.append("")
+    e = r.get("expected_stage3", {}).get(cfg_name)
+    if e:
+      lines += [f"ZeRO-3 yardstick (`benchmarks.memory.stage3_expected`): "
+                f"12Ψ/N {_mib(e['state'])} + two gathered layers "
+                f"{_mib(e['two_layers'])} + activations (saved block inputs, "
+                f"logits and their gradient) {_mib(e['activations'])} = "
+                f"{_mib(e['total'])} MiB; not in it: the gradient shard "
+                "(4Ψ/N) and the tied embedding, gathered for the whole step "
+                "with its full gradient before the reduce-scatter.", ""]
   if notes:
     lines += ["¹ " + n for n in notes] + [""]
   d = r["depth_sweep"]
@@ -281,11 +290,13 @@ def markdown(out: str) -> str:
     if not results:
       continue
     meta = next(iter(results.values()))["meta"]
+    # suites are rerun separately (--suites): each has its own date
+    dates = ", ".join(f"{suite} {r['meta']['date']}" for suite, r in results.items())
     lines += [f"## `--{mode}`", "",
               f"jax {meta['jax']}, {meta['backend']} backend, "
               f"{meta['devices']} devices, {meta['cpu_count']} CPU cores, "
-              f"{meta['host_memory_bytes'] / 2 ** 30:.0f} GiB host memory, "
-              f"{meta['date']}.", ""]
+              f"{meta['host_memory_bytes'] / 2 ** 30:.0f} GiB host memory. "
+              f"Measured: {dates}.", ""]
     goals = _goals_table(results)
     if goals:
       lines += ["Goals:", ""] + goals + [""]

@@ -226,8 +226,12 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
                           for c in mp["configs"]},
               "rows": mem_rows, "depth_sweep": sweep,
               "depth_config": dp["config"],
-              "goals": [g for c, rows in mem_rows.items()
-                        for g in memory.goal_checks(rows, c)]}
+              "expected_stage3": {c: memory.stage3_expected(
+                  models.CONFIGS[c], mp["batch"] // NUM_DEVICES, mp["seq"],
+                  NUM_DEVICES) for c in mp["configs"]}}
+    result["goals"] = [g for c, rows in mem_rows.items()
+                       for g in memory.goal_checks(rows, c,
+                                                   result["expected_stage3"][c])]
     _write(out, f"{mode}_memory.json", result)
     written["memory"] = result
 
