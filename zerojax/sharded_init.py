@@ -43,8 +43,8 @@ class _ChunkPrograms:
 
   def __call__(self, rng):
     master = self.start(rng)
-    for add_leaf in self.leaves:
-      master = add_leaf(rng, master)
+    for add_leaf in self.leaves:   # one at a time: see reshard._settled
+      master = jax.block_until_ready(add_leaf(rng, master))
     return master, (self.cast(master) if self.cast else None)
 
 
