@@ -374,6 +374,14 @@ def plot_memory(r: dict, path: str):
   plt.close(fig)
 
 
+def _finish_line_plot(fig, ax, path: str):
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot_depth(r: dict, path: str):
   d = r["depth_sweep"]
   fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -386,11 +394,7 @@ def plot_depth(r: dict, path: str):
   ax.set_ylabel("compiled footprint per device (MiB)")
   ax.set_title(f"Footprint vs depth ({r['depth_config']} width, 8 devices)",
                fontsize=10)
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _finish_line_plot(fig, ax, path)
 
 
 def plot_offload(r: dict, path: str):
@@ -406,11 +410,7 @@ def plot_offload(r: dict, path: str):
   ax.set_ylabel("device MiB per device (compiled)")
   ax.set_title(f"Stage 3, {r['devices']} devices: {r['size_ratio']:.2f}× the "
                "parameters with optimizer offload", fontsize=10)
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _finish_line_plot(fig, ax, path)
 
 
 def plot_checkpoint(r: dict, path: str):
@@ -511,11 +511,7 @@ def plot_chunks(r: dict, path: str):
   ax.set_ylabel("collective ops in the step's HLO")
   ax.set_title("Collectives follow chunks, not leaves "
                f"({r['setup']['config']})", fontsize=10)
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _finish_line_plot(fig, ax, path)
 
 
 def write(out: str, mode: str):
