@@ -343,9 +343,7 @@ def plot_speed(r: dict, path: str):
   ax.invert_yaxis()
   ax.set_xlim(0, max(list(ratios.values()) + list(minima.values())) * 1.45)
   ax.legend(fontsize=8, loc="lower right")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_memory(r: dict, path: str):
@@ -369,6 +367,10 @@ def plot_memory(r: dict, path: str):
     n_params = r["configs"][cfg_name]["num_params"]
     ax.set_title(f"{cfg_name} (Ψ = {n_params / 1e6:.1f}M)", fontsize=10)
     ax.legend(fontsize=8)
+  _save(fig, path)
+
+
+def _save(fig, path: str):
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -377,9 +379,7 @@ def plot_memory(r: dict, path: str):
 def _finish_line_plot(fig, ax, path: str):
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_depth(r: dict, path: str):
@@ -441,9 +441,7 @@ def plot_checkpoint(r: dict, path: str):
     ax.grid(alpha=0.3, axis="y")
   axes[0].legend(fontsize=8)
   axes[1].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_comm(r: dict, path: str):
@@ -476,9 +474,7 @@ def plot_comm(r: dict, path: str):
   ax.set_title(f"Collectives per step ({r['setup']['config']}, fp32, "
                "8 devices)", fontsize=10)
   ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_chunks(r: dict, path: str):
