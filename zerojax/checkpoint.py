@@ -50,13 +50,18 @@ def _leaf_shardings(tree, mesh, axis_name):
       lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
 
 
+def _abstract_params(layout) -> Any:
+  """The parameter tree of `layout` as ShapeDtypeStructs."""
+  return jax.tree_util.tree_unflatten(
+      layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
+
+
 def _tree_form(state: ZeroTrainState) -> dict:
   """The ordinary TrainState content of `state`, leaves sharded, converted
   chunk by chunk (`reshard`): no device holds more than its share plus one
   chunk."""
   layout, axis = state.layout, state.config.axis_name
-  abstract = jax.tree_util.tree_unflatten(
-      layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
+  abstract = _abstract_params(layout)
   params = reshard.to_tree(layout, state.master, state.rest, axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)
@@ -209,9 +214,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   if isinstance(like, ZeroTrainState):
     fields = {f.name: getattr(like.config, f.name)
               for f in dataclasses.fields(like.config)}
-    abstract = jax.tree_util.tree_unflatten(
-        like.layout.treedef,
-        [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in like.layout.leaves])
+    abstract = _abstract_params(like.layout)
     static_extras = like.static_extras
   elif hasattr(like, "params") and hasattr(like, "tx"):
     fields = {}
