@@ -246,13 +246,13 @@ def _checkpoint_md(r: dict, mode: str) -> list:
            "fresh process on 8 simulated CPU devices (`benchmarks/checkpoint."
            "py`): zerojax from / into a stage-3 state; plain orbax "
            "`StandardCheckpointer` of the unsharded flax `TrainState` on one "
-           "device. `save`: the second save of the process (what each later "
-           "save of a run costs); `first save`: includes compiling zerojax's "
-           "chunk → tree program. host MiB: peak resident memory during the "
-           "call above the resident memory before it (the state itself is "
-           "not counted). One measurement each, on a two-core host shared with "
-           "other jobs: compile-heavy figures (first save, restore) suffer "
-           "most. "
+           "device. `save`, `restore`: the second call of the process (what "
+           "each later call costs); `first ...`: the first, which for a "
+           "zerojax restore includes the optimizer probes (`zerojax.optim`, "
+           "compiled once per process and tx, as `shard()` does). host MiB: "
+           "peak resident memory during the call above the resident memory "
+           "before it (the state itself is not counted by a save). One "
+           "measurement each, on a two-core host shared with other jobs. "
            f"`python -m benchmarks.run --{mode} --suites checkpoint`.", "",
            "| model | state MiB | measurement | zerojax s | orbax s | zerojax / "
            "orbax | zerojax host MiB | orbax host MiB | zerojax blocking s |",
@@ -260,8 +260,9 @@ def _checkpoint_md(r: dict, mode: str) -> list:
   for c in r["configs"]:
     rows = c["rows"]
     z, o = rows["zerojax-save"], rows["orbax-save"]
+    zr, orr = rows["zerojax-restore"], rows["orbax-restore"]
     pairs = [("save", z, o), ("first save", z["first"], o["first"]),
-             ("restore", rows["zerojax-restore"], rows["orbax-restore"])]
+             ("restore", zr, orr), ("first restore", zr["first"], orr["first"])]
     for what, zr, orow in pairs:
       blocking = ("" if zr["blocking_s"] is None else f"{zr['blocking_s']:.2f}")
       lines.append(f"| {c['config']} | {_mib(c['state_bytes'])} | {what} | "
@@ -417,7 +418,7 @@ def plot_checkpoint(r: dict, path: str):
   configs = r["configs"]
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
   labels = [f"{c['config']}\n{what}" for c in configs
-            for what in ("save", "first save", "restore")]
+            for what in ("save", "first save", "restore", "first restore")]
   x = range(len(labels))
   for ax, key, unit, title in (
       (axes[0], "total_s", 1, "time (s)"),
@@ -427,9 +428,9 @@ def plot_checkpoint(r: dict, path: str):
       vals = []
       for c in configs:
         rows = c["rows"]
-        vals += [rows[f"{side}-save"][key] / unit,
-                 rows[f"{side}-save"]["first"][key] / unit,
-                 rows[f"{side}-restore"][key] / unit]
+        for what in ("save", "restore"):
+          vals += [rows[f"{side}-{what}"][key] / unit,
+                   rows[f"{side}-{what}"]["first"][key] / unit]
       ax.bar([j + 0.4 * i for j in x], vals, width=0.4, color=color,
              label="zerojax stage 3" if side == "zerojax" else "plain orbax")
     if key == "peak_increase":

@@ -1,13 +1,23 @@
-"""Orbax checkpoints of a ZeroTrainState that do not depend on the device
-count: what is written is the ordinary `TrainState` content, each leaf
-sharded over the devices that hold it, so no device or host gathers the
-whole state, a checkpoint restores on any mesh and stage, and plain orbax
-reads it without zerojax.
+"""Orbax checkpoints of a ZeroTrainState that restore on any device count
+and stage, and that plain orbax reads without zerojax.
+
+A save writes the state as it is, chunk shards and all: every device writes
+its own shards, nothing is gathered or converted, so saving costs what a
+plain orbax save of the same bytes costs. The chunk layout goes beside it as
+JSON, which is all a reader needs to cut the chunks back into leaves.
+A restore onto the same layout (same device count and chunking; any stage)
+reads the chunks straight into their new shardings. Onto another layout it
+reads the chunks on the host, cuts them into the ordinary tree and repacks
+that chunk by chunk (`reshard`), as `shard()` does.
 
 On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
-  state/  {"step", "params", "opt_state", "loss_scale"?, "extras"?}: the
-          parameter tree and the optax state in its ordinary tree form;
-  meta/   JSON: format, the ZeroConfig fields, the device count at save.
+  state/  {"step", "master", "rest", "opt_state", "loss_scale"?, "extras"?}:
+          the ZeroTrainState's arrays (`opt_state` is optax's state over the
+          chunk views, `ChunkLayout.views`);
+  meta/   JSON: format, the ZeroConfig fields, the device count at save, and
+          the chunk layout (`_layout_json`).
+Format "zerojax-1" (session 2: the ordinary tree form on disk) and plain
+orbax checkpoints of a flax TrainState are still read.
 Never imports `step`.
 """
 from __future__ import annotations
@@ -25,10 +35,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import precision, reshard
 from zerojax.config import DynamicLossScale, ZeroConfig
+from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
 from zerojax.reshard import leaf_spec
-from zerojax.state import ZeroTrainState, _config_and_mesh, place
+from zerojax.state import ZeroTrainState, _config_and_mesh, _plan, place
 
-FORMAT = "zerojax-1"
+FORMAT = "zerojax-2"        # chunk form (this module's docstring)
+TREE_FORMAT = "zerojax-1"   # the ordinary tree form, still read
 _MANAGERS: dict = {}
 
 
@@ -74,6 +86,48 @@ def _tree_form(state: ZeroTrainState) -> dict:
   # nothing shared with `state`, which the next train step donates
   return {k: v if k in ("params", "opt_state") else
           jax.tree_util.tree_map(reshard.copy, v) for k, v in out.items()}
+
+
+def _chunk_form(state: ZeroTrainState) -> dict:
+  """What a save writes: the state's own arrays, as they are sharded."""
+  out = {"step": state.step, "master": list(state.master),
+         "rest": list(state.rest), "opt_state": _non_empty(state.opt_state)}
+  if state.loss_scale is not None:
+    out["loss_scale"] = {"scale": state.loss_scale.scale,
+                         "good_steps": state.loss_scale.good_steps}
+  if state.extras:
+    out["extras"] = state.extras
+  return out
+
+
+def _non_empty(tree):
+  """`tree` with its empty arrays as None (orbax refuses zero-size arrays;
+  the chunk views of leaves other than a chunk's representative are)."""
+  return jax.tree_util.tree_map(lambda x: x if np.prod(x.shape) else None, tree)
+
+
+def _layout_json(layout: ChunkLayout) -> dict:
+  """The chunk layout as JSON: where each leaf lies in which chunk."""
+  return {
+      "num_shards": int(layout.num_shards), "chunk_size": int(layout.chunk_size),
+      "leaves": [{"path": i.path, "names": list(i.names), "shape": list(i.shape),
+                  "dtype": jnp.dtype(i.dtype).name, "chunk": int(i.chunk),
+                  "offset": int(i.offset), "stacked": bool(i.stacked)}
+                 for i in layout.leaves],
+      "chunks": [{"length": int(c.length), "used": int(c.used),
+                  "layers": int(c.layers), "dtype": jnp.dtype(c.dtype).name,
+                  "leaves": [int(i) for i in c.leaves], "label": int(c.label),
+                  "stack": c.stack} for c in layout.chunks]}
+
+
+def _layout_from_json(d: dict, treedef) -> ChunkLayout:
+  leaves = tuple(LeafInfo(i["path"], tuple(i["shape"]), jnp.dtype(i["dtype"]),
+                          i["chunk"], i["offset"], i["stacked"], tuple(i["names"]))
+                 for i in d["leaves"])
+  chunks = tuple(Chunk(c["length"], c["used"], c["layers"], jnp.dtype(c["dtype"]),
+                       tuple(c["leaves"]), c["label"], c["stack"])
+                 for c in d["chunks"])
+  return ChunkLayout(treedef, leaves, chunks, d["num_shards"], d["chunk_size"], 0.0)
 
 
 def _config_json(cfg: ZeroConfig) -> dict:
@@ -129,10 +183,9 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
                      f"({latest}) in {directory}; pass a step= above {latest} "
                      "or another directory (nothing was written).")
   meta = {"format": FORMAT, "config": _config_json(state.config),
-          "num_shards": state.num_shards,
-          "leaves": [i.path for i in state.layout.leaves]}
+          "num_shards": state.num_shards, "layout": _layout_json(state.layout)}
   mgr.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(_tree_form(state)),
+      state=ocp.args.StandardSave(_chunk_form(state)),
       meta=ocp.args.JsonSave(meta)))
   if wait:
     mgr.wait_until_finished()
@@ -177,21 +230,24 @@ def _saved_tree(path):
 
 def _signature(tree) -> dict:
   """Leaf path (names only: orbax stores namedtuples as dicts) -> shape."""
-  out = {}
-  for path, x in jax.tree_util.tree_leaves_with_path(tree):
-    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-             for k in path]
-    out["/".join(names)] = tuple(x.shape)
-  return out
+  return {"/".join(_path_names(path)): tuple(x.shape)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _describe_mismatch(saved, want, what) -> str:
-  s, w = _signature(saved), _signature(want)
+def _describe_mismatch(s: dict, w: dict, what: str) -> str:
+  """`s`, `w`: signatures (`_signature`) of the checkpoint and of `like`."""
   lines = [f"  only in the checkpoint: {k}" for k in sorted(set(s) - set(w))][:5]
   lines += [f"  only in `like`: {k}" for k in sorted(set(w) - set(s))][:5]
   lines += [f"  {k}: checkpoint {s[k]}, `like` {w[k]}"
             for k in sorted(set(s) & set(w)) if s[k] != w[k]][:5]
   return f"the checkpoint's {what} does not match `like`:\n" + "\n".join(lines)
+
+
+def _check_opt_state(saved: dict, want: dict) -> None:
+  if saved != want:
+    raise ValueError("the checkpoint's optimizer state does not match "
+                     "like.tx (a different optax transformation?):\n" +
+                     _describe_mismatch(saved, want, "").split("\n", 1)[1])
 
 
 def restore(directory: str, *, like: Any, step: Optional[int] = None,
@@ -229,15 +285,197 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     fields["stage"] = stage
   fields.update(config_fields)
   config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
+  target = dict(like=like, abstract=abstract, static_extras=static_extras,
+                config=config, mesh=mesh)
+  if meta is not None and meta.get("format") == FORMAT:
+    return _restore_chunk_form(path, meta["layout"], **target)
+  return _restore_tree_form(path, **target)
+
+
+def _loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:
+  if "loss_scale" not in loaded or state.loss_scale is None:
+    return state
+  return state.replace(loss_scale=precision.LossScaleState(
+      scale=loaded["loss_scale"]["scale"],
+      good_steps=loaded["loss_scale"]["good_steps"]))
+
+
+def _replicated_like(tree, mesh):
+  """ShapeDtypeStructs, replicated on `mesh`, of orbax metadata `tree`."""
+  rep = NamedSharding(mesh, P())
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+
+
+def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
+                        config, mesh) -> ZeroTrainState:
+  """A chunk-form checkpoint: read straight into the target shardings when
+  the target's chunk layout is the saved one, else cut into the ordinary
+  tree on the host and repacked."""
+  saved = _saved_tree(path)
+  want = _signature(abstract)
+  names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
+  have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
+  if have != want:
+    raise ValueError(_describe_mismatch(have, want, "parameter tree"))
+  if names != list(want):
+    raise ValueError("the checkpoint's parameter leaves come in another order "
+                     f"than `like`'s: {names[:3]}... vs {list(want)[:3]}...")
+  layout_saved = _layout_from_json(saved_layout,
+                                   jax.tree_util.tree_structure(abstract))
+  views = jax.eval_shape(lambda: like.tx.init(layout_saved.views(
+      [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks])))
+  _check_opt_state(_signature(saved["opt_state"]),
+                   _signature(_non_empty(views)))
+
+  tree_opt = jax.eval_shape(like.tx.init, abstract)
+  extras = _replicated_like(saved.get("extras", {}), mesh)
+  layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
+                                tx=like.tx, apply_fn=like.apply_fn,
+                                config=config, mesh=mesh)
+  if _layout_json(layout) != saved_layout:
+    return _repack(path, saved_layout, abstract, tree_opt, static_extras,
+                   like=like, config=config, mesh=mesh)
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  target = {"step": sds(shapes.step, where.step),
+            "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
+            "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
+            "opt_state": _non_empty(jax.tree_util.tree_map(
+                sds, shapes.opt_state, where.opt_state))}
+  target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
+  for key in ("loss_scale", "extras"):
+    if key in saved:
+      target[key] = _replicated_like(saved[key], mesh)
+  loaded = ocp.StandardCheckpointer().restore(path, target)
+  master = tuple(_seq(loaded.get("master", [])))
+  state = shapes.replace(
+      step=loaded["step"], master=master,
+      compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
+                    for m, s in zip(master, where.compute)),
+      rest=tuple(_seq(loaded.get("rest", []))),
+      opt_state=_with_empty(loaded["opt_state"], shapes.opt_state,
+                            where.opt_state),
+      loss_scale=jax.tree_util.tree_map(
+          reshard.copy, precision.init(config.loss_scale), where.loss_scale),
+      extras=loaded.get("extras", {}))
+  return _loss_scale(state, loaded)
+
+
+def _with_empty(tree, shapes, shardings):
+  """Inverse of `_non_empty`: None leaves of `tree` as empty arrays."""
+  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.device_put(jnp.zeros(x.shape, x.dtype), s) if got is None else got
+      for got, x, s in zip(flat, jax.tree_util.tree_leaves(shapes),
+                           jax.tree_util.tree_leaves(shardings))])
+
+
+def _repack(path, saved_layout, abstract, tree_opt, static_extras, *, like,
+            config, mesh) -> ZeroTrainState:
+  """Another layout (device count, chunk size): the saved chunks cut into
+  the ordinary tree on the host (numpy, read from the files: any process
+  count), then packed chunk by chunk as `shard()` packs."""
+  loaded = _restore_to_host(path)
+  params, opt = _cut(saved_layout, loaded)
+
+  def like_tree(tree, by_names):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [np.asarray(by_names[_path_names(p)], x.dtype) for p, x in flat])
+
+
+  state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
+                loaded["step"], loaded.get("extras", {}), static_extras,
+                tx=like.tx, apply_fn=like.apply_fn, config=config, mesh=mesh)
+  return _loss_scale(state, loaded)
+
+
+def _cut(saved_layout: dict, loaded: dict) -> tuple:
+  """The ordinary parameter tree and optax state of a chunk-form
+  checkpoint read as numpy (`loaded`), each as {leaf names: array}."""
+  leaves, chunks = saved_layout["leaves"], saved_layout["chunks"]
+  master = [np.asarray(x) for x in _seq(loaded.get("master", []))]
+  rest = iter(_seq(loaded.get("rest", [])))
+
+  def leaf(x, i):
+    info = leaves[i]
+    chunk = chunks[info["chunk"]]
+    lead = (chunk["layers"],) if chunk["layers"] else ()
+    size = int(np.prod(info["shape"][1:] if info["stacked"] else info["shape"]))
+    flat = np.reshape(x, lead + (chunk["length"],))
+    return flat[..., info["offset"]:info["offset"] + size].reshape(info["shape"])
+
+  params = {tuple(info["names"]): leaf(master[info["chunk"]], i)
+            if info["chunk"] >= 0 else np.asarray(next(rest))
+            for i, info in enumerate(leaves)}
+  # optax state over the views: chunk c's statistics sit at its
+  # representative leaf (highest rank, first), the others' are empty.
+  reps = {max(c["leaves"], key=lambda i: (len(leaves[i]["shape"]), -i)): c
+          for c in chunks}
+  elements = lambda c: max(c["layers"], 1) * c["length"]
+  by_length = sorted(range(len(leaves)), key=lambda i: -len(leaves[i]["names"]))
+  opt, prefixes = {}, set()
+  for p, x in jax.tree_util.tree_leaves_with_path(loaded["opt_state"]):
+    key, x = _path_names(p), np.asarray(x)
+    # the longest leaf path ending the key: ('mu', 'block_0', 'ln', 'bias')
+    # is block_0's bias, not a top-level ('ln', 'bias')
+    owner = next((i for i in by_length if leaves[i]["names"] and
+                  tuple(leaves[i]["names"]) ==
+                  key[len(key) - len(leaves[i]["names"]):]), None)
+    if owner not in reps or x.size != elements(reps[owner]):
+      opt[key] = x                             # counts, scalars
+      continue
+    prefix = key[:len(key) - len(leaves[owner]["names"])]
+    prefixes.add((prefix, x.dtype))
+    for m in reps[owner]["leaves"]:
+      opt[prefix + tuple(leaves[m]["names"])] = leaf(x, m)
+  # Leaves outside the chunks (frozen, integer) have empty views, which are
+  # not written: the optimizer never saw them, their statistics are zeros.
+  for prefix, dtype in prefixes:
+    for info in leaves:
+      if info["chunk"] < 0:
+        opt[prefix + tuple(info["names"])] = np.zeros(info["shape"], dtype)
+  return params, opt
+
+
+def _seq(x) -> list:
+  """A saved list as orbax may read it back: a list, or a dict keyed "0",
+  "1", ..., "10" (whose sorted order is not the list's)."""
+  if isinstance(x, dict):
+    return [x[k] for k in sorted(x, key=int)]
+  return list(x)
+
+
+def _nested(by_names: dict) -> Any:
+  """{names: leaf} as nested dicts; a dict keyed 0..n-1 becomes a list."""
+  root: dict = {}
+  for names, x in by_names.items():
+    node = root
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = x
+
+  def lists(node):
+    if not isinstance(node, dict):
+      return node
+    node = {k: lists(v) for k, v in node.items()}
+    if node and sorted(node) == [str(i) for i in range(len(node))]:
+      return [node[str(i)] for i in range(len(node))]
+    return node
+  return lists(root)
+
+
+def _restore_tree_form(path, *, like, abstract, static_extras, config,
+                       mesh) -> ZeroTrainState:
+  """A tree-form checkpoint (format "zerojax-1", or a plain orbax
+  checkpoint of a flax TrainState): each leaf read sharded, then packed
+  chunk by chunk."""
   saved = _saved_tree(path)
   if _signature(saved["params"]) != _signature(abstract):
-    raise ValueError(_describe_mismatch(saved["params"], abstract, "parameter tree"))
+    raise ValueError(_describe_mismatch(_signature(saved["params"]),
+                                        _signature(abstract), "parameter tree"))
   tree_opt = jax.eval_shape(like.tx.init, abstract)
-  if _signature(saved["opt_state"]) != _signature(tree_opt):
-    raise ValueError("the checkpoint's optimizer state does not match "
-                     "like.tx (a different optax transformation?):\n" +
-                     _describe_mismatch(saved["opt_state"], tree_opt,
-                                        "optimizer state").split("\n", 1)[1])
+  _check_opt_state(_signature(saved["opt_state"]), _signature(tree_opt))
   rep = NamedSharding(mesh, P())
   target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
             "params": jax.tree_util.tree_map(
@@ -248,18 +486,13 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
                 tree_opt, _leaf_shardings(tree_opt, mesh, config.axis_name))}
   for key in ("loss_scale", "extras"):
     if key in saved:
-      target[key] = jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), saved[key])
+      target[key] = _replicated_like(saved[key], mesh)
   loaded = ocp.StandardCheckpointer().restore(path, target)
   state = place(loaded["params"], loaded["opt_state"], loaded["step"],
                 loaded.get("extras", {}), static_extras, tx=like.tx,
                 apply_fn=like.apply_fn, config=config, mesh=mesh,
                 release=True)   # `loaded` is ours: freed as it is packed
-  if "loss_scale" in loaded and state.loss_scale is not None:
-    state = state.replace(loss_scale=precision.LossScaleState(
-        scale=loaded["loss_scale"]["scale"],
-        good_steps=loaded["loss_scale"]["good_steps"]))
-  return state
+  return _loss_scale(state, loaded)
 
 
 def export_params(directory_or_state: Any, *, step: Optional[int] = None,
@@ -267,12 +500,16 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   """The ordinary parameter tree (numpy arrays), from a live ZeroTrainState
   or a checkpoint directory, without the original device count (DeepSpeed's
   `zero_to_fp32.py`). With `with_opt_state`, returns `(params, opt_state)`,
-  the optax state in its ordinary tree form."""
+  the optax state in its ordinary tree form. From a directory the trees are
+  nested dicts (lists for tuples), as orbax reads any tree back."""
   if isinstance(directory_or_state, ZeroTrainState):
     tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
   else:
-    path, _, _ = _open(directory_or_state, step)
+    path, meta, _ = _open(directory_or_state, step)
     tree = _restore_to_host(path)
+    if meta is not None and meta.get("format") == FORMAT:
+      params, opt = _cut(meta["layout"], tree)
+      tree = {"params": _nested(params), "opt_state": _nested(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
 
 

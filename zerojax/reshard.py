@@ -4,8 +4,8 @@ time, with explicit collectives.
 Tree form: the ordinary `TrainState` content (parameter tree, optax state
 on it), each leaf sharded on its largest axis the device count divides
 (`leaf_spec`). Chunk form: `ZeroTrainState`'s chunks and chunk views.
-Checkpoints are written and read in tree form; `shard()` and `restore()`
-pack into chunk form.
+`shard()` and a `restore()` onto another chunk layout pack into chunk
+form; `export_params` of a live state unpacks into tree form.
 
 Left to GSPMD, one program converting the whole state cannot express a
 leaf's shard as slices of chunk shards and falls back to replicating whole
