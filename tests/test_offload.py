@@ -87,6 +87,41 @@ def test_half_offload_splits_by_chunk_bytes():
   assert abs(kinds["pinned_host"] - total / 2) <= largest
 
 
+def test_offloaded_chunks_come_to_the_device_one_at_a_time():
+  """Each offloaded chunk's optimizer state is moved to the device only once
+  the previous chunk's new state has been written back: one optimization
+  barrier per offloaded chunk after the first, ordering the transfers (on
+  CPU the transfers themselves compile to nothing, so the order is what can
+  be checked here)."""
+  model, params, loss_fn, batches = _problem("transformer", steps=1)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=TX)
+  step = zerojax.train_step(loss_fn)
+  barriers = {}
+  for fraction in (0.0, 0.5, 1.0):
+    fields = dict(offload_optimizer=True, offload_fraction=fraction) if (
+        fraction) else {}
+    state = zerojax.shard_shape(plain, stage=3, chunk_size=3000, **fields)
+    text = step.lower(state, batches[0]).as_text()
+    host = offload.offloaded_chunks(state.layout, fraction)
+    barriers[fraction] = (text.count("stablehlo.optimization_barrier"), len(host))
+  base = barriers[0.0][0]
+  assert barriers[1.0][1] > barriers[0.5][1] >= 2
+  for fraction in (0.5, 1.0):
+    count, chunks = barriers[fraction]
+    assert count - base == chunks - 1
+
+
+def test_offload_refuses_a_tx_that_reads_every_chunk():
+  model, params, _, _ = make_problem("mlp")
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=clipped)
+  with pytest.raises(ValueError, match=r"one at a time.*clip_norm"):
+    zerojax.shard(plain, stage=3, offload_optimizer=True)
+  assert zerojax.shard(plain, stage=3).config.stage == 3   # fine on device
+
+
 def test_restore_keeps_memory_kinds(tmp_path):
   state, _, _, plain = _run(3, steps=1, offload_optimizer=True)
   zerojax.checkpoint.save(str(tmp_path), state, wait=True)

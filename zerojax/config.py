@@ -91,6 +91,8 @@ class ZeroConfig:
       non-floating leaves stay outside the chunks, replicated.
     offload_optimizer: keep the fp32 master shards and the optimizer state
       in `pinned_host` memory between steps (ZeRO-Offload); stages 1-3.
+      The step updates offloaded chunks one at a time; `tx` must allow it
+      (no `clip_by_global_norm` inside it: use `clip_norm`).
     offload_params: stage 3: keep the parameter (master) shards on host.
     offload_fraction: with `offload_optimizer`, the fraction of chunk bytes
       offloaded (largest chunks first).

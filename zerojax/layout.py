@@ -346,15 +346,19 @@ class ChunkLayout:
       return (chunk.layers,) + (1,) * max(rank - 2, 0) + (chunk.length,)
     return (1,) * max(rank - 1, 0) + (chunk.length,)
 
-  def views(self, chunks: Sequence[Any], fill_dtype: Any = None) -> Any:
+  def views(self, chunks: Sequence[Any], fill_dtype: Any = None,
+            only: Optional[frozenset] = None) -> Any:
     """The tree optax sees: the original structure, each chunk held by its
     representative leaf (reshaped, see `view_shape`), every other leaf empty.
 
     An element-wise optax transformation applied to this tree is the same as
-    applied to the original tree, element by element.
+    applied to the original tree, element by element. `only`: the chunks to
+    show (the others' representatives empty too; their entries of `chunks`
+    are not read), for an update of some chunks at a time.
     """
     out = []
-    reps = {self.representative(c): c for c in range(len(self.chunks))}
+    reps = {self.representative(c): c for c in range(len(self.chunks))
+            if only is None or c in only}
     for i, info in enumerate(self.leaves):
       if i in reps:
         c = reps[i]
@@ -364,8 +368,10 @@ class ChunkLayout:
         out.append(jnp.zeros((0,) * info.ndim if info.ndim else (), dt))
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
-  def from_views(self, tree: Any) -> tuple:
-    """Inverse of `views`: the chunk arrays held by the representatives."""
+  def from_views(self, tree: Any, only: Optional[frozenset] = None) -> tuple:
+    """Inverse of `views`: the chunk arrays held by the representatives
+    (None for chunks outside `only`)."""
     leaves = self._leaves_of(tree)
     return tuple(jnp.reshape(leaves[self.representative(c)], chunk.shape)
+                 if only is None or c in only else None
                  for c, chunk in enumerate(self.chunks))

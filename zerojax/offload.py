@@ -14,29 +14,35 @@ the chunk bytes is reached (within one chunk): the fewest, largest transfers
 for the bytes moved (DeepSpeed's Twin-Flow `ratio`, Gemini's
 `offload_optim_frac`).
 
-Device residency inside the step, as measured on this project's CPU
-machines (jax 0.10.2) and not yet on an accelerator:
-  - `to_device` runs at the start of the step for every offloaded array
-    and `place` at its end, and the optax update is one call over all
-    chunks, so the program's data dependencies allow every offloaded
-    chunk's device copy to be live at once; the issue's bound (a bounded
-    number of chunks' optimizer state on device at a time) is NOT enforced.
-    Enforcing it needs the update split per chunk with each chunk's copy
-    ordered after the previous chunk's write-back, which changes results
-    for a user `tx` that reads all chunks (e.g. `clip_by_global_norm`
-    inside an `optax.chain`).
-  - On CPU, jax lowers a memory-kind `device_put` to nothing (only the
-    TPU/GPU lowering emits the `annotate_device_placement` transfers):
-    the compiled CPU program computes on the host buffers directly, so its
-    `memory_analysis()` holds no device copy of an offloaded array and
-    cannot show residency. `zerojax.compiled_footprint`'s `device` figure
-    there is the footprint less the host-resident arguments and outputs.
+Device residency inside the step (jax 0.10.2; not yet measured on an
+accelerator):
+  - Optimizer state: the step updates the device-resident chunks in one optax
+    call, then each offloaded chunk in its own call (`step._update`): the
+    chunk's state is `device_put` to device memory, updated, and put back to
+    `pinned_host`, and the next chunk's host arrays pass through an
+    optimization barrier with the previous chunk's written-back state, so
+    its transfer cannot start before that write-back. One offloaded chunk's
+    optimizer state (plus its update's temporaries) is on the device at a
+    time; the largest chunk bounds it. `shard()` checks that `tx` gives the
+    same result updated a part at a time (`optim.check_separable`) and
+    refuses, e.g., `clip_by_global_norm` inside `tx` (use
+    `ZeroConfig(clip_norm=...)`, which clips before the update).
+  - Master / parameter shards (`offload_params`, or the stage-3 master under
+    `offload_optimizer`): moved to the device at the start of the step for
+    the forward pass and back at its end; their residency is the sharded
+    parameters' (4 bytes x Psi/N in fp32), not bounded per chunk.
+  - On CPU, jax lowers a memory-kind `device_put` to nothing and the CPU
+    compiler drops optimization barriers: the compiled CPU program computes
+    on the host buffers directly, its `memory_analysis()` holds no device
+    copy of an offloaded array, and neither residency nor the transfer
+    order can be observed there (the order is checked in the lowered
+    program, `tests/test_offload.py`). `zerojax.compiled_footprint`'s
+    `device` figure there is the footprint less the host-resident arguments
+    and outputs.
   - On a GPU, XLA's host-offload passes turn the annotations into
-    host <-> device copies; when each copy runs (and so how many chunks
-    are resident at once) is up to XLA's scheduler. Expect the update to
-    need, at worst, device room for the offloaded optimizer state on top
-    of `device`, and transfer time ~ offloaded bytes / PCIe bandwidth
-    each step in each direction.
+    host <-> device copies. Expect transfer time ~ offloaded bytes / PCIe
+    bandwidth each step in each direction (Adam fp32: 8 bytes x Psi/N of
+    optimizer state, plus the master shard where it is offloaded).
 """
 from __future__ import annotations
 

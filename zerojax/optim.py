@@ -151,6 +151,23 @@ def _inner_transforms(tx) -> list:
   return found
 
 
+def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
+  """(treedef, surrogate shapes, parameter leaves, per-step gradient
+  leaves): random values on each leaf capped at 3 per axis."""
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  shapes = _surrogate_shapes(abstract_params)
+  surrogate = jax.tree_util.tree_unflatten(
+      treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)])
+  rng = np.random.default_rng(0)
+  draw = lambda s, x, k=1.0: (k * rng.normal(size=s)).astype(x.dtype)
+  params = [draw(s, x) if _is_float(x) else np.zeros(s, x.dtype)
+            for s, x in zip(shapes, leaves)]
+  grads = [[draw(s, x, grad_scale) if (t and _is_float(x)) else np.zeros(s, x.dtype)
+            for s, x, t in zip(shapes, leaves, trainable)]
+           for _ in range(_PROBE_STEPS)]
+  return treedef, surrogate, params, grads
+
+
 @_cached
 def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
   """Why running `tx` on chunk views differs from running it on the tree.
@@ -160,21 +177,13 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   (exposes per-tensor reductions) and small padded chunks (exposes updates
   that move zeros).
   """
-  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
-  shapes = _surrogate_shapes(abstract_params)
-  surrogate = jax.tree_util.tree_unflatten(
-      treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)])
+  treedef, surrogate, params, grads = _random_surrogate(abstract_params,
+                                                       trainable)
+  shapes = [x.shape for x in jax.tree_util.tree_leaves(surrogate)]
   layouts = [ChunkLayout.build(surrogate, num_shards=2, chunk_size=size,
                                trainable=trainable, labels=labels,
                                stacked=stacked)
              for size in (sum(int(np.prod(s)) for s in shapes) + 1, 5)]
-  rng = np.random.default_rng(0)
-  draw = lambda s, x: rng.normal(size=s).astype(x.dtype)
-  params = [draw(s, x) if _is_float(x) else np.zeros(s, x.dtype)
-            for s, x in zip(shapes, leaves)]
-  grads = [[draw(s, x) if (t and _is_float(x)) else np.zeros(s, x.dtype)
-            for s, x, t in zip(shapes, leaves, trainable)]
-           for _ in range(_PROBE_STEPS)]
   unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
 
   def probe(p, gs):
@@ -239,6 +248,74 @@ def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> Non
       f"ZeRO chunks: {reason}. zerojax refuses it rather than train wrongly. "
       "Use an element-wise optimizer (sgd, momentum, adam, adamw, lion, "
       "rmsprop, ...); clipping by global norm is fine.")
+
+
+@_cached
+def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
+  """Why updating chunks in two separate calls of `tx` differs from one call
+  over all of them (a transformation that reads every gradient at once:
+  `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
+  (x1000) so that clipping thresholds are crossed."""
+  treedef, surrogate, params, grads = _random_surrogate(
+      abstract_params, trainable, grad_scale=1e3)
+  layout = ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
+                             trainable=trainable, labels=labels, stacked=stacked)
+  parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+
+  def probe(p, gs):
+    views = lambda ls, only=None: layout.views(layout.split(unflat(ls))[0],
+                                               only=only)
+    whole = [layout.from_views(u) for u in
+             _run(tx, views(p), [views(g) for g in gs])]
+    split = [[treedef.flatten_up_to(u) for u in
+              _run(tx, views(p, part), [views(g, part) for g in gs])]
+             for part in parts]
+    return whole, split
+
+  if len(layout.chunks) < 2:
+    return None
+  try:
+    whole, split = _run_probe(probe, params, grads)
+  except Exception as e:  # noqa: BLE001 - any failure means "not separable"
+    return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
+  for part, outs in zip(parts, split):
+    for step, (want, got) in enumerate(zip(whole, outs)):
+      for c in part:
+        mine = np.reshape(got[layout.representative(c)], layout.chunks[c].shape)
+        if not np.allclose(np.asarray(mine, np.float32),
+                           np.asarray(want[c], np.float32), rtol=1e-4, atol=1e-6):
+          return ("its update of one chunk depends on the other chunks' "
+                  "gradients (e.g. clip_by_global_norm or apply_if_finite "
+                  "inside tx)")
+  return None
+
+
+def check_separable(tx, abstract_params, trainable, labels, stacked=()) -> None:
+  """Raises ValueError when `tx` cannot update chunks one at a time, as
+  optimizer offload does (`step`)."""
+  why = _split_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if why is not None:
+    raise ValueError(
+        f"offload_optimizer updates the offloaded chunks one at a time (so "
+        f"that one chunk's optimizer state is on the device at once), but "
+        f"optax transformation {_transform_name(tx)!r} cannot run that way: "
+        f"{why}. Clip with ZeroConfig(clip_norm=...) instead of inside tx "
+        "(it clips by the global norm before the update, as DeepSpeed's "
+        "gradient_clipping does), or turn offload_optimizer off.")
+
+
+def view_chunks(layout: ChunkLayout, view_state: Any) -> list:
+  """Per leaf of the optax state over chunk views (flattened): the chunk
+  whose statistic it holds, or None (counts, scalars, empty leaves)."""
+  reps = sorted(((layout.leaves[layout.representative(c)].path, c)
+                 for c in range(len(layout.chunks))), key=lambda t: -len(t[0]))
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(view_state)[0]:
+    key = jax.tree_util.keystr(path)
+    out.append(next((c for p, c in reps if key.endswith(p) and
+                     tuple(np.shape(leaf)) == layout.view_shape(c)), None))
+  return out
 
 
 def statistic_slots(layout: ChunkLayout, tree_state: Any, view_state: Any) -> tuple:

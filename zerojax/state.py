@@ -251,6 +251,8 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int) -> ChunkLayout:
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   optim.check_elementwise(tx, abstract, trainable, labels, config.stacked)
+  if config.offload_optimizer:
+    optim.check_separable(tx, abstract, trainable, labels, config.stacked)
   return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size, trainable=trainable,
       labels=labels, stacked=config.stacked,

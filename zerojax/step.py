@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flax import traverse_util
 
-from zerojax import collectives, offload, precision
+from zerojax import collectives, offload, optim, precision
 from zerojax import nn as zero_nn
 from zerojax.state import (ZeroTrainState, chunk_spec, master_is_sharded,
                            state_shardings)
@@ -167,13 +167,66 @@ def _gather_updated(state, shards):
                        check_vma=False)(shards)
 
 
+def _update(state, grads, master, opt_shardings, finite):
+  """Step 2's optax update: `(new master chunks, new optimizer state)`.
+
+  Chunks whose optimizer state is offloaded are updated one at a time, after
+  the device-resident ones: a chunk's state comes to the device only once
+  the previous chunk's new state has gone back to host (an optimization
+  barrier on the host arrays orders the transfers), so one offloaded
+  chunk's optimizer state is on the device at once. `tx` must then be
+  separable by chunk (`optim.check_separable`, run by `shard`). `finite`:
+  under loss scaling, whether to keep the update (else the old values).
+  """
+  cfg, layout, tx = state.config, state.layout, state.tx
+  host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
+          if cfg.offload_optimizer else frozenset())
+  every = frozenset(range(len(layout.chunks)))
+  groups = ([every - host] if every - host else []) + [
+      frozenset([c]) for c in sorted(host)]
+  owners = optim.view_chunks(layout, state.opt_state)
+  old, treedef = jax.tree_util.tree_flatten(state.opt_state)
+  where = jax.tree_util.tree_leaves(opt_shardings)
+  keep = ((lambda new, old: new) if finite is None else
+          (lambda new, old: jnp.where(finite, new, old)))
+  new_master, new_opt, previous = list(master), list(old), None
+  for g, only in enumerate(groups):
+    mine = [j for j, c in enumerate(owners) if c in only]
+    host_in = [old[j] for j in mine]
+    if previous is not None:
+      host_in, _ = jax.lax.optimization_barrier((host_in, previous))
+    device_in = dict(zip(mine, offload.to_device(host_in, [where[j] for j in mine])))
+    sub = [device_in[j] if j in device_in else
+           x if c is None else jnp.zeros((0,) * x.ndim, x.dtype)
+           for j, (x, c) in enumerate(zip(old, owners))]
+    params_view = layout.views(master, only=only)
+    updates, out = tx.update(
+        layout.views(grads, fill_dtype=cfg.reduce_dtype, only=only),
+        jax.tree_util.tree_unflatten(treedef, sub), params_view)
+    chunks = layout.from_views(optax.apply_updates(params_view, updates), only)
+    for c in only:
+      new_master[c] = keep(chunks[c], master[c])
+    out = jax.tree_util.tree_leaves(out)
+    for j in mine:
+      new_opt[j] = keep(out[j], device_in[j])
+    if g == 0:   # counts and other scalars: alike in every group
+      for j, c in enumerate(owners):
+        if c is None:
+          new_opt[j] = keep(out[j], old[j])
+    if only <= host:
+      placed = offload.place([new_opt[j] for j in mine], [where[j] for j in mine])
+      for j, x in zip(mine, placed):
+        new_opt[j] = x
+      previous = placed
+  return tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt)
+
+
 def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   cfg, layout = state.config, state.layout
   shardings = state_shardings(state)
-  # Offloaded chunks come to the device for the step and go back at its end.
-  state = state.replace(
-      master=offload.to_device(state.master, shardings.master),
-      opt_state=offload.to_device(state.opt_state, shardings.opt_state))
+  # Offloaded master chunks come to the device for the step and go back at
+  # its end; offloaded optimizer state comes one chunk at a time (`_update`).
+  state = state.replace(master=offload.to_device(state.master, shardings.master))
   grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng)
 
   metrics = {"loss": loss}
@@ -193,18 +246,10 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
                    for m in state.master)
   else:
     master = state.master
-  params_view = layout.views(master)
-  updates, opt_state = state.tx.update(
-      layout.views(grads, fill_dtype=cfg.reduce_dtype), state.opt_state,
-      params_view)
-  new_master = layout.from_views(optax.apply_updates(params_view, updates))
-
+  new_master, opt_state = _update(state, grads, master, shardings.opt_state,
+                                  finite if state.loss_scale is not None else None)
   loss_scale = state.loss_scale
   if loss_scale is not None:
-    keep = lambda new, old: jax.tree_util.tree_map(
-        lambda a, b: jnp.where(finite, a, b), new, old)
-    new_master = keep(new_master, master)
-    opt_state = keep(opt_state, state.opt_state)
     loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
     metrics["loss_scale"] = loss_scale.scale
     metrics["skipped"] = ~finite
