@@ -204,8 +204,10 @@ def _offload_md(r: dict, mode: str) -> list:
            "(`S(5)` in the compiled entry layout): derived, because the CPU "
            "backend does not split memory kinds, and on CPU the host ↔ "
            "device copies compile to nothing, so no transient device copy of "
-           "an offloaded chunk is counted (a GPU's update would hold them; "
-           "not measured, no GPU here). `python -m benchmarks.run "
+           "an offloaded chunk is counted (on a GPU the step updates the "
+           "offloaded chunks one at a time, so it adds the largest chunk's "
+           "optimizer state and its temporaries; not measured, no GPU here). "
+           "`python -m benchmarks.run "
            f"--{mode} --suites offload`.", "",
            "| setting | device MiB / device | host MiB / device | "
            "footprint MiB (all kinds) | temp MiB |",

@@ -70,7 +70,7 @@ MODES = {
         # compiled only (abstract states): GPT-2 medium costs seconds here
         offload=dict(config="gpt2-medium", batch=8, seq=256,
                      speed_config="cpu-1m", speed_batch=16, speed_seq=64,
-                     rounds=9, max_layers=32),
+                     rounds=9),
     ),
     # The same model at 1024 tokens per device for speed; GPT-2 small and
     # medium for memory and communication (compiled, and allocated only where
@@ -85,7 +85,7 @@ MODES = {
                   chunk_stages=(2, 3)),
         offload=dict(config="gpt2-medium", batch=8, seq=256,
                      speed_config="cpu-1m", speed_batch=64, speed_seq=128,
-                     rounds=9, max_layers=32),
+                     rounds=9),
     ),
 }
 NUM_DEVICES = 8
