@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import precision, reshard
+from zerojax import optim, precision, reshard
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
 from zerojax.reshard import leaf_spec
@@ -121,6 +121,8 @@ def _layout_json(layout: ChunkLayout) -> dict:
 
 
 def _layout_from_json(d: dict, treedef) -> ChunkLayout:
+  """Inverse of `_layout_json`; `treedef`: the parameter tree's, or None
+  where only the leaves' places in the chunks are read."""
   leaves = tuple(LeafInfo(i["path"], tuple(i["shape"]), jnp.dtype(i["dtype"]),
                           i["chunk"], i["offset"], i["stacked"], tuple(i["names"]))
                  for i in d["leaves"])
@@ -334,7 +336,7 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
                                 tx=like.tx, apply_fn=like.apply_fn,
                                 config=config, mesh=mesh)
   if _layout_json(layout) != saved_layout:
-    return _repack(path, saved_layout, abstract, tree_opt, static_extras,
+    return _repack(path, layout_saved, abstract, tree_opt, static_extras,
                    like=like, config=config, mesh=mesh)
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   target = {"step": sds(shapes.step, where.step),
@@ -370,13 +372,13 @@ def _with_empty(tree, shapes, shardings):
                            jax.tree_util.tree_leaves(shardings))])
 
 
-def _repack(path, saved_layout, abstract, tree_opt, static_extras, *, like,
+def _repack(path, layout_saved, abstract, tree_opt, static_extras, *, like,
             config, mesh) -> ZeroTrainState:
   """Another layout (device count, chunk size): the saved chunks cut into
   the ordinary tree on the host (numpy, read from the files: any process
   count), then packed chunk by chunk as `shard()` packs."""
   loaded = _restore_to_host(path)
-  params, opt = _cut(saved_layout, loaded)
+  params, opt = _cut(layout_saved, loaded)
 
   def like_tree(tree, by_names):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -390,51 +392,38 @@ def _repack(path, saved_layout, abstract, tree_opt, static_extras, *, like,
   return _loss_scale(state, loaded)
 
 
-def _cut(saved_layout: dict, loaded: dict) -> tuple:
+def _cut(layout: ChunkLayout, loaded: dict) -> tuple:
   """The ordinary parameter tree and optax state of a chunk-form
-  checkpoint read as numpy (`loaded`), each as {leaf names: array}."""
-  leaves, chunks = saved_layout["leaves"], saved_layout["chunks"]
+  checkpoint read as numpy (`loaded`, saved with `layout`), each as
+  {leaf names: array}."""
   master = [np.asarray(x) for x in _seq(loaded.get("master", []))]
   rest = iter(_seq(loaded.get("rest", [])))
 
   def leaf(x, i):
-    info = leaves[i]
-    chunk = chunks[info["chunk"]]
-    lead = (chunk["layers"],) if chunk["layers"] else ()
-    size = int(np.prod(info["shape"][1:] if info["stacked"] else info["shape"]))
-    flat = np.reshape(x, lead + (chunk["length"],))
-    return flat[..., info["offset"]:info["offset"] + size].reshape(info["shape"])
+    info = layout.leaves[i]
+    chunk = np.reshape(x, layout.chunks[info.chunk].shape)
+    return chunk[..., info.offset:info.offset + info.size].reshape(info.shape)
 
-  params = {tuple(info["names"]): leaf(master[info["chunk"]], i)
-            if info["chunk"] >= 0 else np.asarray(next(rest))
-            for i, info in enumerate(leaves)}
-  # optax state over the views: chunk c's statistics sit at its
-  # representative leaf (highest rank, first), the others' are empty.
-  reps = {max(c["leaves"], key=lambda i: (len(leaves[i]["shape"]), -i)): c
-          for c in chunks}
-  elements = lambda c: max(c["layers"], 1) * c["length"]
-  by_length = sorted(range(len(leaves)), key=lambda i: -len(leaves[i]["names"]))
+  params = {info.names: leaf(master[info.chunk], i) if info.chunk >= 0
+            else np.asarray(next(rest)) for i, info in enumerate(layout.leaves)}
+  # optax state over the views: chunk c's statistics at its representative
   opt, prefixes = {}, set()
-  for p, x in jax.tree_util.tree_leaves_with_path(loaded["opt_state"]):
-    key, x = _path_names(p), np.asarray(x)
-    # the longest leaf path ending the key: ('mu', 'block_0', 'ln', 'bias')
-    # is block_0's bias, not a top-level ('ln', 'bias')
-    owner = next((i for i in by_length if leaves[i]["names"] and
-                  tuple(leaves[i]["names"]) ==
-                  key[len(key) - len(leaves[i]["names"]):]), None)
-    if owner not in reps or x.size != elements(reps[owner]):
+  flat = jax.tree_util.tree_flatten_with_path(loaded["opt_state"])[0]
+  for (path, x), c in zip(flat, optim.view_chunks(layout, loaded["opt_state"])):
+    key, x = _path_names(path), np.asarray(x)
+    if c is None:
       opt[key] = x                             # counts, scalars
       continue
-    prefix = key[:len(key) - len(leaves[owner]["names"])]
+    prefix = key[:len(key) - len(layout.leaves[layout.representative(c)].names)]
     prefixes.add((prefix, x.dtype))
-    for m in reps[owner]["leaves"]:
-      opt[prefix + tuple(leaves[m]["names"])] = leaf(x, m)
+    for m in layout.chunks[c].leaves:
+      opt[prefix + layout.leaves[m].names] = leaf(x, m)
   # Leaves outside the chunks (frozen, integer) have empty views, which are
   # not written: the optimizer never saw them, their statistics are zeros.
   for prefix, dtype in prefixes:
-    for info in leaves:
-      if info["chunk"] < 0:
-        opt[prefix + tuple(info["names"])] = np.zeros(info["shape"], dtype)
+    for i in layout.rest_indices:
+      info = layout.leaves[i]
+      opt[prefix + info.names] = np.zeros(info.shape, dtype)
   return params, opt
 
 
@@ -508,7 +497,7 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
     path, meta, _ = _open(directory_or_state, step)
     tree = _restore_to_host(path)
     if meta is not None and meta.get("format") == FORMAT:
-      params, opt = _cut(meta["layout"], tree)
+      params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
       tree = {"params": _nested(params), "opt_state": _nested(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
 

@@ -152,8 +152,8 @@ def _inner_transforms(tx) -> list:
 
 
 def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
-  """(treedef, surrogate shapes, parameter leaves, per-step gradient
-  leaves): random values on each leaf capped at 3 per axis."""
+  """(treedef, surrogate tree of ShapeDtypeStructs, parameter leaves,
+  per-step gradient leaves): random values, each axis capped at 3."""
   leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
   shapes = _surrogate_shapes(abstract_params)
   surrogate = jax.tree_util.tree_unflatten(
@@ -260,6 +260,8 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
       abstract_params, trainable, grad_scale=1e3)
   layout = ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
                              trainable=trainable, labels=labels, stacked=stacked)
+  if len(layout.chunks) < 2:
+    return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
   unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
 
@@ -273,8 +275,6 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
              for part in parts]
     return whole, split
 
-  if len(layout.chunks) < 2:
-    return None
   try:
     whole, split = _run_probe(probe, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
