@@ -320,9 +320,6 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
   have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
   if have != want:
     raise ValueError(_describe_mismatch(have, want, "parameter tree"))
-  if names != list(want):
-    raise ValueError("the checkpoint's parameter leaves come in another order "
-                     f"than `like`'s: {names[:3]}... vs {list(want)[:3]}...")
   layout_saved = _layout_from_json(saved_layout,
                                    jax.tree_util.tree_structure(abstract))
   views = jax.eval_shape(lambda: like.tx.init(layout_saved.views(
@@ -384,7 +381,6 @@ def _repack(path, layout_saved, abstract, tree_opt, static_extras, *, like,
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(
         treedef, [np.asarray(by_names[_path_names(p)], x.dtype) for p, x in flat])
-
 
   state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
                 loaded["step"], loaded.get("extras", {}), static_extras,
