@@ -280,7 +280,7 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
     return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
   for part, outs in zip(parts, split):
-    for step, (want, got) in enumerate(zip(whole, outs)):
+    for want, got in zip(whole, outs):
       for c in part:
         mine = np.reshape(got[layout.representative(c)], layout.chunks[c].shape)
         if not np.allclose(np.asarray(mine, np.float32),
