@@ -16,7 +16,7 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
           chunk views, `ChunkLayout.views`);
   meta/   JSON: format, the ZeroConfig fields, the device count at save, and
           the chunk layout (`_layout_json`).
-Format "zerojax-1" (session 2: the ordinary tree form on disk) and plain
+Format "zerojax-1" (the ordinary tree form, written before 2026-11-22) and plain
 orbax checkpoints of a flax TrainState are still read.
 Never imports `step`.
 """
@@ -39,8 +39,7 @@ from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
 from zerojax.reshard import leaf_spec
 from zerojax.state import ZeroTrainState, _config_and_mesh, _plan, place
 
-FORMAT = "zerojax-2"        # chunk form (this module's docstring)
-TREE_FORMAT = "zerojax-1"   # the ordinary tree form, still read
+FORMAT = "zerojax-2"   # chunk form (this module's docstring)
 _MANAGERS: dict = {}
 
 
