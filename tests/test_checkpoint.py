@@ -81,6 +81,25 @@ def test_restore_on_another_mesh_and_stage(problem, saved, devices, stage):
   np.testing.assert_allclose(losses, rest, rtol=1e-5)
 
 
+def test_restore_regroups_for_a_tx_with_other_optimizer_classes(
+    problem, saved, monkeypatch):
+  """Same state structure, but like.tx decays only matrices: the saved
+  chunks mix leaves that like.tx treats apart, so the restore repacks."""
+  plain, _, _ = problem
+  directory, params, _ = saved
+  decay_matrices = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: (
+      jax.tree_util.tree_map(lambda x: x.ndim > 1, p)))
+  repacked = []
+  repack = zerojax.checkpoint._repack
+  monkeypatch.setattr(zerojax.checkpoint, "_repack",
+                      lambda *a, **k: repacked.append(1) or repack(*a, **k))
+  state = zerojax.checkpoint.restore(directory, like=plain.replace(
+      tx=decay_matrices))
+  assert repacked and len(set(state.layout.labels)) == 2
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.checkpoint.export_params(state), params)
+
+
 def test_save_on_three_restore_on_eight(problem, tmp_path):
   plain, loss_fn, batches = problem
   state = zerojax.shard(plain, stage=3, mesh=_mesh(3), chunk_size=1000)
@@ -153,6 +172,10 @@ def test_bad_input(problem, saved, tmp_path):
   sgd = plain.replace(tx=optax.sgd(0.1, momentum=0.9))
   with pytest.raises(ValueError, match="does not match like.tx"):
     zerojax.checkpoint.restore(directory, like=sgd)
+  # LAMB's state has adamw's structure; its trust ratio reads whole tensors
+  lamb = plain.replace(tx=optax.lamb(1e-2, weight_decay=0.1))
+  with pytest.raises(ValueError, match="'scale_by_trust_ratio' cannot run on flat"):
+    zerojax.checkpoint.restore(directory, like=lamb)
   with pytest.raises(TypeError, match="like="):
     zerojax.checkpoint.restore(directory, like=None)
   state = zerojax.checkpoint.restore(directory, like=plain)

@@ -22,6 +22,7 @@ Never imports `step`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any, Optional
@@ -37,7 +38,8 @@ from zerojax import optim, precision, reshard
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
 from zerojax.reshard import leaf_spec
-from zerojax.state import ZeroTrainState, _config_and_mesh, _plan, place
+from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
+                            place)
 
 FORMAT = "zerojax-2"   # chunk form (this module's docstring)
 _MANAGERS: dict = {}
@@ -231,8 +233,7 @@ def _saved_tree(path):
 
 def _signature(tree) -> dict:
   """Leaf path (names only: orbax stores namedtuples as dicts) -> shape."""
-  return {"/".join(_path_names(path)): tuple(x.shape)
-          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return {k: tuple(x.shape) for k, x in _named(tree).items()}
 
 
 def _describe_mismatch(s: dict, w: dict, what: str) -> str:
@@ -328,44 +329,66 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
 
   tree_opt = jax.eval_shape(like.tx.init, abstract)
   extras = _replicated_like(saved.get("extras", {}), mesh)
-  layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
-                                tx=like.tx, apply_fn=like.apply_fn,
-                                config=config, mesh=mesh)
-  if _layout_json(layout) != saved_layout:
+  # The optimizer probes that check like.tx (a compile: seconds, once per
+  # process and tx) run beside the read, which needs only the saved labels.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    probed = pool.submit(check_tx, like.tx, abstract, config)
+    layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
+                                  tx=like.tx, apply_fn=like.apply_fn,
+                                  config=config, mesh=mesh,
+                                  labels=layout_saved.labels)
+    loaded = (_read_chunks(path, saved, shapes, where, mesh)
+              if _layout_json(layout) == saved_layout else None)
+    labels = probed.result()   # raises if like.tx cannot run on chunks
+  if loaded is None or labels != layout_saved.labels:
+    del loaded
     return _repack(path, layout_saved, abstract, tree_opt, static_extras,
                    like=like, config=config, mesh=mesh)
-  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  target = {"step": sds(shapes.step, where.step),
-            "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
-            "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
-            "opt_state": _non_empty(jax.tree_util.tree_map(
-                sds, shapes.opt_state, where.opt_state))}
-  target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
-  for key in ("loss_scale", "extras"):
-    if key in saved:
-      target[key] = _replicated_like(saved[key], mesh)
-  loaded = ocp.StandardCheckpointer().restore(path, target)
   master = tuple(_seq(loaded.get("master", [])))
   state = shapes.replace(
       step=loaded["step"], master=master,
       compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
                     for m, s in zip(master, where.compute)),
       rest=tuple(_seq(loaded.get("rest", []))),
-      opt_state=_with_empty(loaded["opt_state"], shapes.opt_state,
-                            where.opt_state),
+      opt_state=loaded["opt_state"],
       loss_scale=jax.tree_util.tree_map(
           reshard.copy, precision.init(config.loss_scale), where.loss_scale),
       extras=loaded.get("extras", {}))
   return _loss_scale(state, loaded)
 
 
-def _with_empty(tree, shapes, shardings):
-  """Inverse of `_non_empty`: None leaves of `tree` as empty arrays."""
-  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
-  return jax.tree_util.tree_unflatten(treedef, [
-      jax.device_put(jnp.zeros(x.shape, x.dtype), s) if got is None else got
-      for got, x, s in zip(flat, jax.tree_util.tree_leaves(shapes),
-                           jax.tree_util.tree_leaves(shardings))])
+def _read_chunks(path, saved, shapes, where, mesh) -> dict:
+  """A chunk-form checkpoint (orbax tree `saved`) read straight into the
+  shardings `where` of a state shaped `shapes`. The optimizer state is read
+  in the saved tree's structure and refilled into `shapes.opt_state`'s,
+  leaf by leaf name: a `tx` whose state holds the same arrays in other
+  containers (optax.masked's, namedtuples read back as dicts) fits."""
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  opt = _named(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
+  target = {"step": sds(shapes.step, where.step),
+            "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
+            "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
+            "opt_state": jax.tree_util.tree_map_with_path(
+                lambda p, _: opt["/".join(_path_names(p))], saved["opt_state"])}
+  target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
+  for key in ("loss_scale", "extras"):
+    if key in saved:
+      target[key] = _replicated_like(saved[key], mesh)
+  loaded = ocp.StandardCheckpointer().restore(path, target)
+  got = _named(loaded["opt_state"])
+  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes.opt_state)
+  # empty views are not written (`_non_empty`): made again here
+  loaded["opt_state"] = jax.tree_util.tree_unflatten(treedef, [
+      got["/".join(_path_names(p))] if np.prod(x.shape) else
+      jax.device_put(jnp.zeros(x.shape, x.dtype), s)
+      for (p, x), s in zip(flat, jax.tree_util.tree_leaves(where.opt_state))])
+  return loaded
+
+
+def _named(tree) -> dict:
+  """Leaf path (names only, as `_signature`) -> leaf."""
+  return {"/".join(_path_names(path)): x
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _repack(path, layout_saved, abstract, tree_opt, static_extras, *, like,

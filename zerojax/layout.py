@@ -233,6 +233,13 @@ class ChunkLayout:
     return tuple(i for i, info in enumerate(self.leaves) if info.chunk < 0)
 
   @property
+  def labels(self) -> tuple:
+    """Per leaf, the optimizer class it was packed with (0 outside chunks),
+    as `build(labels=...)` takes them."""
+    return tuple(self.chunks[i.chunk].label if i.chunk >= 0 else 0
+                 for i in self.leaves)
+
+  @property
   def num_chunked_elements(self) -> int:
     """Ψ: trainable elements (all layers), padding excluded."""
     return sum(c.used * max(c.layers, 1) for c in self.chunks)

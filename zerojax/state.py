@@ -244,27 +244,38 @@ def _extra_fields(state) -> tuple:
   return extras, tuple(static_extras)
 
 
-def plan_layout(tx, params, config: ZeroConfig, num_shards: int) -> ChunkLayout:
-  """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
-  optimizer classes found, per-tensor transformations refused."""
+def check_tx(tx, params, config: ZeroConfig) -> tuple:
+  """The optimizer probes (`optim`, a compile each, cached per tx and tree):
+  the leaves' optimizer classes; raises when `tx` cannot run on chunks."""
   abstract = jax.eval_shape(lambda p: p, params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   optim.check_elementwise(tx, abstract, trainable, labels, config.stacked)
   if config.offload_optimizer:
     optim.check_separable(tx, abstract, trainable, labels, config.stacked)
+  return labels
+
+
+def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
+                labels: Optional[tuple] = None) -> ChunkLayout:
+  """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
+  optimizer classes found, per-tensor transformations refused. `labels`
+  given (a saved layout's): no probes, `tx` is not checked."""
+  abstract = jax.eval_shape(lambda p: p, params)
+  if labels is None:
+    labels = check_tx(tx, abstract, config)
   return ChunkLayout.build(
-      abstract, num_shards, chunk_size=config.chunk_size, trainable=trainable,
-      labels=labels, stacked=config.stacked,
-      min_chunk_size=config.min_chunk_size, search_range=config.search_range,
-      search_interval=config.search_interval)
+      abstract, num_shards, chunk_size=config.chunk_size,
+      trainable=_trainable(config, abstract), labels=labels,
+      stacked=config.stacked, min_chunk_size=config.min_chunk_size,
+      search_range=config.search_range, search_interval=config.search_interval)
 
 
 def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
-          config, mesh) -> tuple:
+          config, mesh, labels: Optional[tuple] = None) -> tuple:
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
-  content, computed from shapes only."""
-  layout = plan_layout(tx, params, config, mesh.shape[config.axis_name])
+  content, computed from shapes only (`labels`: as in `plan_layout`)."""
+  layout = plan_layout(tx, params, config, mesh.shape[config.axis_name], labels)
   with_compute = config.stage in (1, 2) and config.mixed_precision
 
   def build(params, step, extras):
