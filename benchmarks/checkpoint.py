@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ KINDS = ("orbax-save", "zerojax-save", "orbax-restore", "zerojax-restore")
 # 4.3 GB; its zerojax save holds about twice that at its peak.
 CONFIGS = {"smoke": ("tiny",), "quick": ("gpt2-small",),
            "full": ("gpt2-small", "gpt2-medium")}
+ROUNDS = {"smoke": 1, "quick": 2, "full": 2}
 GOAL_TIME_RATIO = 1.2
 # table rows: the second call of a process, then the first
 MEASUREMENTS = ("save", "first save", "restore", "first restore")
@@ -170,14 +172,40 @@ def measure(kind: str, cfg_name: str, directory: str, timeout: int = 1800) -> di
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(config: str, log=print) -> dict:
-  """The four measurements of one model config, with ratios and goals."""
-  rows = {}
+def run(config: str, log=print, rounds: int = 2) -> dict:
+  """The four measurements of one model config, with ratios and goals.
+
+  Each measurement starts after `os.sync()`, so that no save pays for the
+  writeback of the one before. The rounds alternate which side goes first
+  (the page cache and the disk favour neither), and every figure is the
+  mean over the rounds."""
+  measured = {kind: [] for kind in KINDS}
   with tempfile.TemporaryDirectory(prefix="zerojax_ckpt_bench_") as tmp:
-    for kind in KINDS:   # saves first: the restores read what they wrote
-      log(f"checkpoint {kind} ({config})")
-      rows[kind] = measure(kind, config, tmp)
-  return summary(config, rows)
+    for r in range(rounds):
+      order = KINDS if r % 2 == 0 else (KINDS[1], KINDS[0], KINDS[3], KINDS[2])
+      directory = os.path.join(tmp, str(r))
+      for kind in order:   # saves first: the restores read what they wrote
+        log(f"checkpoint {kind} ({config}, round {r + 1} of {rounds})")
+        os.sync()
+        measured[kind].append(measure(kind, config, directory))
+      shutil.rmtree(directory)
+  return summary(config, {kind: {**_mean(ms), "rounds": ms}
+                          for kind, ms in measured.items()})
+
+
+def _mean(measurements: list) -> dict:
+  """Field-wise mean of measurement dicts (nested dicts alike; None and
+  text kept from the first)."""
+  out = {}
+  for key, value in measurements[0].items():
+    values = [m[key] for m in measurements]
+    if isinstance(value, dict):
+      out[key] = _mean(values)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      out[key] = sum(values) / len(values)
+    else:
+      out[key] = value
+  return out
 
 
 def summary(config: str, rows: dict) -> dict:
@@ -189,6 +217,7 @@ def summary(config: str, rows: dict) -> dict:
     ratios[f"first {what}"] = (rows[f"zerojax-{what}"]["first"]["total_s"] /
                                rows[f"orbax-{what}"]["first"]["total_s"])
   return {"config": config, "state_bytes": state, "rows": rows,
+          "rounds": len(rows["orbax-save"].get("rounds", [None])),
           "time_ratio": ratios,
           "save_peak_over_state": rows["zerojax-save"]["peak_increase"] / state}
 

@@ -253,8 +253,11 @@ def _checkpoint_md(r: dict, mode: str) -> list:
            "zerojax restore includes the optimizer probes (`zerojax.optim`, "
            "compiled once per process and tx, as `shard()` does). host MiB: "
            "peak resident memory during the call above the resident memory "
-           "before it (the state itself is not counted by a save). One "
-           "measurement each, on a two-core host shared with other jobs. "
+           "before it (the state itself is not counted by a save). Each "
+           "figure is the mean of "
+           f"{r['configs'][0].get('rounds', 1) if r['configs'] else 1} "
+           "round(s) that alternate which side goes first, every measurement "
+           "after `os.sync()`, on a two-core host shared with other jobs. "
            f"`python -m benchmarks.run --{mode} --suites checkpoint`.", "",
            "| model | state MiB | measurement | zerojax s | orbax s | zerojax / "
            "orbax | zerojax host MiB | orbax host MiB | zerojax blocking s |",

@@ -262,7 +262,8 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     written["offload"] = result
 
   if "checkpoint" in suites:
-    rows = [checkpoint.run(c, log=_log) for c in checkpoint.CONFIGS[mode]]
+    rows = [checkpoint.run(c, log=_log, rounds=checkpoint.ROUNDS[mode])
+            for c in checkpoint.CONFIGS[mode]]
     result = {"meta": meta, "configs": rows,
               "goals": checkpoint.goal_checks(rows)}
     _write(out, f"{mode}_checkpoint.json", result)

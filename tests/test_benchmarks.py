@@ -242,6 +242,14 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
                    "zerojax restore time / plain orbax (tiny)": True,
                    "zerojax first restore time / plain orbax (tiny)": False,
                    "zerojax save peak host increase / state bytes (tiny)": True}
+  # rounds are averaged field by field
+  assert checkpoint._mean([
+      {"total_s": 1.0, "blocking_s": None, "kind": "zerojax-save",
+       "first": {"total_s": 3.0}},
+      {"total_s": 2.0, "blocking_s": None, "kind": "zerojax-save",
+       "first": {"total_s": 5.0}}]) == {
+           "total_s": 1.5, "blocking_s": None, "kind": "zerojax-save",
+           "first": {"total_s": 4.0}}
   with pytest.raises(ValueError, match="unknown measurement 'load'"):
     checkpoint.measure("load", "tiny", str(tmp_path))
 
