@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax.nn import layerwise
+
 
 class MLP(nn.Module):
   hidden: int = 32
@@ -66,6 +68,42 @@ class Transformer(nn.Module):
         x, _ = Block(self.width, name=f"block_{i}")(x)
     x = nn.LayerNorm()(x)
     return embed.attend(x).astype(jnp.float32)
+
+
+class ScannedLM(nn.Module):
+  """Blocks in one `nn.scan`, gathered per layer at stage 3 (`layerwise`)."""
+  layers: int = 2
+  width: int = 64
+  vocab: int = 128
+  layerwise: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.width)
+    x = embed(tokens)
+    block = layerwise(Block) if self.layerwise else Block
+    x, _ = nn.scan(block, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=self.layers)(
+                       self.width, 4, name="blocks")(x, None)
+    return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
+
+
+def lm_batches(vocab, batch=16, seq=16, steps=4):
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(steps):
+    t = rng.integers(0, vocab, size=(batch, seq + 1))
+    out.append({"tokens": t[:, :-1].astype(np.int32),
+                "targets": t[:, 1:].astype(np.int32)})
+  return out
+
+
+def lm_loss_fn(model):
+  def loss_fn(params, b):
+    logits = model.apply({"params": params}, b["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, b["targets"]).mean()
+  return loss_fn
 
 
 def make_problem(kind: str, batch: int = 32, steps: int = 5, seed: int = 0):

@@ -1,6 +1,5 @@
 """zerojax.nn.layerwise: per-layer gathering at stage 3, exact and flat in
 depth; and sharded initialisation (zerojax.create)."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,42 +8,8 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import Block, reference_run
-
-
-class ScannedLM(nn.Module):
-  layers: int = 2
-  width: int = 64
-  vocab: int = 128
-  layerwise: bool = True
-
-  @nn.compact
-  def __call__(self, tokens):
-    embed = nn.Embed(self.vocab, self.width)
-    x = embed(tokens)
-    block = zerojax.nn.layerwise(Block) if self.layerwise else Block
-    x, _ = nn.scan(block, variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=self.layers)(
-                       self.width, 4, name="blocks")(x, None)
-    return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
-
-
-def _batches(vocab, batch=16, seq=16, steps=4):
-  rng = np.random.default_rng(0)
-  out = []
-  for _ in range(steps):
-    t = rng.integers(0, vocab, size=(batch, seq + 1))
-    out.append({"tokens": t[:, :-1].astype(np.int32),
-                "targets": t[:, 1:].astype(np.int32)})
-  return out
-
-
-def _loss_fn(model):
-  def loss_fn(params, b):
-    logits = model.apply({"params": params}, b["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, b["targets"]).mean()
-  return loss_fn
+from models import ScannedLM, reference_run
+from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
 
 def _all_gathers(hlo):

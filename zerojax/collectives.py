@@ -3,6 +3,8 @@
 A chunk is sharded on its last axis. `gather` all-gathers it in the compute
 dtype; its transpose reduce-scatters the gradient in the reduce dtype, so
 gradients of gathered parameters arrive already sharded (ZeRO-3).
+`gather_from_host` does the same for a shard kept in host memory, moving it
+to the device right before the all-gather.
 `scatter_on_backward` gives a replicated chunk the same backward (ZeRO-2):
 the gradient is reduce-scattered as soon as the backward pass produces it.
 """
@@ -47,6 +49,34 @@ def _gather_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def gather_from_host(shard, grad_slot, axis_name, compute_dtype, reduce_dtype):
+  """`gather` of a shard kept in host memory (`offload_params`): moved to
+  device memory right before the all-gather.
+
+  Differentiate with respect to `grad_slot` (zeros of the shard's shape and
+  dtype, on the device): its gradient is the chunk gradient reduce-scattered,
+  as `gather`'s, and stays on the device. The host shard gets none (JAX
+  would otherwise send its gradient back to host memory).
+  """
+  del grad_slot
+  on_device = jax.device_put(shard, jax.memory.Space.Device)
+  return all_gather(on_device.astype(compute_dtype), axis_name)
+
+
+def _from_host_fwd(shard, grad_slot, axis_name, compute_dtype, reduce_dtype):
+  return (gather_from_host(shard, grad_slot, axis_name, compute_dtype,
+                           reduce_dtype), jnp.zeros((0,), grad_slot.dtype))
+
+
+def _from_host_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
+  del compute_dtype
+  return None, reduce_scatter(g.astype(reduce_dtype), axis_name).astype(like.dtype)
+
+
+gather_from_host.defvjp(_from_host_fwd, _from_host_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -8,7 +8,9 @@
 Without zerojax (init, evaluation on a plain tree) the wrapped block behaves
 exactly like the block. Inside a zerojax stage-3 step, the scanned subtree
 holds this layer's chunk *shards*; the wrapper all-gathers them right before
-the layer runs and unflattens them into the block's own parameter tree. Under
+the layer runs and unflattens them into the block's own parameter tree
+(under `offload_params`, the layer's shards are moved from host memory to the
+device first, one layer at a time). Under
 `nn.remat` (on by default) the gathered layer is dropped after the forward
 and gathered again in the backward pass, so at most about two layers of
 gathered parameters are alive at once, whatever the depth. DESIGN.md records
@@ -26,6 +28,7 @@ import flax.linen as nn
 from zerojax import collectives
 
 CHUNK_KEY = "__zerojax_chunk_"
+SLOT_KEY = "__zerojax_slot_"   # a host chunk's gradient slot (offload_params)
 _ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
 
 
@@ -43,6 +46,10 @@ def chunk_key(c: int) -> str:
   return f"{CHUNK_KEY}{c}"
 
 
+def slot_key(c: int) -> str:
+  return f"{SLOT_KEY}{c}"
+
+
 def _gather_layer(variables: Any) -> Any:
   params = variables.get("params", {})
   keys = [k for k in params if str(k).startswith(CHUNK_KEY)]
@@ -56,8 +63,13 @@ def _gather_layer(variables: Any) -> Any:
   tree = {}
   for key in keys:
     c = int(str(key)[len(CHUNK_KEY):])
-    full = collectives.gather(params[key], config.axis_name,
-                              config.compute_dtype, config.reduce_dtype)
+    if slot_key(c) in params:   # kept in host memory: this layer comes over now
+      full = collectives.gather_from_host(
+          params[key], params[slot_key(c)], config.axis_name,
+          config.compute_dtype, config.reduce_dtype)
+    else:
+      full = collectives.gather(params[key], config.axis_name,
+                                config.compute_dtype, config.reduce_dtype)
     layout.layer_tree(c, full, tree)
   return {**variables, "params": tree}
 

@@ -27,16 +27,26 @@ accelerator):
     same result updated a part at a time (`optim.check_separable`) and
     refuses, e.g., `clip_by_global_norm` inside `tx` (use
     `ZeroConfig(clip_norm=...)`, which clips before the update).
-  - Master / parameter shards (`offload_params`, or the stage-3 master under
-    `offload_optimizer`): moved to the device at the start of the step for
-    the forward pass and back at its end; their residency is the sharded
-    parameters' (4 bytes x Psi/N in fp32), not bounded per chunk.
+  - Master / parameter shards (`offload_params`, or the master under
+    `offload_optimizer` where it is a sharded copy): they stay on host
+    through the forward and backward passes. At stage 3 each chunk's gather
+    moves its shard to the device right before the all-gather
+    (`collectives.gather_from_host`); for layer chunks that is one layer's
+    shard at a time, inside the layer loop (`zerojax.nn.layerwise`), again in
+    the rematerialised backward. The gradient goes to a device-side slot, so
+    gradient shards stay on the device. The update (`step._update`) brings
+    the master shards over with their chunk's optimizer state (one chunk at a
+    time when that is offloaded, written back to host after its chunk's
+    update at stage 3; otherwise all of them for the one update call, back
+    at the step's end).
   - On CPU, jax lowers a memory-kind `device_put` to nothing and the CPU
     compiler drops optimization barriers: the compiled CPU program computes
     on the host buffers directly, its `memory_analysis()` holds no device
     copy of an offloaded array, and neither residency nor the transfer
     order can be observed there (the order is checked in the lowered
-    program, `tests/test_offload.py`). `zerojax.compiled_footprint`'s
+    program, and the per-layer moves in the program lowered for a GPU:
+    `step.trace(...).lower(lowering_platforms=("cuda",))`,
+    `tests/test_offload.py`). `zerojax.compiled_footprint`'s
     `device` figure there is the footprint less the host-resident arguments
     and outputs.
   - On a GPU, XLA's host-offload passes turn the annotations into

@@ -56,6 +56,12 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
   with_rng = rng is not None
   layer_chunks = (frozenset(c for c, ch in enumerate(layout.chunks) if ch.layers)
                   if stage == 3 else frozenset())
+  # Stage-3 shards kept in host memory are moved to the device by their
+  # gather (per layer for layer chunks); their gradients go to device-side
+  # slots (`collectives.gather_from_host`).
+  host = (frozenset(c for c, s in enumerate(state_shardings(state).master)
+                    if s.memory_kind == offload.HOST)
+          if stage == 3 else frozenset())
 
   def local(params_in, rest, batch, scale, *maybe_rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
@@ -64,6 +70,9 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
     def scaled_loss(diff, micro_batch, micro_rng, layerwise=layer_chunks):
       if stage == 3:
         chunks = [None if c in layerwise else
+                  collectives.gather_from_host(params_in[c], s, ax,
+                                               cfg.compute_dtype, cfg.reduce_dtype)
+                  if c in host else
                   collectives.gather(s, ax, cfg.compute_dtype, cfg.reduce_dtype)
                   for c, s in enumerate(diff)]
       elif stage == 2:
@@ -73,7 +82,8 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       else:
         chunks = [p.astype(cfg.compute_dtype) for p in diff]
       if layerwise:
-        params = _with_layer_shards(layout, chunks, rest, diff, layerwise)
+        params = _with_layer_shards(layout, chunks, rest, params_in, diff,
+                                    layerwise, host)
       else:
         params = layout.merge(chunks, rest, dtype=None)
       with zero_nn.active(layout, cfg):
@@ -87,7 +97,8 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       diff = tuple(jnp.zeros(_shard_shape(c.shape, n), cfg.reduce_dtype)
                    for c in layout.chunks)
     else:
-      diff = params_in
+      diff = tuple(jnp.zeros(p.shape, p.dtype) if c in host else p
+                   for c, p in enumerate(params_in))
     if layer_chunks:
       # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise);
       # a model without it fails on the shard-form tree: gather whole chunks.
@@ -138,16 +149,21 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                        out_specs=out_specs, check_vma=False)(*args)
 
 
-def _with_layer_shards(layout, chunks, rest, shards, layer_chunks):
+def _with_layer_shards(layout, chunks, rest, shards, slots, layer_chunks,
+                       host):
   """The parameter tree with each layer-stacked chunk left as its shard
-  `[layers, length / N]` under the stack (see `zerojax.nn.layerwise`)."""
+  `[layers, length / N]` under the stack (see `zerojax.nn.layerwise`); a
+  chunk in `host` memory also leaves its gradient slot there."""
   tree = layout.merge(chunks, rest, dtype=None, skip=layer_chunks)
   skipped = {layout.leaves[i].names for c in layer_chunks
              for i in layout.chunks[c].leaves}
   flat = {k: v for k, v in traverse_util.flatten_dict(tree).items()
           if k not in skipped}
   for c in layer_chunks:
-    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = shards[c]
+    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = (
+        shards[c] if c in host else slots[c])
+    if c in host:
+      flat[layout.stack_prefix(c) + (zero_nn.slot_key(c),)] = slots[c]
   return traverse_util.unflatten_dict(flat)
 
 
@@ -167,16 +183,19 @@ def _gather_updated(state, shards):
                        check_vma=False)(shards)
 
 
-def _update(state, grads, master, opt_shardings, finite):
+def _update(state, grads, master, shardings, finite):
   """Step 2's optax update: `(new master chunks, new optimizer state)`.
 
   Chunks whose optimizer state is offloaded are updated one at a time, after
-  the device-resident ones: a chunk's state comes to the device only once
-  the previous chunk's new state has gone back to host (an optimization
-  barrier on the host arrays orders the transfers), so one offloaded
-  chunk's optimizer state is on the device at once. `tx` must then be
-  separable by chunk (`optim.check_separable`, run by `shard`). `finite`:
-  under loss scaling, whether to keep the update (else the old values).
+  the device-resident ones: a chunk's state (and its master shard, where that
+  is offloaded too) comes to the device only once the previous chunk's new
+  state has gone back to host (an optimization barrier on the host arrays
+  orders the transfers), so one offloaded chunk's optimizer state is on the
+  device at once. `tx` must then be separable by chunk
+  (`optim.check_separable`, run by `shard`). Master shards in host memory
+  whose optimizer state is on the device (`offload_params`) come to the
+  device for the first update call. `finite`: under loss scaling, whether to
+  keep the update (else the old values).
   """
   cfg, layout, tx = state.config, state.layout, state.tx
   host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
@@ -186,26 +205,35 @@ def _update(state, grads, master, opt_shardings, finite):
       frozenset([c]) for c in sorted(host)]
   owners = optim.view_chunks(layout, state.opt_state)
   old, treedef = jax.tree_util.tree_flatten(state.opt_state)
-  where = jax.tree_util.tree_leaves(opt_shardings)
+  where = jax.tree_util.tree_leaves(shardings.opt_state)
   keep = ((lambda new, old: new) if finite is None else
           (lambda new, old: jnp.where(finite, new, old)))
   new_master, new_opt, previous = list(master), list(old), None
   for g, only in enumerate(groups):
     mine = [j for j, c in enumerate(owners) if c in only]
-    host_in = [old[j] for j in mine]
+    chunks_in = [c for c in sorted(only)
+                 if shardings.master[c].memory_kind == offload.HOST]
+    # stages 1-2 gather the new master into the compute copy after the
+    # update: it goes back to host at the step's end instead
+    back = chunks_in if cfg.stage == 3 else []
+    host_in = ([old[j] for j in mine], [master[c] for c in chunks_in])
     if previous is not None:
       host_in, _ = jax.lax.optimization_barrier((host_in, previous))
-    device_in = dict(zip(mine, offload.to_device(host_in, [where[j] for j in mine])))
+    device_in = dict(zip(mine, offload.to_device(host_in[0], [where[j] for j in mine])))
+    master_in = list(master)
+    for c, m in zip(chunks_in, offload.to_device(
+        host_in[1], [shardings.master[c] for c in chunks_in])):
+      master_in[c] = m
     sub = [device_in[j] if j in device_in else
            x if c is None else jnp.zeros((0,) * x.ndim, x.dtype)
            for j, (x, c) in enumerate(zip(old, owners))]
-    params_view = layout.views(master, only=only)
+    params_view = layout.views(master_in, only=only)
     updates, out = tx.update(
         layout.views(grads, fill_dtype=cfg.reduce_dtype, only=only),
         jax.tree_util.tree_unflatten(treedef, sub), params_view)
     chunks = layout.from_views(optax.apply_updates(params_view, updates), only)
     for c in only:
-      new_master[c] = keep(chunks[c], master[c])
+      new_master[c] = keep(chunks[c], master_in[c])
     out = jax.tree_util.tree_leaves(out)
     for j in mine:
       new_opt[j] = keep(out[j], device_in[j])
@@ -214,9 +242,13 @@ def _update(state, grads, master, opt_shardings, finite):
         if c is None:
           new_opt[j] = keep(out[j], old[j])
     if only <= host:
-      placed = offload.place([new_opt[j] for j in mine], [where[j] for j in mine])
-      for j, x in zip(mine, placed):
+      placed = offload.place(
+          ([new_opt[j] for j in mine], [new_master[c] for c in back]),
+          ([where[j] for j in mine], [shardings.master[c] for c in back]))
+      for j, x in zip(mine, placed[0]):
         new_opt[j] = x
+      for c, x in zip(back, placed[1]):
+        new_master[c] = x
       previous = placed
   return tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt)
 
@@ -224,9 +256,9 @@ def _update(state, grads, master, opt_shardings, finite):
 def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   cfg, layout = state.config, state.layout
   shardings = state_shardings(state)
-  # Offloaded master chunks come to the device for the step and go back at
-  # its end; offloaded optimizer state comes one chunk at a time (`_update`).
-  state = state.replace(master=offload.to_device(state.master, shardings.master))
+  # Master chunks in host memory stay there: at stage 3 their gathers move
+  # them to the device (one layer at a time for layer chunks), and `_update`
+  # moves them along with their optimizer state.
   grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng)
 
   metrics = {"loss": loss}
@@ -246,7 +278,7 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
                    for m in state.master)
   else:
     master = state.master
-  new_master, opt_state = _update(state, grads, master, shardings.opt_state,
+  new_master, opt_state = _update(state, grads, master, shardings,
                                   finite if state.loss_scale is not None else None)
   loss_scale = state.loss_scale
   if loss_scale is not None:
@@ -328,5 +360,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     return jitted(state, prepare(state, batch), rng)
 
   step.lower = lambda state, batch, rng=None: jitted.lower(
+      state, prepare(state, batch), rng)
+  # `step.trace(...).lower(lowering_platforms=("cuda",))`: the program a GPU
+  # would run, from any host (memory-kind transfers lower to nothing on CPU)
+  step.trace = lambda state, batch, rng=None: jitted.trace(
       state, prepare(state, batch), rng)
   return step
