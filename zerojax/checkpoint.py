@@ -314,25 +314,26 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
   """A chunk-form checkpoint: read straight into the target shardings when
   the target's chunk layout is the saved one, else cut into the ordinary
   tree on the host and repacked."""
-  saved = _saved_tree(path)
-  want = _signature(abstract)
-  names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
-  have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
-  if have != want:
-    raise ValueError(_describe_mismatch(have, want, "parameter tree"))
-  layout_saved = _layout_from_json(saved_layout,
-                                   jax.tree_util.tree_structure(abstract))
-  views = jax.eval_shape(lambda: like.tx.init(layout_saved.views(
-      [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks])))
-  _check_opt_state(_signature(saved["opt_state"]),
-                   _signature(_non_empty(views)))
-
-  tree_opt = jax.eval_shape(like.tx.init, abstract)
-  extras = _replicated_like(saved.get("extras", {}), mesh)
   # The optimizer probes that check like.tx (a compile: seconds, once per
-  # process and tx) run beside the read, which needs only the saved labels.
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+  # process and tx) run beside the checks and the read, which need only the
+  # saved labels.
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  try:
     probed = pool.submit(check_tx, like.tx, abstract, config)
+    saved = _saved_tree(path)
+    want = _signature(abstract)
+    names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
+    have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
+    if have != want:
+      raise ValueError(_describe_mismatch(have, want, "parameter tree"))
+    layout_saved = _layout_from_json(saved_layout,
+                                     jax.tree_util.tree_structure(abstract))
+    views = jax.eval_shape(lambda: like.tx.init(layout_saved.views(
+        [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks])))
+    _check_opt_state(_signature(saved["opt_state"]),
+                     _signature(_non_empty(views)))
+    tree_opt = jax.eval_shape(like.tx.init, abstract)
+    extras = _replicated_like(saved.get("extras", {}), mesh)
     layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
                                   tx=like.tx, apply_fn=like.apply_fn,
                                   config=config, mesh=mesh,
@@ -340,6 +341,8 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
     loaded = (_read_chunks(path, saved, shapes, where, mesh)
               if _layout_json(layout) == saved_layout else None)
     labels = probed.result()   # raises if like.tx cannot run on chunks
+  finally:
+    pool.shutdown(wait=False)  # a refused checkpoint does not wait for it
   if loaded is None or labels != layout_saved.labels:
     del loaded
     return _repack(path, layout_saved, abstract, tree_opt, static_extras,
