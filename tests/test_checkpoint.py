@@ -115,6 +115,26 @@ def test_save_on_three_restore_on_eight(problem, tmp_path):
                          zerojax.checkpoint.export_params(str(tmp_path)), params)
 
 
+def test_tree_form_checkpoints_still_restore(problem, saved, tmp_path):
+  """Format "zerojax-1" (written before 2026-11-22): the ordinary tree,
+  each leaf sharded, beside the config."""
+  plain, _, _ = problem
+  directory, params, _ = saved
+  state = zerojax.checkpoint.restore(directory, like=plain)
+  ckpt = zerojax.checkpoint
+  mgr = ocp.CheckpointManager(str(tmp_path))
+  mgr.save(SPLIT, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(ckpt._tree_form(state)),
+      meta=ocp.args.JsonSave({"format": "zerojax-1", "num_shards": 8,
+                              "config": ckpt._config_json(state.config)})))
+  mgr.wait_until_finished()
+  back = ckpt.restore(str(tmp_path), like=plain, mesh=_mesh(4))
+  assert int(back.step) == SPLIT and back.num_shards == 4
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         ckpt.export_params(back, with_opt_state=True),
+                         ckpt.export_params(state, with_opt_state=True))
+
+
 def test_export_equals_gather_and_plain_orbax_reads_it(saved):
   directory, params, _ = saved
   exported, opt = zerojax.checkpoint.export_params(directory, with_opt_state=True)
