@@ -36,7 +36,7 @@ KINDS = ("orbax-save", "zerojax-save", "orbax-restore", "zerojax-restore")
 # 4.3 GB; its zerojax save holds about twice that at its peak.
 CONFIGS = {"smoke": ("tiny",), "quick": ("gpt2-small",),
            "full": ("gpt2-small", "gpt2-medium")}
-ROUNDS = {"smoke": 1, "quick": 2, "full": 2}
+ROUNDS = {"smoke": 1, "quick": 2, "full": 4}
 GOAL_TIME_RATIO = 1.2
 # table rows: the second call of a process, then the first
 MEASUREMENTS = ("save", "first save", "restore", "first restore")
