@@ -84,10 +84,12 @@ def test_restore_on_another_mesh_and_stage(problem, saved, devices, stage):
 def test_restore_regroups_for_a_tx_with_other_optimizer_classes(
     problem, saved, monkeypatch):
   """Same state structure, but like.tx decays only matrices: the saved
-  chunks mix leaves that like.tx treats apart, so the restore repacks."""
+  chunks mix leaves that like.tx treats apart, so the restore repacks. The
+  decay is small (1e-4, optax's default) so that a check with a tolerance
+  would miss it: the restore must find like.tx's classes afresh."""
   plain, _, _ = problem
   directory, params, _ = saved
-  decay_matrices = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: (
+  decay_matrices = optax.adamw(1e-2, weight_decay=1e-4, mask=lambda p: (
       jax.tree_util.tree_map(lambda x: x.ndim > 1, p)))
   repacked = []
   repack = zerojax.checkpoint._repack
