@@ -324,6 +324,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     and under loss scaling `loss_scale` and `skipped`. `step.lower(state,
     batch)` gives the lowered program (for `memory_analysis()`); state and
     batch may be `jax.ShapeDtypeStruct`s (nothing is allocated).
+    `step.trace(state, batch)` gives the traced program, e.g. for
+    `.lower(lowering_platforms=("cuda",))`: what a GPU would run, host
+    offload transfers included, lowered on any machine.
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
@@ -361,8 +364,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
 
   step.lower = lambda state, batch, rng=None: jitted.lower(
       state, prepare(state, batch), rng)
-  # `step.trace(...).lower(lowering_platforms=("cuda",))`: the program a GPU
-  # would run, from any host (memory-kind transfers lower to nothing on CPU)
+  # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to see them
   step.trace = lambda state, batch, rng=None: jitted.trace(
       state, prepare(state, batch), rng)
   return step
