@@ -396,56 +396,85 @@ def _named(tree) -> dict:
 
 def _repack(path, layout_saved, abstract, tree_opt, static_extras, *, like,
             config, mesh) -> ZeroTrainState:
-  """Another layout (device count, chunk size): the saved chunks cut into
-  the ordinary tree on the host (numpy, read from the files: any process
-  count), then packed chunk by chunk as `shard()` packs."""
+  """Another layout (device count, chunk size): the saved chunks read on the
+  host (numpy, straight from the files: any process count), cut into the
+  ordinary tree's leaves sharded over `mesh` one saved chunk at a time (each
+  freed once cut), then packed chunk by chunk as `shard()` packs, each leaf
+  deleted once packed. The host holds the read state once, shrinking as the
+  device form grows: about twice the state at the peak, not three times."""
   loaded = _restore_to_host(path)
-  params, opt = _cut(layout_saved, loaded)
+  n = mesh.shape[config.axis_name]
+
+  def sharded(x):
+    x = np.asarray(x)
+    s = NamedSharding(mesh, leaf_spec(x.shape, n, config.axis_name))
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+  params, opt = _cut(layout_saved, loaded, emit=sharded)
 
   def like_tree(tree, by_names):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return jax.tree_util.tree_unflatten(
-        treedef, [np.asarray(by_names[_path_names(p)], x.dtype) for p, x in flat])
+    return jax.tree_util.tree_unflatten(treedef, [
+        _as_dtype(by_names.pop(_path_names(p)), x.dtype) for p, x in flat])
 
   state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
                 loaded["step"], loaded.get("extras", {}), static_extras,
-                tx=like.tx, apply_fn=like.apply_fn, config=config, mesh=mesh)
+                tx=like.tx, apply_fn=like.apply_fn, config=config, mesh=mesh,
+                release=True)   # the cut leaves are ours
   return _loss_scale(state, loaded)
 
 
-def _cut(layout: ChunkLayout, loaded: dict) -> tuple:
+def _as_dtype(x, dtype):
+  return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _cut(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   """The ordinary parameter tree and optax state of a chunk-form
   checkpoint read as numpy (`loaded`, saved with `layout`), each as
-  {leaf names: array}."""
-  master = [np.asarray(x) for x in _seq(loaded.get("master", []))]
-  rest = iter(_seq(loaded.get("rest", [])))
+  {leaf names: emit(array)}. The chunks are taken out of `loaded` and each
+  is dropped once its leaves are emitted, so that with an `emit` that
+  copies, the two forms are never both whole in memory."""
+  master = [np.asarray(x) for x in _seq(loaded.pop("master", []))]
+  rest = iter(_seq(loaded.pop("rest", [])))
 
   def leaf(x, i):
     info = layout.leaves[i]
     chunk = np.reshape(x, layout.chunks[info.chunk].shape)
     return chunk[..., info.offset:info.offset + info.size].reshape(info.shape)
 
-  params = {info.names: leaf(master[info.chunk], i) if info.chunk >= 0
-            else np.asarray(next(rest)) for i, info in enumerate(layout.leaves)}
+  params = {}
+  for i, info in enumerate(layout.leaves):
+    if info.chunk < 0:
+      params[info.names] = emit(np.asarray(next(rest)))
+  for c, chunk in enumerate(layout.chunks):
+    for i in chunk.leaves:
+      params[layout.leaves[i].names] = emit(leaf(master[c], i))
+    master[c] = None
   # optax state over the views: chunk c's statistics at its representative
   opt, prefixes = {}, set()
-  flat = jax.tree_util.tree_flatten_with_path(loaded["opt_state"])[0]
-  for (path, x), c in zip(flat, optim.view_chunks(layout, loaded["opt_state"])):
-    key, x = _path_names(path), np.asarray(x)
+  opt_state = loaded.pop("opt_state")
+  owners = optim.view_chunks(layout, opt_state)
+  flat = [(_path_names(path), x) for path, x
+          in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+  del opt_state
+  for j, c in enumerate(owners):
+    key, x = flat[j][0], np.asarray(flat[j][1])
+    flat[j] = None
     if c is None:
       opt[key] = x                             # counts, scalars
       continue
     prefix = key[:len(key) - len(layout.leaves[layout.representative(c)].names)]
     prefixes.add((prefix, x.dtype))
     for m in layout.chunks[c].leaves:
-      opt[prefix + layout.leaves[m].names] = leaf(x, m)
+      opt[prefix + layout.leaves[m].names] = emit(leaf(x, m))
+    del x
   # Leaves outside the chunks (frozen, integer) have empty views, which are
   # not written: the optimizer never saw them, their statistics are zeros.
   for prefix, dtype in prefixes:
     for i in layout.rest_indices:
       info = layout.leaves[i]
-      opt[prefix + info.names] = np.zeros(info.shape, dtype)
-  return params, opt
+      opt[prefix + info.names] = emit(np.zeros(info.shape, dtype))
+  return {k: params[k] for k in (i.names for i in layout.leaves)}, opt
 
 
 def _seq(x) -> list:
