@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -53,18 +54,27 @@ def _status() -> dict:
   return out
 
 
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)   # every thread
+  return usage.ru_utime + usage.ru_stime
+
+
 def _measured(fn) -> dict:
-  """Runs fn() -> (result, blocking seconds or None); times and peak host
-  memory above the resident memory at the start."""
+  """Runs fn() -> (result, blocking seconds or None); times, CPU seconds of
+  the process (user + system, all threads: steadier than wall time on a
+  shared host) and peak host memory above the resident memory at the
+  start."""
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")   # resets VmHWM to the current VmRSS
   before = _status()["VmRSS"]
+  cpu = _cpu_seconds()
   start = time.perf_counter()
   result, blocking = fn()
   total = time.perf_counter() - start
+  cpu = _cpu_seconds() - cpu
   after = _status()
-  return {"total_s": total, "blocking_s": blocking, "rss_before": before,
-          "peak_increase": after["VmHWM"] - before,
+  return {"total_s": total, "cpu_s": cpu, "blocking_s": blocking,
+          "rss_before": before, "peak_increase": after["VmHWM"] - before,
           "rss_after": after["VmRSS"]}, result
 
 
@@ -218,8 +228,21 @@ def summary(config: str, rows: dict) -> dict:
                                rows[f"orbax-{what}"]["first"]["total_s"])
   return {"config": config, "state_bytes": state, "rows": rows,
           "rounds": len(rows["orbax-save"].get("rounds", [None])),
-          "time_ratio": ratios,
+          "time_ratio": ratios, "round_ratios": _round_ratios(rows),
           "save_peak_over_state": rows["zerojax-save"]["peak_increase"] / state}
+
+
+def _round_ratios(rows: dict) -> dict:
+  """Per measurement, the zerojax / orbax time ratio of each round (the
+  spread shows how far one round's figure can be trusted)."""
+  out = {}
+  for what in MEASUREMENTS:
+    kind = what.split()[-1]
+    pick = (lambda m: m["first"]) if what.startswith("first") else (lambda m: m)
+    pairs = zip(rows[f"zerojax-{kind}"].get("rounds", []),
+                rows[f"orbax-{kind}"].get("rounds", []))
+    out[what] = [pick(z)["total_s"] / pick(o)["total_s"] for z, o in pairs]
+  return out
 
 
 def goal_checks(results: list) -> list:

@@ -257,11 +257,15 @@ def _checkpoint_md(r: dict, mode: str) -> list:
            "figure is the mean of "
            f"{r['configs'][0].get('rounds', 1) if r['configs'] else 1} "
            "round(s) that alternate which side goes first, every measurement "
-           "after `os.sync()`, on a two-core host shared with other jobs. "
+           "after `os.sync()`, on a two-core host shared with other jobs; "
+           "`rounds` gives the lowest and highest ratio of a single round. "
+           "CPU s: user + system seconds of the process during the call, "
+           "all threads (steadier than wall time on a shared host). "
            f"`python -m benchmarks.run --{mode} --suites checkpoint`.", "",
            "| model | state MiB | measurement | zerojax s | orbax s | zerojax / "
-           "orbax | zerojax host MiB | orbax host MiB | zerojax blocking s |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "orbax | rounds | zerojax CPU s | orbax CPU s | zerojax host MiB | "
+           "orbax host MiB | zerojax blocking s |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for c in r["configs"]:
     rows = c["rows"]
     z, o = rows["zerojax-save"], rows["orbax-save"]
@@ -270,9 +274,13 @@ def _checkpoint_md(r: dict, mode: str) -> list:
              ("restore", zr, orr), ("first restore", zr["first"], orr["first"])]
     for what, zr, orow in pairs:
       blocking = ("" if zr["blocking_s"] is None else f"{zr['blocking_s']:.2f}")
+      spread = c.get("round_ratios", {}).get(what, [])
+      spread = f"{min(spread):.2f}–{max(spread):.2f}" if len(spread) > 1 else ""
+      cpu = lambda m: "" if m.get("cpu_s") is None else f"{m['cpu_s']:.2f}"
       lines.append(f"| {c['config']} | {_mib(c['state_bytes'])} | {what} | "
                    f"{zr['total_s']:.2f} | {orow['total_s']:.2f} | "
-                   f"{zr['total_s'] / orow['total_s']:.2f} | "
+                   f"{zr['total_s'] / orow['total_s']:.2f} | {spread} | "
+                   f"{cpu(zr)} | {cpu(orow)} | "
                    f"{_mib(zr['peak_increase'])} | {_mib(orow['peak_increase'])}"
                    f" | {blocking} |")
   return lines + ["", f"![checkpoint]({mode}_checkpoint.png)", ""]

@@ -225,17 +225,26 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
   measurements (the measurements themselves take minutes)."""
   from benchmarks import checkpoint, report
 
-  def row(total, peak, blocking=None):
+  def row(total, peak, blocking=None, cpu=None):
     return {"total_s": total, "peak_increase": peak, "blocking_s": blocking,
-            "state_bytes": 1000}
+            "state_bytes": 1000, "cpu_s": cpu}
 
   rows = {"orbax-save": {**row(2.0, 500, 0.5), "first": row(2.0, 600, 0.5)},
-          "zerojax-save": {**row(2.2, 900, 0.1), "first": row(8.0, 900, 6.0)},
+          "zerojax-save": {**row(2.2, 900, 0.1), "first": row(8.0, 900, 6.0, 9.5)},
           "orbax-restore": {**row(1.0, 1000), "first": row(2.0, 1000)},
           "zerojax-restore": {**row(1.1, 2000), "first": row(6.0, 2000)}}
+  # two rounds of the restore: per-round ratios 0.5 and 1.5 of the second
+  # calls, 3.5 and 2.5 of the first; the saves have none
+  rows["orbax-restore"]["rounds"] = [
+      {**row(1.0, 0), "first": row(2.0, 0)}, {**row(2.0, 0), "first": row(2.0, 0)}]
+  rows["zerojax-restore"]["rounds"] = [
+      {**row(0.5, 0), "first": row(7.0, 0)}, {**row(3.0, 0), "first": row(5.0, 0)}]
   result = checkpoint.summary("tiny", rows)
   assert result["time_ratio"] == pytest.approx(
       {"save": 1.1, "first save": 4.0, "restore": 1.1, "first restore": 3.0})
+  assert result["round_ratios"]["restore"] == pytest.approx([0.5, 1.5])
+  assert result["round_ratios"]["first restore"] == pytest.approx([3.5, 2.5])
+  assert result["round_ratios"]["save"] == []
   goals = {g[0]: g[3] for g in checkpoint.goal_checks([result])}
   assert goals == {"zerojax save time / plain orbax (tiny)": True,
                    "zerojax first save time / plain orbax (tiny)": False,
@@ -260,6 +269,8 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
        "goals": checkpoint.goal_checks([result])}))
   report.write(str(tmp_path), "smoke")
   text = (tmp_path / "README.md").read_text()
-  assert "| tiny | 0.00 | first save | 8.00 | 2.00 | 4.00 |" in text
+  assert "| tiny | 0.00 | first save | 8.00 | 2.00 | 4.00 |  | 9.50 |  |" in text
+  assert "| tiny | 0.00 | restore | 1.10 | 1.00 | 1.10 | 0.50–1.50 |" in text
+  assert "| tiny | 0.00 | first restore | 6.00 | 2.00 | 3.00 | 2.50–3.50 |" in text
   assert "| zerojax first save time / plain orbax (tiny) | 4.000 | ≤ 1.20 | **no** |" in text
   assert (tmp_path / "smoke_checkpoint.png").stat().st_size > 0
