@@ -3,9 +3,11 @@
 `python multihost_worker.py RANK PORT CKPT_DIR OUT`: joins a 2-process
 jax.distributed run on 127.0.0.1:PORT with 4 simulated CPU devices (the parent
 sets XLA_FLAGS), trains SPLIT steps at stage 3, saves, restores from the
-checkpoint, trains the remaining steps; rank 0 writes the losses and the
-final parameters (from export_params of the live state and of the checkpoint
-directory) to OUT (.npz).
+checkpoint, trains the remaining steps, saves again and restores that onto
+another chunk size (a repack); rank 0 writes the losses, the final parameters
+(from export_params of the live state and of the checkpoint directory) and
+the parameters and optimizer state of the live and of the repacked state to
+OUT (.npz).
 """
 import os
 import sys
@@ -50,11 +52,21 @@ def main(rank: int, port: int, directory: str, out: str) -> None:
   params = zerojax.checkpoint.export_params(state)
   zerojax.checkpoint.save(directory, state, wait=True)
   from_disk = zerojax.checkpoint.export_params(directory)
+  # Onto another chunk layout: the saved chunks are cut on each host and
+  # repacked across both processes (checkpoint._repack).
+  other = zerojax.checkpoint.restore(directory, like=plain, stage=3,
+                                     chunk_size=2 * CHUNK)
+  assert other.layout != state.layout
+  repacked = zerojax.checkpoint.export_params(other, with_opt_state=True)
+  live = zerojax.checkpoint.export_params(state, with_opt_state=True)
   if rank == 0:
     flat = {f"params/{jax.tree_util.keystr(k)}": v for k, v in
             jax.tree_util.tree_leaves_with_path(params)}
     flat.update({f"disk/{jax.tree_util.keystr(k)}": v for k, v in
                  jax.tree_util.tree_leaves_with_path(from_disk)})
+    for name, tree in (("repacked", repacked), ("live", live)):
+      flat.update({f"{name}/{jax.tree_util.keystr(k)}": v for k, v in
+                   jax.tree_util.tree_leaves_with_path(tree)})
     np.savez(out, losses=np.concatenate([first, rest]), **flat)
   jax.distributed.shutdown()
 
