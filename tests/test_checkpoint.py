@@ -16,6 +16,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
+from zerojax import optim
 from models import make_problem, zero_run as _train
 
 STEPS = 6
@@ -132,6 +133,33 @@ def test_tree_form_checkpoints_still_restore(problem, saved, tmp_path):
   mgr.wait_until_finished()
   back = ckpt.restore(str(tmp_path), like=plain, mesh=_mesh(4))
   assert int(back.step) == SPLIT and back.num_shards == 4
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         ckpt.export_params(back, with_opt_state=True),
+                         ckpt.export_params(state, with_opt_state=True))
+
+
+def test_view_shaped_checkpoints_still_restore(problem, saved, tmp_path):
+  """Format "zerojax-2" (written before 2026-11-23): the chunk form with the
+  optimizer statistics in view shape (`[layers, 1, length]`), which the
+  current state keeps in chunk shape; restored by repacking, exactly."""
+  plain, _, _ = problem
+  directory, _, _ = saved
+  state = zerojax.checkpoint.restore(directory, like=plain)
+  ckpt = zerojax.checkpoint
+  views = jax.jit(lambda o: optim.as_views(state.layout, o))(state.opt_state)
+  assert any(np.shape(v) != np.shape(o) for v, o in zip(
+      jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(state.opt_state)))
+  mgr = ocp.CheckpointManager(str(tmp_path))
+  mgr.save(SPLIT, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(ckpt._chunk_form(state.replace(opt_state=views))),
+      meta=ocp.args.JsonSave({"format": "zerojax-2", "num_shards": 8,
+                              "config": ckpt._config_json(state.config),
+                              "layout": ckpt._layout_json(state.layout)})))
+  mgr.wait_until_finished()
+  back = ckpt.restore(str(tmp_path), like=plain)
+  assert int(back.step) == SPLIT and back.layout == state.layout
+  jax.tree_util.tree_map(np.testing.assert_array_equal, back.opt_state,
+                         state.opt_state)
   jax.tree_util.tree_map(np.testing.assert_array_equal,
                          ckpt.export_params(back, with_opt_state=True),
                          ckpt.export_params(state, with_opt_state=True))

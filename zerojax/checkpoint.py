@@ -13,11 +13,14 @@ that chunk by chunk (`reshard`), as `shard()` does.
 On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
   state/  {"step", "master", "rest", "opt_state", "loss_scale"?, "extras"?}:
           the ZeroTrainState's arrays (`opt_state` is optax's state over the
-          chunk views, `ChunkLayout.views`);
+          chunk views, `ChunkLayout.views`, each chunk's statistics in the
+          chunk's shape: `optim.stored`);
   meta/   JSON: format, the ZeroConfig fields, the device count at save, and
           the chunk layout (`_layout_json`).
-Format "zerojax-1" (the ordinary tree form, written before 2026-11-22) and plain
-orbax checkpoints of a flax TrainState are still read.
+Formats "zerojax-2" (statistics in view shape, written before 2026-11-23:
+restored by repacking) and "zerojax-1" (the ordinary tree form, written
+before 2026-11-22), and plain orbax checkpoints of a flax TrainState are
+still read.
 Never imports `step`.
 """
 from __future__ import annotations
@@ -41,7 +44,8 @@ from zerojax.reshard import leaf_spec
 from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
                             place)
 
-FORMAT = "zerojax-2"   # chunk form (this module's docstring)
+FORMAT = "zerojax-3"   # chunk form (this module's docstring)
+VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
 _MANAGERS: dict = {}
 
 
@@ -289,8 +293,9 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
-  if meta is not None and meta.get("format") == FORMAT:
-    return _restore_chunk_form(path, meta["layout"], **target)
+  if meta is not None and meta.get("format") in (FORMAT, VIEW_FORMAT):
+    return _restore_chunk_form(path, meta["layout"],
+                               in_views=meta["format"] == VIEW_FORMAT, **target)
   return _restore_tree_form(path, **target)
 
 
@@ -310,10 +315,11 @@ def _replicated_like(tree, mesh):
 
 
 def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
-                        config, mesh) -> ZeroTrainState:
+                        config, mesh, in_views: bool = False) -> ZeroTrainState:
   """A chunk-form checkpoint: read straight into the target shardings when
-  the target's chunk layout is the saved one, else cut into the ordinary
-  tree on the host and repacked."""
+  the target's chunk layout is the saved one, else (or when its statistics
+  are in view shape, `in_views`) cut into the ordinary tree on the host and
+  repacked."""
   # The optimizer probes that check like.tx (a compile: seconds, once per
   # process and tx) run beside the checks and the read, which need only the
   # saved labels.
@@ -328,8 +334,11 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
       raise ValueError(_describe_mismatch(have, want, "parameter tree"))
     layout_saved = _layout_from_json(saved_layout,
                                      jax.tree_util.tree_structure(abstract))
-    views = jax.eval_shape(lambda: like.tx.init(layout_saved.views(
-        [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks])))
+    def saved_opt():
+      views = like.tx.init(layout_saved.views(
+          [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
+      return views if in_views else optim.stored(layout_saved, views)
+    views = jax.eval_shape(saved_opt)
     _check_opt_state(_signature(saved["opt_state"]),
                      _signature(_non_empty(views)))
     tree_opt = jax.eval_shape(like.tx.init, abstract)
@@ -339,7 +348,8 @@ def _restore_chunk_form(path, saved_layout, *, like, abstract, static_extras,
                                   config=config, mesh=mesh,
                                   labels=layout_saved.labels)
     loaded = (_read_chunks(path, saved, shapes, where, mesh)
-              if _layout_json(layout) == saved_layout else None)
+              if _layout_json(layout) == saved_layout and not in_views
+              else None)
     labels = probed.result()   # raises if like.tx cannot run on chunks
   finally:
     pool.shutdown(wait=False)  # a refused checkpoint does not wait for it
@@ -546,7 +556,7 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   else:
     path, meta, _ = _open(directory_or_state, step)
     tree = _restore_to_host(path)
-    if meta is not None and meta.get("format") == FORMAT:
+    if meta is not None and meta.get("format") in (FORMAT, VIEW_FORMAT):
       params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
       tree = {"params": _nested(params), "opt_state": _nested(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]

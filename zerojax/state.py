@@ -284,7 +284,7 @@ def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
         step=jnp.asarray(step, jnp.int32), master=master,
         compute=tuple(c.astype(config.compute_dtype) for c in master)
         if with_compute else (), rest=rest,
-        opt_state=tx.init(layout.views(master)),
+        opt_state=optim.stored(layout, tx.init(layout.views(master))),
         loss_scale=precision.init(config.loss_scale), extras=extras,
         apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh,
         static_extras=static_extras)

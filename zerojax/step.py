@@ -224,8 +224,10 @@ def _update(state, grads, master, shardings, finite):
     for c, m in zip(chunks_in, offload.to_device(
         host_in[1], [shardings.master[c] for c in chunks_in])):
       master_in[c] = m
-    sub = [device_in[j] if j in device_in else
-           x if c is None else jnp.zeros((0,) * x.ndim, x.dtype)
+    # the statistics are kept in chunk shape (`optim.stored`); tx sees views
+    sub = [x if c is None else
+           jnp.reshape(device_in[j], layout.view_shape(c)) if j in device_in
+           else jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)
            for j, (x, c) in enumerate(zip(old, owners))]
     params_view = layout.views(master_in, only=only)
     updates, out = tx.update(
@@ -236,7 +238,7 @@ def _update(state, grads, master, shardings, finite):
       new_master[c] = keep(chunks[c], master_in[c])
     out = jax.tree_util.tree_leaves(out)
     for j in mine:
-      new_opt[j] = keep(out[j], device_in[j])
+      new_opt[j] = keep(jnp.reshape(out[j], device_in[j].shape), device_in[j])
     if g == 0:   # counts and other scalars: alike in every group
       for j, c in enumerate(owners):
         if c is None:
