@@ -3,7 +3,9 @@ and stage, and that plain orbax reads without zerojax.
 
 A save writes the state as it is, chunk shards and all: every device writes
 its own shards, nothing is gathered or converted, so saving costs what a
-plain orbax save of the same bytes costs. The chunk layout goes beside it as
+plain orbax save of the same bytes costs (the optimizer statistics are kept
+in chunk shape, `optim.stored`, since TensorStore copies arrays with a unit
+axis). The chunk layout goes beside it as
 JSON, which is all a reader needs to cut the chunks back into leaves.
 A restore onto the same layout (same device count and chunking; any stage)
 reads the chunks straight into their new shardings. Onto another layout it
