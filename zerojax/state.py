@@ -39,7 +39,9 @@ class ZeroTrainState(struct.PyTreeNode):
     compute: replicated compute-dtype chunks (stages 1-2 under 16-bit
       compute only), else `()`.
     rest: leaves kept outside the chunks (frozen, non-floating), replicated.
-    opt_state: the optax state over the chunk views (`ChunkLayout.views`).
+    opt_state: the optax state over the chunk views (`ChunkLayout.views`),
+      each chunk's statistics kept in the chunk's shape (`optim.stored`;
+      the step shows them to `tx` in view shape).
     loss_scale: `precision.LossScaleState` or None.
     extras: the pytree fields a `TrainState` subclass added, kept as they
       are; readable as attributes (`state.batch_stats`).
