@@ -48,6 +48,7 @@ from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
 
 FORMAT = "zerojax-3"   # chunk form (this module's docstring)
 VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
+CHUNK_FORMATS = (FORMAT, VIEW_FORMAT)
 _MANAGERS: dict = {}
 
 
@@ -295,7 +296,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
-  if meta is not None and meta.get("format") in (FORMAT, VIEW_FORMAT):
+  if meta is not None and meta.get("format") in CHUNK_FORMATS:
     return _restore_chunk_form(path, meta["layout"],
                                in_views=meta["format"] == VIEW_FORMAT, **target)
   return _restore_tree_form(path, **target)
@@ -558,7 +559,7 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   else:
     path, meta, _ = _open(directory_or_state, step)
     tree = _restore_to_host(path)
-    if meta is not None and meta.get("format") in (FORMAT, VIEW_FORMAT):
+    if meta is not None and meta.get("format") in CHUNK_FORMATS:
       params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
       tree = {"params": _nested(params), "opt_state": _nested(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
