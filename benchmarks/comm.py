@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from benchmarks import hlo
 from benchmarks import variants as V
-from benchmarks.memory import SWEEP_OPTIONS
+from benchmarks.memory import sweep_options
 
 _THEORY = {
     "zero-0": {"all-reduce": 1}, "plain-dp": {"all-reduce": 1},
@@ -63,12 +63,12 @@ def row(v: V.Variant, elem_bytes: int = 4, compiled=None) -> dict:
 def chunk_sweep(cfg, chunk_sizes: Iterable[int], build: Callable[..., V.Variant],
                 stages: Iterable[int] = (3,)) -> list:
   """Collectives against the number of chunks for several `chunk_size`s
-  (abstract states, programs compiled with `memory.SWEEP_OPTIONS`)."""
+  (abstract states, programs compiled with `memory.sweep_options`)."""
   rows = []
   for stage in stages:
     for size in chunk_sizes:
       v = build(f"zero-{stage}", cfg, materialize=False,
-                options=SWEEP_OPTIONS, chunk_size=size)
+                options=sweep_options(), chunk_size=size)
       report = hlo.count_collectives(v.compiled())
       s = report.summary()
       rows.append({

@@ -17,6 +17,7 @@ import gc
 from typing import Callable, Dict, Iterable, Optional
 
 import zerojax
+from zerojax import compat
 from benchmarks import variants as V
 
 FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
@@ -27,11 +28,17 @@ FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
 # optimisation: the HLO, its buffer assignment, memory_analysis() and the
 # collectives are the same as with the default options (tests check it),
 # compilation is about twice as fast.
-ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
-# The depth and chunk-size sweeps also skip the CPU fusion emitters: three
-# times faster again; buffers can differ by a few hundred bytes, the
-# collectives not at all. Every point of a sweep is compiled this way.
-SWEEP_OPTIONS = {**ANALYSIS_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+# (The options this XLA accepts: `zerojax.compat`.)
+def analysis_options() -> dict:
+  return compat.compiler_options({"xla_backend_optimization_level": 0})
+
+
+# The depth and chunk-size sweeps also skip the CPU fusion emitters where
+# XLA has them: three times faster again; buffers can differ by a few
+# hundred bytes, the collectives not at all. Every point of a sweep is
+# compiled this way.
+def sweep_options() -> dict:
+  return compat.compiler_options()
 
 
 def host_memory() -> Dict[str, int]:
@@ -103,7 +110,7 @@ def depth_sweep(cfg, layers: Iterable[int], names: Iterable[str],
 
   Returns:
     {"layers", "num_params", "footprint": {variant: [bytes per depth]}};
-    programs are compiled from abstract states with `SWEEP_OPTIONS`.
+    programs are compiled from abstract states with `sweep_options()`.
   """
   layers = list(layers)
   out = {"layers": layers, "num_params": [], "footprint": {}}
@@ -111,7 +118,7 @@ def depth_sweep(cfg, layers: Iterable[int], names: Iterable[str],
     c = cfg.replace(layers=depth)
     out["num_params"].append(c.num_params)
     for name in names:
-      v = build(name, c, materialize=False, options=SWEEP_OPTIONS)
+      v = build(name, c, materialize=False, options=sweep_options())
       out["footprint"].setdefault(name, []).append(
           footprint(v.compiled())["footprint"])
       del v

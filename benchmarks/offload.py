@@ -41,7 +41,7 @@ def footprint(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
               offload: bool) -> dict:
   """compiled_footprint of the stage-3 step of `cfg`, plus Ψ and chunks."""
   v = V.build(VARIANT, cfg, global_batch=batch, seq=seq, num_devices=n,
-              materialize=False, options=memory.SWEEP_OPTIONS,
+              materialize=False, options=memory.sweep_options(),
               **(OFFLOAD if offload else {}))
   out = {**zerojax.compiled_footprint(v.compiled()),
          "num_params": cfg.num_params, "layers": cfg.layers,

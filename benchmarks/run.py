@@ -51,7 +51,7 @@ MODES = {
     "smoke": dict(
         speed=dict(config="tiny", batch=8, seq=16, rounds=1,
                    variants=("zero-3", "plain-dp", "gspmd-fsdp"),
-                   options=memory.ANALYSIS_OPTIONS),
+                   options=memory.analysis_options()),
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
@@ -151,7 +151,7 @@ def _analyse_config(cfg_name: str, plan: dict, main: dict, want_comm: bool):
         # Analysed, never run: compiled for analysis only.
         v = V.build(name, cfg, global_batch=mp["batch"], seq=mp["seq"],
                     num_devices=NUM_DEVICES, materialize=not note,
-                    options=memory.ANALYSIS_OPTIONS)
+                    options=memory.analysis_options())
       mem_rows.append(memory.row(v, note=note))
       if want_comm:
         comm_rows.append(comm.row(v))

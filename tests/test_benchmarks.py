@@ -171,7 +171,7 @@ def test_abstract_state_is_analysed_like_the_allocated_one():
   real = variants.build("zero-3", models.CONFIGS["tiny"], **kw)
   abstract = variants.build("zero-3", models.CONFIGS["tiny"],
                             materialize=False,
-                            options=memory.ANALYSIS_OPTIONS, **kw)
+                            options=memory.analysis_options(), **kw)
   assert real.materialized and not abstract.materialized
   assert abstract.persistent_bytes() == real.persistent_bytes()
   assert (memory.footprint(abstract.compiled()) ==
@@ -180,7 +180,7 @@ def test_abstract_state_is_analysed_like_the_allocated_one():
           hlo.count_collectives(real.compiled()).summary())
   # The sweeps' faster options: the same collectives, buffers within 1 KiB.
   sweep = variants.build("zero-3", models.CONFIGS["tiny"], materialize=False,
-                         options=memory.SWEEP_OPTIONS, **kw)
+                         options=memory.sweep_options(), **kw)
   assert (hlo.count_collectives(sweep.compiled()).summary() ==
           hlo.count_collectives(real.compiled()).summary())
   assert abs(memory.footprint(sweep.compiled())["footprint"] -

@@ -101,25 +101,21 @@ def test_per_tensor_transformations_are_refused(tx, culprit):
 def test_probes_fall_back_when_xla_lacks_a_compile_option(monkeypatch):
   """A newer or older XLA without one of the probes' compile options must
   not make every tx look as if it failed on chunks."""
-  monkeypatch.setattr(zerojax.optim, "_PROBE_COMPILER_OPTIONS",
-                      ({"xla_zerojax_no_such_option": True}, {}))
-  zerojax.optim._probe_compiler_options.cache_clear()
-  try:
-    assert zerojax.optim._probe_compiler_options() == {}
-    _, params, _, _ = make_problem("mlp")
-    abstract = jax.eval_shape(lambda p: p, params)
-    n = len(jax.tree_util.tree_leaves(abstract))
-    tx = optax.adamw(1e-3, mask=_decay_mask)      # a new tx: probed afresh
-    labels = zerojax.optim.leaf_labels(tx, abstract, [True] * n)
-    ndims = [x.ndim for x in jax.tree_util.tree_leaves(abstract)]
-    assert [labels[ndims.index(d)] for d in ndims] == list(labels)
-    assert len(set(labels)) == 2
-    zerojax.optim.check_elementwise(tx, abstract, [True] * n, labels)
-    with pytest.raises(ValueError, match="'scale_by_trust_ratio'"):
-      zerojax.optim.check_elementwise(optax.lamb(1e-3), abstract, [True] * n,
-                                      (0,) * n)
-  finally:
-    zerojax.optim._probe_compiler_options.cache_clear()
+  monkeypatch.setattr(zerojax.compat, "FAST_COMPILE",
+                      {"xla_zerojax_no_such_option": True})
+  assert zerojax.compat.compiler_options(backend="cpu") == {}
+  _, params, _, _ = make_problem("mlp")
+  abstract = jax.eval_shape(lambda p: p, params)
+  n = len(jax.tree_util.tree_leaves(abstract))
+  tx = optax.adamw(1e-3, mask=_decay_mask)      # a new tx: probed afresh
+  labels = zerojax.optim.leaf_labels(tx, abstract, [True] * n)
+  ndims = [x.ndim for x in jax.tree_util.tree_leaves(abstract)]
+  assert [labels[ndims.index(d)] for d in ndims] == list(labels)
+  assert len(set(labels)) == 2
+  zerojax.optim.check_elementwise(tx, abstract, [True] * n, labels)
+  with pytest.raises(ValueError, match="'scale_by_trust_ratio'"):
+    zerojax.optim.check_elementwise(optax.lamb(1e-3), abstract, [True] * n,
+                                    (0,) * n)
 
 
 def test_trained_optimizer_state_is_carried_over():

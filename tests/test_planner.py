@@ -9,12 +9,12 @@ import pytest
 from flax.training import train_state
 
 import zerojax
+from zerojax import compat
 from zerojax.state import state_shardings
 from models import make_problem
 
 CHUNK = 64          # the MLP's five leaves in five chunks of distinct sizes
-OPTIONS = {"xla_backend_optimization_level": 0,   # analysed, never run:
-           "xla_cpu_use_fusion_emitters": False}  # faster compiles
+OPTIONS = compat.compiler_options()   # analysed, never run: faster compiles
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax import compat
 from zerojax.layout import ChunkLayout
 
 _PROBE_STEPS = 3
@@ -66,35 +67,13 @@ def _run(tx, params, grads_seq):
   return outs
 
 
-# Compile options for the probes, most preferred first: the compile is the
-# probe's whole cost (the run takes microseconds). Without backend
-# optimisation it halves; without the CPU fusion emitters it drops by another
-# fifth (measured on GPT-2's tree). The first set this jax's XLA accepts is
-# used (`_probe_compiler_options`).
-_PROBE_COMPILER_OPTIONS = (
-    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
-    {"xla_backend_optimization_level": 0}, {})
-
-
-@functools.cache
-def _probe_compiler_options() -> dict:
-  for options in _PROBE_COMPILER_OPTIONS:
-    try:
-      jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(
-          compiler_options=options)
-      return options
-    except Exception:  # noqa: BLE001 - an option this XLA does not know
-      continue
-  return {}
-
-
 def _run_probe(probe, *args):
   """`probe(*args)` on a few-element surrogate, fetched as numpy. It runs on
   the host CPU whatever the default backend, compiled as cheaply as XLA
-  allows (`_PROBE_COMPILER_OPTIONS`)."""
+  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost)."""
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     compiled = jax.jit(probe).lower(*args).compile(
-        compiler_options=_probe_compiler_options())
+        compiler_options=compat.compiler_options(backend="cpu"))
     return jax.device_get(compiled(*args))
 
 
