@@ -70,6 +70,12 @@ def test_gather_params_returns_the_original_tree():
     ({"loss_scale": "big"}, TypeError, "loss_scale='big'"),
     ({"frozen": {"x": 1}}, TypeError, "frozen must be"),
     ({"chunk_sz": 10}, TypeError, r"unknown ZeroConfig field\(s\) \['chunk_sz'\]"),
+    ({"stage": 3.0}, TypeError, r"stage=3.0 must be an int"),
+    ({"clip_norm": "1.0"}, TypeError, r"clip_norm='1.0' must be a number"),
+    ({"offload_fraction": "half"}, TypeError, r"offload_fraction='half' must be a number"),
+    ({"skip_nonfinite": "yes"}, TypeError, r"skip_nonfinite='yes' must be True or False"),
+    ({"stacked": ("nonexistent",)}, ValueError,
+     r"no submodule is named 'nonexistent'; the submodules are \['Dense_0'"),
 ])
 def test_bad_config_raises_and_leaves_state_unchanged(kwargs, error, match):
   state, _, _ = _state()

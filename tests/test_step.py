@@ -185,3 +185,114 @@ def test_step_rejects_plain_train_state():
     zerojax.train_step(loss_fn)(plain, batches[0])
   with pytest.raises(TypeError, match="loss function"):
     zerojax.train_step("not a function")
+
+
+def _mlp_state(mesh=None, **fields):
+  model, params, loss_fn, batches = make_problem("mlp")
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, **fields)
+  return state, model, loss_fn, batches
+
+
+def test_a_donated_state_raises_a_clear_error():
+  state, _, loss_fn, batches = _mlp_state(stage=3)
+  step = zerojax.train_step(loss_fn)
+  new, _ = step(state, batches[0])
+  for use in (lambda: step(state, batches[1]),
+              lambda: zerojax.gather_params(state),
+              lambda: zerojax.memory_report(state)):
+    with pytest.raises(ValueError, match=r"donated to a previous step call.*"
+                       r"use the state that call returned"):
+      use()
+  new, _ = step(new, batches[1])   # the returned state goes on
+  assert int(new.step) == 2
+
+
+def test_donate_false_keeps_the_state_when_a_step_fails_at_run_time():
+  """A host callback raises inside the step. (With donation the input's
+  buffers may be gone by then, depending on when the failure surfaces.) On
+  a 1-device mesh: with several simulated CPU devices, a callback failing on
+  some of them leaves the others waiting in a collective (a CPU runtime
+  limit, not zerojax's)."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
+  state, _, loss_fn, batches = _mlp_state(mesh=mesh, stage=3)
+  fail = []
+
+  def check(loss):
+    if fail:
+      raise RuntimeError("a host callback failed")
+
+  def loss_with_callback(p, b):
+    loss = loss_fn(p, b)
+    jax.debug.callback(check, loss)
+    return loss
+
+  step = zerojax.train_step(loss_with_callback, donate=False)
+  state, _ = step(state, batches[0])
+  before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+  fail.append(1)
+  with pytest.raises(Exception, match="a host callback failed"):
+    jax.block_until_ready(step(state, batches[1]))
+  fail.clear()
+  for a, b in zip(before, jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  state, _ = step(state, batches[1])
+  assert int(state.step) == 2
+  with pytest.raises(TypeError, match=r"train_step\(donate='no'\) must be True"):
+    zerojax.train_step(loss_fn, donate="no")
+
+
+def test_a_loss_that_is_not_a_floating_scalar_is_refused():
+  state, model, loss_fn, batches = _mlp_state(stage=1)
+  step = lambda f, **kw: zerojax.train_step(f, **kw)(state, batches[0])
+  with pytest.raises(TypeError, match=r"floating scalar loss; it returned an "
+                     r"array of dtype int32 and shape \(\)"):
+    step(lambda p, b: loss_fn(p, b).astype(jnp.int32))
+  with pytest.raises(TypeError, match=r"floating scalar loss; .* shape \(4, 4\)"):
+    step(lambda p, b: model.apply({"params": p}, b["x"][:4]))
+  with pytest.raises(TypeError, match=r"has_aux=True\): loss_fn must return "
+                     r"\(loss, aux\); it returned an array"):
+    step(loss_fn, has_aux=True)
+  with pytest.raises(TypeError, match=r"returned a tuple of 2, not a scalar "
+                     r"loss; .* has_aux=True"):
+    step(lambda p, b: (loss_fn(p, b), {"a": 1.0}))
+  with pytest.raises(TypeError, match=r"aux value \['bad'\] has shape \(3,\)"):
+    step(lambda p, b: (loss_fn(p, b), {"bad": jnp.ones(3)}), has_aux=True)
+  state, _ = zerojax.train_step(loss_fn)(state, batches[0])  # never donated
+  assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_aux_scalars_are_averaged_and_per_example_values_concatenated(stage):
+  state, model, loss_fn, batches = _mlp_state(stage=stage, accum_steps=2)
+  _, params, _, _ = _problem("mlp")
+
+  def per_example(p, b):
+    err = jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2, axis=-1)
+    return err.mean(), {"err": err, "first": err[0]}
+
+  _, m = zerojax.train_step(per_example, has_aux=True)(state, batches[0])
+  want = np.mean((model.apply({"params": params}, batches[0]["x"])
+                  - batches[0]["y"]) ** 2, axis=-1)
+  assert m["err"].shape == want.shape
+  np.testing.assert_allclose(m["err"], want, rtol=1e-5)
+  # micro-batch 0 of each device starts every 2nd group of 2 examples
+  np.testing.assert_allclose(m["first"], want.reshape(16, 2)[:, 0].mean(), rtol=1e-5)
+  np.testing.assert_allclose(m["loss"], want.mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_skip_nonfinite_skips_the_step_in_float32(stage):
+  state, _, loss_fn, batches = _mlp_state(stage=stage, skip_nonfinite=True)
+  step = zerojax.train_step(loss_fn)
+  state, m = step(state, batches[0])
+  assert not bool(m["skipped"]) and int(state.step) == 1
+  before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+  bad = dict(batches[1], x=batches[1]["x"].copy())
+  bad["x"][5, 1] = np.nan
+  state, m = step(state, bad)
+  assert bool(m["skipped"]) and int(state.step) == 1
+  for a, b in zip(before, jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  state, m = step(state, batches[1])
+  assert not bool(m["skipped"]) and int(state.step) == 2

@@ -98,7 +98,12 @@ class ZeroConfig:
       offloaded (largest chunks first).
     stacked: names of submodules (first-level keys below "params", or any
       path component) whose leaves carry a leading layer axis, as
-      `flax.linen.scan` produces; they are chunked per layer.
+      `flax.linen.scan` produces; they are chunked per layer. A name that
+      matches no submodule is an error (`shard` lists the names).
+    skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
+      optimizer state and step count stay as they were) in any precision;
+      `metrics["skipped"]` says which steps were. Always on under loss
+      scaling.
   """
   stage: int = 3
   axis_name: str = "data"
@@ -116,12 +121,17 @@ class ZeroConfig:
   offload_optimizer: bool = False
   offload_params: bool = False
   offload_fraction: float = 1.0
+  skip_nonfinite: bool = False
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
-    if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+    if isinstance(self.stage, bool) or not isinstance(self.stage, (int, np.integer)):
+      raise TypeError(f"stage={self.stage!r} must be an int: 0 (data "
+                      "parallel), 1, 2 or 3.")
+    if self.stage not in (0, 1, 2, 3):
       raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0 "
                        "(data parallel), 1, 2 or 3.")
+    set_("stage", int(self.stage))
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise TypeError(f"axis_name={self.axis_name!r} must be a mesh axis "
                       "name (a non-empty str).")
@@ -136,6 +146,8 @@ class ZeroConfig:
         raise ValueError(f"{name}={value!r} must be positive.")
     set_("compute_dtype", _as_dtype("compute_dtype", self.compute_dtype))
     set_("reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype))
+    for name in ("clip_norm", "offload_fraction"):
+      _check_number(name, getattr(self, name))
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm={self.clip_norm!r} must be positive or "
                        "None (no clipping).")
@@ -161,6 +173,9 @@ class ZeroConfig:
     if not 0.0 <= self.offload_fraction <= 1.0:
       raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
                        "in [0, 1].")
+    for name in ("offload_optimizer", "offload_params", "skip_nonfinite"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
     if self.offload_optimizer and self.stage == 0:
       raise ValueError("offload_optimizer needs stage >= 1 (stage 0 keeps "
                        "everything replicated); use stage=1, 2 or 3.")
@@ -178,6 +193,15 @@ class ZeroConfig:
   @property
   def mixed_precision(self) -> bool:
     return self.compute_dtype != np.dtype(jnp.float32)
+
+
+def _check_number(name: str, value: Any) -> None:
+  if value is None and name == "clip_norm":
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                       np.floating)):
+    raise TypeError(f"{name}={value!r} must be a number, not "
+                    f"{type(value).__name__}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,6 +177,13 @@ class ChunkLayout:
       infos.append(info)
       keys.append((stack, shape[0] if stack else 0, int(label), dtype.name)
                   if chunked else None)
+    modules = {name for info in infos for name in info.names[:-1]}
+    unknown = [s for s in stacked if s not in modules]
+    if unknown:
+      # a typo would silently turn per-layer chunking off
+      raise ValueError(f"stacked={tuple(stacked)!r}: no submodule is named "
+                       f"{', '.join(map(repr, unknown))}; the submodules are "
+                       f"{sorted(modules)[:40]}.")
     group_keys = list(dict.fromkeys(k for k in keys if k is not None))
     groups = [[i for i, k in enumerate(keys) if k == g] for g in group_keys]
     for stack in stacked:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.state import ZeroTrainState, check_live
+
 CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
               "loss scale", "other")
 
@@ -137,6 +139,10 @@ class MemoryReport:
 def memory_report(state) -> MemoryReport:
   """Measured per-device bytes of `state` (a ZeroTrainState), with the
   DESIGN-table and ZeRO-paper predictions for the same Ψ, N and stage."""
+  if not isinstance(state, ZeroTrainState):
+    raise TypeError(f"memory_report() takes a ZeroTrainState, got "
+                    f"{type(state).__name__}.")
+  check_live(state, "memory_report()")
   cfg = state.config
   parts = {
       "master parameters": state.master,

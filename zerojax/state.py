@@ -324,6 +324,23 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
 
 
 # ---- reading -------------------------------------------------------------------
+def check_live(state: ZeroTrainState, caller: str) -> None:
+  """Raises a ValueError if any array of `state` was donated or deleted.
+
+  A `train_step` donates its input state: its buffers become the returned
+  state's. Using the old state again would otherwise fail deep inside jax
+  (or, for a jitted call, crash the process). O(leaves) host work, no
+  device sync.
+  """
+  for x in jax.tree_util.tree_leaves(state):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise ValueError(
+          f"{caller} got a ZeroTrainState whose arrays were donated to a "
+          "previous step call (or deleted): use the state that call returned, "
+          "`state, metrics = step(state, batch)`, or build the step with "
+          "train_step(..., donate=False) to keep the input.")
+
+
 def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
   """The ordinary parameter tree of a sharded state, replicated.
 
@@ -334,6 +351,7 @@ def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
   if not isinstance(state, ZeroTrainState):
     raise TypeError(f"gather_params() takes a ZeroTrainState, got "
                     f"{type(state).__name__}.")
+  check_live(state, "gather_params()")
   layout = state.layout
 
   def merge(master, rest):

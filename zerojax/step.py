@@ -29,8 +29,8 @@ from flax import traverse_util
 
 from zerojax import collectives, offload, optim, precision
 from zerojax import nn as zero_nn
-from zerojax.state import (ZeroTrainState, chunk_spec, master_is_sharded,
-                           state_shardings)
+from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
+                           master_is_sharded, state_shardings)
 
 
 def _shard_shape(shape, n):
@@ -89,7 +89,7 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       with zero_nn.active(layout, cfg):
         out = (loss_fn(params, micro_batch, micro_rng) if with_rng
                else loss_fn(params, micro_batch))
-      loss, aux = out if has_aux else (out, {})
+      loss, aux = _loss_and_aux(out, has_aux, _batch_size(micro_batch))
       loss = jnp.asarray(loss, jnp.float32)
       return loss * scale, (loss, aux)
 
@@ -130,7 +130,10 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       zeros = tuple(jnp.zeros(np.shape(d), cfg.reduce_dtype) for d in diff)
       grads, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
       loss = jnp.mean(losses)
-      aux = jax.tree_util.tree_map(lambda a: jnp.mean(a, axis=0), auxes)
+      # per-example values [k, micro, ...] in batch order; scalars averaged
+      aux = jax.tree_util.tree_map(
+          lambda a: jnp.reshape(a, (-1,) + a.shape[2:]) if a.ndim > 1
+          else jnp.mean(a, axis=0), auxes)
 
     if stage == 0:
       grads = tuple(jax.lax.psum(g, ax) for g in grads)
@@ -138,15 +141,70 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       grads = tuple(collectives.reduce_scatter(g, ax) for g in grads)
     grads = tuple(g / (n * k) for g in grads)
     loss = jax.lax.pmean(loss, ax)
+    # Every aux value leaves with a leading device axis: per-example values
+    # are concatenated over the global batch, scalars are averaged over the
+    # devices and taken once below.
+    scalar.append(jax.tree_util.tree_map(lambda a: a.ndim == 0, aux))
     aux = jax.tree_util.tree_map(
-        lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), ax), aux)
+        lambda a: jnp.reshape(jax.lax.pmean(jnp.asarray(a, jnp.float32), ax),
+                              (1,)) if a.ndim == 0 else a, aux)
     return grads, loss, aux
 
+  scalar = []
   args = (params_in, state.rest, batch, scale) + ((rng,) if with_rng else ())
   in_specs = (params_specs, P(), P(ax), P()) + ((P(),) if with_rng else ())
-  out_specs = (rep_specs if stage == 0 else split_specs, P(), P())
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)(*args)
+  out_specs = (rep_specs if stage == 0 else split_specs, P(), P(ax))
+  grads, loss, aux = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                                   out_specs=out_specs, check_vma=False)(*args)
+  aux = jax.tree_util.tree_map(lambda a, one: a[0] if one else a, aux, scalar[-1])
+  return grads, loss, aux
+
+
+def _batch_size(batch) -> int:
+  return np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
+
+
+def _loss_and_aux(out, has_aux: bool, batch_size: int) -> tuple:
+  """`(loss, aux)` of what the user's loss function returned, checked: a
+  floating scalar loss; aux values that are scalars or per-example arrays
+  (leading axis `batch_size`, this device's micro-batch)."""
+  if has_aux:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          "train_step(has_aux=True): loss_fn must return (loss, aux); it "
+          f"returned {_describe(out)}. Return a pair, or build the step with "
+          "has_aux=False.")
+    loss, aux = out
+  else:
+    if isinstance(out, (tuple, list)):
+      raise TypeError(
+          f"loss_fn returned {_describe(out)}, not a scalar loss; if it returns "
+          "(loss, aux), build the step with train_step(loss_fn, has_aux=True).")
+    loss, aux = out, {}
+  dtype = jnp.result_type(loss) if hasattr(loss, "dtype") or isinstance(
+      loss, (int, float)) else None
+  if dtype is None or np.shape(loss) != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"loss_fn must return a floating scalar loss; it returned "
+        f"{_describe(loss)}. Reduce it to a scalar (e.g. .mean()) and keep it "
+        "floating: an integer loss has no gradient.")
+  for path, a in jax.tree_util.tree_leaves_with_path(aux):
+    shape = np.shape(a)
+    if shape and shape[0] != batch_size:
+      raise TypeError(
+          f"aux value {jax.tree_util.keystr(path) or 'aux'} has shape {shape}: "
+          "an aux value is a scalar (averaged over the batch) or has the "
+          f"per-example leading axis ({batch_size} on this device's "
+          "micro-batch; concatenated over the global batch).")
+  return loss, jax.tree_util.tree_map(jnp.asarray, aux)
+
+
+def _describe(x) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "dtype") and hasattr(x, "shape"):
+    return f"an array of dtype {x.dtype} and shape {tuple(x.shape)}"
+  return f"a {type(x).__name__}"
 
 
 def _with_layer_shards(layout, chunks, rest, shards, slots, layer_chunks,
@@ -194,7 +252,8 @@ def _update(state, grads, master, shardings, finite):
   device at once. `tx` must then be separable by chunk
   (`optim.check_separable`, run by `shard`). Master shards in host memory
   whose optimizer state is on the device (`offload_params`) come to the
-  device for the first update call. `finite`: under loss scaling, whether to
+  device for the first update call. `finite`: when steps may be skipped
+  (loss scaling, `skip_nonfinite`), whether to
   keep the update (else the old values).
   """
   cfg, layout, tx = state.config, state.layout, state.tx
@@ -266,7 +325,10 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   metrics = {"loss": loss}
   if state.loss_scale is not None:
     grads = tuple(g / state.loss_scale.scale for g in grads)
-    finite = precision.all_finite(grads)
+  # A step with a non-finite gradient is skipped under loss scaling (where it
+  # is expected) or when asked for (`skip_nonfinite`).
+  guard = state.loss_scale is not None or cfg.skip_nonfinite
+  finite = precision.all_finite(grads) if guard else None
   grad_norm = optax.tree.norm(grads)   # zero padding adds nothing
   metrics["grad_norm"] = grad_norm
   if cfg.clip_norm is not None:
@@ -280,12 +342,12 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
                    for m in state.master)
   else:
     master = state.master
-  new_master, opt_state = _update(state, grads, master, shardings,
-                                  finite if state.loss_scale is not None else None)
+  new_master, opt_state = _update(state, grads, master, shardings, finite)
   loss_scale = state.loss_scale
   if loss_scale is not None:
     loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
     metrics["loss_scale"] = loss_scale.scale
+  if guard:
     metrics["skipped"] = ~finite
 
   compute = state.compute
@@ -300,23 +362,32 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   elif aux is not None:
     metrics["aux"] = aux
   new_state = state.replace(
-      step=state.step + (finite.astype(jnp.int32) if state.loss_scale is not None
-                         else 1),
+      step=state.step + (finite.astype(jnp.int32) if guard else 1),
       master=new_master, compute=compute, opt_state=opt_state,
       loss_scale=loss_scale)
   new_state = offload.place(new_state, shardings)
   return new_state, metrics
 
 
-def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+def train_step(loss_fn: Callable, *, has_aux: bool = False,
+               donate: bool = True) -> Callable:
   """Builds the jitted ZeRO training step.
 
   Args:
     loss_fn: `loss_fn(params, batch)` or `loss_fn(params, batch, rng)`,
       written on the full parameter tree and one device's slice of the batch;
-      returns the scalar loss, or `(loss, aux)` with `has_aux=True` (aux: a
-      dict of scalars, averaged over devices and micro-batches).
+      returns the floating scalar loss, or `(loss, aux)` with `has_aux=True`.
+      aux is a pytree (a dict is merged into `metrics`) whose values are
+      scalars, averaged over devices and micro-batches, or per-example
+      arrays with the micro-batch's leading axis, concatenated in global
+      batch order.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
+    donate: the step donates the input state's buffers to the new state, so
+      the state is held once. A step that fails at run time (a host callback
+      raising, say) then leaves no usable input state: restore from a
+      checkpoint. `donate=False` keeps the input state intact whatever
+      happens, at the cost of holding the old and the new state at once
+      during the step (one more state's bytes per device).
 
   Returns:
     `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
@@ -332,13 +403,17 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
+  for name, value in (("has_aux", has_aux), ("donate", donate)):
+    if not isinstance(value, bool):
+      raise TypeError(f"train_step({name}={value!r}) must be True or False.")
   jitted = jax.jit(functools.partial(_step, loss_fn, has_aux),
-                   donate_argnums=(0,))
+                   donate_argnums=(0,) if donate else ())
 
   def prepare(state, batch):
     if not isinstance(state, ZeroTrainState):
       raise TypeError(f"step() takes the ZeroTrainState from zerojax.shard(), "
                       f"got {type(state).__name__}.")
+    check_live(state, "step()")
     cfg = state.config
     per_step = state.num_shards * cfg.accum_steps
     sizes = {np.shape(x)[0] if np.ndim(x) else None
