@@ -6,6 +6,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import numpy as np
@@ -59,7 +61,7 @@ def test_round_trip_is_bit_identical(problem, saved, monkeypatch):
 
   def no_repack(*args, **kwargs):
     raise AssertionError("the same layout was repacked, not read directly")
-  monkeypatch.setattr(zerojax.checkpoint, "_repack", no_repack)
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", no_repack)
   state = zerojax.checkpoint.restore(directory, like=plain, stage=3,
                                      chunk_size=3000)
   assert int(state.step) == SPLIT
@@ -93,8 +95,8 @@ def test_restore_regroups_for_a_tx_with_other_optimizer_classes(
   decay_matrices = optax.adamw(1e-2, weight_decay=1e-4, mask=lambda p: (
       jax.tree_util.tree_map(lambda x: x.ndim > 1, p)))
   repacked = []
-  repack = zerojax.checkpoint._repack
-  monkeypatch.setattr(zerojax.checkpoint, "_repack",
+  repack = zerojax.checkpoint._restore._repack
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack",
                       lambda *a, **k: repacked.append(1) or repack(*a, **k))
   state = zerojax.checkpoint.restore(directory, like=plain.replace(
       tx=decay_matrices))
@@ -127,9 +129,9 @@ def test_tree_form_checkpoints_still_restore(problem, saved, tmp_path):
   ckpt = zerojax.checkpoint
   mgr = ocp.CheckpointManager(str(tmp_path))
   mgr.save(SPLIT, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(ckpt._tree_form(state)),
+      state=ocp.args.StandardSave(ckpt._export._tree_form(state)),
       meta=ocp.args.JsonSave({"format": "zerojax-1", "num_shards": 8,
-                              "config": ckpt._config_json(state.config)})))
+                              "config": ckpt._format._config_json(state.config)})))
   mgr.wait_until_finished()
   back = ckpt.restore(str(tmp_path), like=plain, mesh=_mesh(4))
   assert int(back.step) == SPLIT and back.num_shards == 4
@@ -151,10 +153,10 @@ def test_view_shaped_checkpoints_still_restore(problem, saved, tmp_path):
       jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(state.opt_state)))
   mgr = ocp.CheckpointManager(str(tmp_path))
   mgr.save(SPLIT, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(ckpt._chunk_form(state.replace(opt_state=views))),
+      state=ocp.args.StandardSave(ckpt._format._chunk_form(state.replace(opt_state=views))),
       meta=ocp.args.JsonSave({"format": "zerojax-2", "num_shards": 8,
-                              "config": ckpt._config_json(state.config),
-                              "layout": ckpt._layout_json(state.layout)})))
+                              "config": ckpt._format._config_json(state.config),
+                              "layout": ckpt._format._layout_json(state.layout)})))
   mgr.wait_until_finished()
   back = ckpt.restore(str(tmp_path), like=plain)
   assert int(back.step) == SPLIT and back.layout == state.layout
@@ -237,13 +239,19 @@ def test_bad_input(problem, saved, tmp_path):
     zerojax.checkpoint.save(directory, plain)
 
 
-def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
-  from crash_worker import plain_state
-  directory = tmp_path / "a"
-  worker = os.path.join(os.path.dirname(__file__), "crash_worker.py")
+def _worker(mode, directory, timeout=180, prefix=()):
+  """Runs tests/exit_worker.py in MODE (under the command `prefix`); its
+  CompletedProcess."""
+  worker = os.path.join(os.path.dirname(__file__), "exit_worker.py")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, worker, str(directory)], env=env,
-                        capture_output=True, text=True, timeout=180)
+  return subprocess.run([*prefix, sys.executable, worker, mode, str(directory)],
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+  from exit_worker import plain_state
+  directory = tmp_path / "a"
+  proc = _worker("crash", directory)
   assert proc.returncode == -signal.SIGKILL, (
       f"worker exited with {proc.returncode}, not killed:\n{proc.stderr[-4000:]}")
   # Killed mid-write: step 1 committed, step 2 only as orbax's temporary.
@@ -274,3 +282,169 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
   zerojax.checkpoint.save(str(tmp_path / "b"), zerojax.shard(plain_state(5.0)),
                           wait=True)
   assert sorted(os.listdir(tmp_path / "b")) == ["1", "5"]
+
+
+def test_an_async_save_on_the_last_line_is_committed_at_exit(tmp_path):
+  from exit_worker import plain_state
+  start = time.monotonic()
+  proc = _worker("last-save", tmp_path, timeout=30)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert time.monotonic() - start < 30
+  assert "save returned" in proc.stdout
+  assert sorted(os.listdir(tmp_path)) == ["2"]
+  state = zerojax.checkpoint.restore(str(tmp_path), like=plain_state(0.0))
+  want = plain_state(2.0)
+  assert int(state.step) == 2
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(state), want.params)
+
+
+def _unprivileged():
+  """A command prefix that drops root (permission bits bind root nowhere),
+  or none where the tests already run unprivileged."""
+  if os.geteuid() != 0:
+    return ()
+  if shutil.which("setpriv") is None:
+    pytest.skip("running as root without setpriv (util-linux) to drop it")
+  return ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+@pytest.mark.parametrize("mode", ["unwritable", "unwritable-late"])
+def test_a_save_that_cannot_be_written_fails_and_the_exit_says_so(mode):
+  """At save() (the probe), or, where the probe is removed and orbax's
+  background write fails, at exit: status 1, the directory named, no hang."""
+  parent = tempfile.mkdtemp()
+  try:
+    os.chmod(parent, 0o755)
+    directory = os.path.join(parent, "ro")
+    os.mkdir(directory, 0o555)
+    os.chmod(directory, 0o555)
+    start = time.monotonic()
+    proc = _worker(mode, directory, timeout=30, prefix=_unprivileged())
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    if mode == "unwritable":
+      assert f"cannot write checkpoints to {directory}" in proc.stderr
+      assert "save returned" not in proc.stdout
+    else:
+      assert "save returned" in proc.stdout
+      assert f"zerojax: checkpoint step 2 in {directory} was not written" in (
+          proc.stderr)
+    assert os.listdir(directory) == []
+  finally:
+    shutil.rmtree(parent)
+
+
+def test_stepping_a_donated_state_raises_instead_of_crashing(tmp_path):
+  proc = _worker("donated", tmp_path, timeout=120)
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-4000:])
+  assert "ValueError: step() got a ZeroTrainState whose arrays were donated" in (
+      proc.stderr)
+
+
+def test_save_and_restore_take_only_non_negative_int_steps(problem, saved,
+                                                          tmp_path):
+  plain, _, _ = problem
+  directory, _, _ = saved
+  state = zerojax.checkpoint.restore(directory, like=plain)
+  for step, error, match in [(-1, ValueError, r"save\(step=-1\): a step is a "
+                              "non-negative int"),
+                             ("2", TypeError, r"save\(step='2'\): .* not str"),
+                             (True, TypeError, r"not bool")]:
+    with pytest.raises(error, match=match):
+      zerojax.checkpoint.save(str(tmp_path), state, step=step)
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(TypeError, match=r"restore\(step='3'\): a step is a "
+                     "non-negative int, not str"):
+    zerojax.checkpoint.restore(directory, like=plain, step="3")
+
+
+def _data_file(step_dir):
+  """The largest data file of a step's state item."""
+  files = [os.path.join(root, f) for root, _, names in os.walk(
+      os.path.join(step_dir, "state")) for f in names if os.sep + "d" in root]
+  return max(files, key=os.path.getsize)
+
+
+def _flip(path, at=0.5):
+  data = bytearray(open(path, "rb").read())
+  data[int(len(data) * at)] ^= 0x10
+  open(path, "wb").write(bytes(data))
+
+
+def _truncate(path):
+  os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _edit_meta(step_dir, edit, keep_checksum):
+  path = os.path.join(step_dir, "meta", "metadata")
+  meta = json.load(open(path))
+  edit(meta)
+  if not keep_checksum:
+    meta.pop("sha256")
+  json.dump(meta, open(path, "w"))
+
+
+def _move_first_leaf(meta):
+  leaf = next(i for i in meta["layout"]["leaves"] if i["chunk"] >= 0)
+  leaf["offset"] += 1
+
+
+# (what is done to a copy of the saved step's directory, the error)
+CORRUPTIONS = {
+    "no state": (lambda d: shutil.rmtree(os.path.join(d, "state")),
+                 r"/state/ is missing"),
+    "no _METADATA": (lambda d: os.remove(os.path.join(d, "state", "_METADATA")),
+                     r"/state/_METADATA is missing"),
+    "no manifest": (lambda d: os.remove(os.path.join(d, "state", "manifest.ocdbt")),
+                    r"/state/manifest.ocdbt is missing"),
+    "truncated data": (lambda d: _truncate(_data_file(d)),
+                       r"checkpoint .*/state could not be read"),
+    "flipped bit": (lambda d: _flip(_data_file(d)),
+                    r"checkpoint .*/state (is corrupt: .* differ from what "
+                    r"was saved|could not be read)"),
+    "truncated meta": (lambda d: _truncate(os.path.join(d, "meta", "metadata")),
+                       r"metadata .*/meta/metadata is unreadable"),
+    "empty meta": (lambda d: open(os.path.join(d, "meta", "metadata"), "w").write("{}"),
+                   r"metadata .*/meta/metadata has no format"),
+    "edited layout": (lambda d: _edit_meta(d, _move_first_leaf, True),
+                      r"metadata .*/meta/metadata fails its checksum"),
+    "edited layout, no checksum": (
+        lambda d: _edit_meta(d, _move_first_leaf, False),
+        r"the layout is inconsistent: leaf .* (overlaps|ends at)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_a_corrupt_checkpoint_raises_naming_it(problem, saved, tmp_path, case):
+  """The newest step is damaged: restore and export raise one ValueError
+  naming the path, the problem and the older step that still restores;
+  never a silent fall back. The damage is done to a copy."""
+  plain, _, _ = problem
+  directory, params, _ = saved
+  copy = str(tmp_path / "ckpt")
+  shutil.copytree(directory, copy)
+  shutil.copytree(os.path.join(copy, str(SPLIT)), os.path.join(copy, "7"))
+  damage, reason = CORRUPTIONS[case]
+  damage(os.path.join(copy, "7"))
+  match = rf"step 7 in .* cannot be restored: .*{reason}.*Steps that can be restored: \[{SPLIT}\]"
+  if case in ("truncated data", "flipped bit"):   # found only by reading
+    match = reason
+  with pytest.raises(ValueError, match=match):
+    zerojax.checkpoint.restore(copy, like=plain)
+  with pytest.raises(ValueError, match=match):
+    zerojax.checkpoint.export_params(copy)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.checkpoint.export_params(copy, step=SPLIT), params)
+
+
+def test_a_stray_step_directory_is_named(problem, saved, tmp_path):
+  plain, _, _ = problem
+  directory, _, _ = saved
+  copy = str(tmp_path / "ckpt")
+  shutil.copytree(directory, copy)
+  os.makedirs(os.path.join(copy, "9", "state"))
+  with pytest.raises(ValueError, match=rf"step 9 in .* cannot be restored: "
+                     rf".*9/state/_METADATA is missing.*\[{SPLIT}\] \(pass step="):
+    zerojax.checkpoint.restore(copy, like=plain)
+  assert int(zerojax.checkpoint.restore(copy, like=plain, step=SPLIT).step) == SPLIT

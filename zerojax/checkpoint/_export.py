@@ -1,0 +1,61 @@
+"""Plain numpy trees of a live state or a checkpoint (DeepSpeed's
+`zero_to_fp32.py`)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from zerojax import reshard
+from zerojax.checkpoint._format import (CHUNK_FORMATS, _abstract_params, _cut,
+                                        _layout_from_json, _nested)
+from zerojax.checkpoint._restore import _open, _restore_to_host
+from zerojax.state import ZeroTrainState
+
+
+def export_params(directory_or_state: Any, *, step: Optional[int] = None,
+                  with_opt_state: bool = False) -> Any:
+  """The ordinary parameter tree (numpy arrays), from a live ZeroTrainState
+  or a checkpoint directory, without the original device count (DeepSpeed's
+  `zero_to_fp32.py`). With `with_opt_state`, returns `(params, opt_state)`,
+  the optax state in its ordinary tree form. From a directory the trees are
+  nested dicts (lists for tuples), as orbax reads any tree back."""
+  if isinstance(directory_or_state, ZeroTrainState):
+    tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
+  else:
+    path, meta, _ = _open(directory_or_state, step)
+    tree = _restore_to_host(path, meta and meta.get("checksums"))
+    if meta is not None and meta.get("format") in CHUNK_FORMATS:
+      params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
+      tree = {"params": _nested(params), "opt_state": _nested(opt)}
+  return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  # Under multi-host, every process ends up with the whole tree (export's
+  # purpose); np.asarray alone refuses arrays with shards on other hosts.
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _tree_form(state: ZeroTrainState) -> dict:
+  """The ordinary TrainState content of `state`, leaves sharded, converted
+  chunk by chunk (`reshard`): no device holds more than its share plus one
+  chunk."""
+  layout, axis = state.layout, state.config.axis_name
+  abstract = _abstract_params(layout)
+  params = reshard.to_tree(layout, state.master, state.rest, axis)
+  opt_state = reshard.opt_to_tree(layout, state.opt_state,
+                                  jax.eval_shape(state.tx.init, abstract), axis)
+  out = {"step": state.step, "params": params, "opt_state": opt_state}
+  if state.loss_scale is not None:
+    out["loss_scale"] = {"scale": state.loss_scale.scale,
+                         "good_steps": state.loss_scale.good_steps}
+  if state.extras:
+    out["extras"] = state.extras
+  # nothing shared with `state`, which the next train step donates
+  return {k: v if k in ("params", "opt_state") else
+          jax.tree_util.tree_map(reshard.copy, v) for k, v in out.items()}

@@ -1,0 +1,193 @@
+"""What a zerojax checkpoint holds on disk: the chunk-form tree, the layout
+and config as JSON, and the cutting of saved chunks back into leaves."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zerojax import optim
+from zerojax.config import DynamicLossScale, ZeroConfig
+from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
+from zerojax.state import ZeroTrainState
+
+FORMAT = "zerojax-3"   # chunk form (the package docstring)
+VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
+CHUNK_FORMATS = (FORMAT, VIEW_FORMAT)
+
+
+def _abstract_params(layout) -> Any:
+  """The parameter tree of `layout` as ShapeDtypeStructs."""
+  return jax.tree_util.tree_unflatten(
+      layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
+
+
+def _chunk_form(state: ZeroTrainState) -> dict:
+  """What a save writes: the state's own arrays, as they are sharded."""
+  out = {"step": state.step, "master": list(state.master),
+         "rest": list(state.rest), "opt_state": _non_empty(state.opt_state)}
+  if state.loss_scale is not None:
+    out["loss_scale"] = {"scale": state.loss_scale.scale,
+                         "good_steps": state.loss_scale.good_steps}
+  if state.extras:
+    out["extras"] = state.extras
+  return out
+
+
+def _non_empty(tree):
+  """`tree` with its empty arrays as None (orbax refuses zero-size arrays;
+  the chunk views of leaves other than a chunk's representative are)."""
+  return jax.tree_util.tree_map(lambda x: x if np.prod(x.shape) else None, tree)
+
+
+def _layout_json(layout: ChunkLayout) -> dict:
+  """The chunk layout as JSON: where each leaf lies in which chunk."""
+  return {
+      "num_shards": int(layout.num_shards), "chunk_size": int(layout.chunk_size),
+      "leaves": [{"path": i.path, "names": list(i.names), "shape": list(i.shape),
+                  "dtype": jnp.dtype(i.dtype).name, "chunk": int(i.chunk),
+                  "offset": int(i.offset), "stacked": bool(i.stacked)}
+                 for i in layout.leaves],
+      "chunks": [{"length": int(c.length), "used": int(c.used),
+                  "layers": int(c.layers), "dtype": jnp.dtype(c.dtype).name,
+                  "leaves": [int(i) for i in c.leaves], "label": int(c.label),
+                  "stack": c.stack} for c in layout.chunks]}
+
+
+def _layout_from_json(d: dict, treedef) -> ChunkLayout:
+  """Inverse of `_layout_json`; `treedef`: the parameter tree's, or None
+  where only the leaves' places in the chunks are read."""
+  leaves = tuple(LeafInfo(i["path"], tuple(i["shape"]), jnp.dtype(i["dtype"]),
+                          i["chunk"], i["offset"], i["stacked"], tuple(i["names"]))
+                 for i in d["leaves"])
+  chunks = tuple(Chunk(c["length"], c["used"], c["layers"], jnp.dtype(c["dtype"]),
+                       tuple(c["leaves"]), c["label"], c["stack"])
+                 for c in d["chunks"])
+  return ChunkLayout(treedef, leaves, chunks, d["num_shards"], d["chunk_size"], 0.0)
+
+
+def _config_json(cfg: ZeroConfig) -> dict:
+  out = {}
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    if f.name == "frozen":
+      continue  # a callable; restore takes it from `like`
+    if isinstance(v, np.dtype):
+      v = v.name
+    elif isinstance(v, DynamicLossScale):
+      v = {"dynamic": dataclasses.asdict(v)}
+    elif isinstance(v, tuple):
+      v = list(v)
+    out[f.name] = v
+  return out
+
+
+def _config_from_json(d: dict) -> dict:
+  d = dict(d)
+  if isinstance(d.get("loss_scale"), dict):
+    d["loss_scale"] = DynamicLossScale(**d["loss_scale"]["dynamic"])
+  d["stacked"] = tuple(d.get("stacked", ()))
+  return d
+
+
+def _signature(tree) -> dict:
+  """Leaf path (names only: orbax stores namedtuples as dicts) -> shape."""
+  return {k: tuple(x.shape) for k, x in _named(tree).items()}
+
+
+def _describe_mismatch(s: dict, w: dict, what: str) -> str:
+  """`s`, `w`: signatures (`_signature`) of the checkpoint and of `like`."""
+  lines = [f"  only in the checkpoint: {k}" for k in sorted(set(s) - set(w))][:5]
+  lines += [f"  only in `like`: {k}" for k in sorted(set(w) - set(s))][:5]
+  lines += [f"  {k}: checkpoint {s[k]}, `like` {w[k]}"
+            for k in sorted(set(s) & set(w)) if s[k] != w[k]][:5]
+  return f"the checkpoint's {what} does not match `like`:\n" + "\n".join(lines)
+
+
+def _named(tree) -> dict:
+  """Leaf path (names only, as `_signature`) -> leaf."""
+  return {"/".join(_path_names(path)): x
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _seq(x) -> list:
+  """A saved list as orbax may read it back: a list, or a dict keyed "0",
+  "1", ..., "10" (whose sorted order is not the list's)."""
+  if isinstance(x, dict):
+    return [x[k] for k in sorted(x, key=int)]
+  return list(x)
+
+
+def _nested(by_names: dict) -> Any:
+  """{names: leaf} as nested dicts; a dict keyed 0..n-1 becomes a list."""
+  root: dict = {}
+  for names, x in by_names.items():
+    node = root
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = x
+
+  def lists(node):
+    if not isinstance(node, dict):
+      return node
+    node = {k: lists(v) for k, v in node.items()}
+    if node and sorted(node) == [str(i) for i in range(len(node))]:
+      return [node[str(i)] for i in range(len(node))]
+    return node
+  return lists(root)
+
+
+def _as_dtype(x, dtype):
+  return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _cut(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
+  """The ordinary parameter tree and optax state of a chunk-form
+  checkpoint read as numpy (`loaded`, saved with `layout`), each as
+  {leaf names: emit(array)}. The chunks are taken out of `loaded` and each
+  is dropped once its leaves are emitted, so that with an `emit` that
+  copies, the two forms are never both whole in memory."""
+  master = [np.asarray(x) for x in _seq(loaded.pop("master", []))]
+  rest = iter(_seq(loaded.pop("rest", [])))
+
+  def leaf(x, i):
+    info = layout.leaves[i]
+    chunk = np.reshape(x, layout.chunks[info.chunk].shape)
+    return chunk[..., info.offset:info.offset + info.size].reshape(info.shape)
+
+  params = {}
+  for i, info in enumerate(layout.leaves):
+    if info.chunk < 0:
+      params[info.names] = emit(np.asarray(next(rest)))
+  for c, chunk in enumerate(layout.chunks):
+    for i in chunk.leaves:
+      params[layout.leaves[i].names] = emit(leaf(master[c], i))
+    master[c] = None
+  # optax state over the views: chunk c's statistics at its representative
+  opt, prefixes = {}, set()
+  opt_state = loaded.pop("opt_state")
+  owners = optim.view_chunks(layout, opt_state)
+  flat = [(_path_names(path), x) for path, x
+          in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+  del opt_state
+  for j, c in enumerate(owners):
+    key, x = flat[j][0], np.asarray(flat[j][1])
+    flat[j] = None
+    if c is None:
+      opt[key] = x                             # counts, scalars
+      continue
+    prefix = key[:len(key) - len(layout.leaves[layout.representative(c)].names)]
+    prefixes.add((prefix, x.dtype))
+    for m in layout.chunks[c].leaves:
+      opt[prefix + layout.leaves[m].names] = emit(leaf(x, m))
+    del x
+  # Leaves outside the chunks (frozen, integer) have empty views, which are
+  # not written: the optimizer never saw them, their statistics are zeros.
+  for prefix, dtype in prefixes:
+    for i in layout.rest_indices:
+      info = layout.leaves[i]
+      opt[prefix + info.names] = emit(np.zeros(info.shape, dtype))
+  return {k: params[k] for k in (i.names for i in layout.leaves)}, opt

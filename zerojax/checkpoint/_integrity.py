@@ -1,0 +1,170 @@
+"""What makes a checkpoint trustworthy: step numbers, the metadata's own
+checksum and schema, a layout that fits the saved arrays, and a checksum of
+every saved array.
+
+Every problem is one `ValueError` naming the path and what is wrong: a
+restore never falls back silently and never reads a layout that would cut
+the chunks wrongly.
+
+The array checksum is the sum of the array's 32-bit words (16- and 8-bit
+values widened) modulo 2**32: independent of how the array is sharded or
+in which order its parts are added, so the device computes it at save (one
+reduction, no copy) and the host or device recomputes it on restore. It
+catches any single flipped bit and any changed value that does not cancel
+out; it is no defence against deliberate edits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zerojax.checkpoint._format import CHUNK_FORMATS, _named
+
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
+
+
+def check_step(step: Any, caller: str) -> int:
+  """`step` as an int; TypeError/ValueError naming it unless it is one >= 0."""
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+    raise TypeError(f"{caller}(step={step!r}): a step is a non-negative int, "
+                    f"not {type(step).__name__}.")
+  if step < 0:
+    raise ValueError(f"{caller}(step={step}): a step is a non-negative int.")
+  return int(step)
+
+
+# ---- array checksums -----------------------------------------------------------
+def _words(x):
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(
+      x, _WORD[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+@jax.jit
+def _device_sums(arrays: dict) -> dict:
+  return {k: jnp.sum(_words(x), dtype=jnp.uint32) for k, x in arrays.items()}
+
+
+def checksums(tree) -> dict:
+  """{array name: checksum} of a tree of jax arrays (on their devices)."""
+  return {k: int(v) for k, v in jax.device_get(_device_sums(_named(tree))).items()}
+
+
+def _host_sum(x) -> int:
+  x = np.ascontiguousarray(x).reshape(-1)
+  words = x.astype(np.uint32) if x.dtype == np.bool_ else x.view(
+      _WORD[x.dtype.itemsize])
+  return int(np.sum(words, dtype=np.uint32))
+
+
+def verify(path: str, saved_sums: dict, tree, on_host: bool) -> None:
+  """Raises naming `path` and the array when a read array's checksum is not
+  the saved one. `on_host`: `tree` holds numpy arrays."""
+  if not saved_sums:
+    return   # written before checksums (2026-11-23)
+  arrays = _named(tree)
+  read = ({k: _host_sum(x) for k, x in arrays.items()} if on_host
+          else checksums(arrays))
+  bad = sorted(k for k in saved_sums if read.get(k) != saved_sums[k])
+  if bad:
+    raise ValueError(
+        f"checkpoint {path} is corrupt: {len(bad)} array(s) differ from what "
+        f"was saved ({', '.join(bad[:5])}): the files changed after the save "
+        "(a disk fault or an edit). Restore another step (step=...).")
+
+
+# ---- the metadata --------------------------------------------------------------
+def _digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "sha256"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+  """`meta` with the SHA-256 of its JSON, checked on every read."""
+  return {**meta, "sha256": _digest(meta)}
+
+
+def read_meta(step_dir: str) -> Any:
+  """The checked metadata of a step's directory, None where it has none
+  (format "zerojax-1" had some; plain orbax checkpoints have none)."""
+  path = os.path.join(step_dir, "meta", "metadata")
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"checkpoint metadata {path} is unreadable: {e}") from None
+  if not isinstance(meta, dict) or not isinstance(meta.get("format"), str):
+    raise ValueError(f"checkpoint metadata {path} has no format: not a "
+                     "zerojax checkpoint's metadata.")
+  if "sha256" in meta and meta["sha256"] != _digest(meta):
+    raise ValueError(f"checkpoint metadata {path} fails its checksum: it was "
+                     "changed after the save.")
+  missing = [k for k in ("config", "num_shards") + (
+      ("layout",) if meta["format"] in CHUNK_FORMATS else ()) if k not in meta]
+  if missing:
+    raise ValueError(f"checkpoint metadata {path} lacks {', '.join(missing)}.")
+  if meta["format"] in CHUNK_FORMATS:
+    problem = _layout_problem(meta["layout"])
+    if problem:
+      raise ValueError(f"checkpoint metadata {path}: the layout is "
+                       f"inconsistent: {problem}.")
+  return meta
+
+
+def _layout_problem(layout: Any) -> str:
+  """What makes a layout JSON cut its chunks wrongly, or ''."""
+  try:
+    leaves, chunks = layout["leaves"], layout["chunks"]
+    members = {}
+    for i, leaf in enumerate(leaves):
+      c = leaf["chunk"]
+      if c < 0:
+        continue
+      if c >= len(chunks):
+        return f"leaf {leaf['path']} names chunk {c} of {len(chunks)}"
+      shape = leaf["shape"][1:] if leaf["stacked"] else leaf["shape"]
+      members.setdefault(c, []).append(
+          (leaf["offset"], int(np.prod(shape, dtype=np.int64)), leaf["path"], i))
+    for c, chunk in enumerate(chunks):
+      mine = sorted(members.get(c, []))
+      if sorted(i for *_, i in mine) != sorted(chunk["leaves"]):
+        return f"chunk {c}'s leaves disagree with the leaves' chunks"
+      if not 0 <= chunk["used"] <= chunk["length"]:
+        return f"chunk {c} uses {chunk['used']} of {chunk['length']} elements"
+      end = 0
+      for offset, size, path, _ in mine:
+        if offset < end:
+          return f"leaf {path} at offset {offset} overlaps the leaf before it"
+        end = offset + size
+        if end > chunk["used"]:
+          return (f"leaf {path} ends at {end}, past chunk {c}'s "
+                  f"{chunk['used']} used elements")
+  except (KeyError, TypeError, IndexError) as e:
+    return f"malformed ({type(e).__name__}: {e})"
+  return ""
+
+
+def check_arrays(path: str, layout: dict, saved_tree: dict) -> None:
+  """The saved chunk arrays have the shapes the layout says (orbax
+  metadata `saved_tree` of the state item at `path`)."""
+  master = saved_tree.get("master", [])
+  master = [master[k] for k in sorted(master, key=int)] if isinstance(
+      master, dict) else list(master)
+  chunks = layout["chunks"]
+  shapes = [tuple(np.shape(x)) for x in master]
+  want = [(c["layers"], c["length"]) if c["layers"] else (c["length"],)
+          for c in chunks]
+  if shapes != want:
+    raise ValueError(f"checkpoint {path}: the saved chunks have shapes "
+                     f"{shapes[:4]}... but the metadata's layout says "
+                     f"{want[:4]}...: metadata and arrays do not belong "
+                     "together.")

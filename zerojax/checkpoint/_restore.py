@@ -1,0 +1,334 @@
+"""Reading a checkpoint onto any mesh and stage: straight into the target
+shardings when the chunk layout is the saved one, else repacked."""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import optim, precision, reshard
+from zerojax.checkpoint._format import (CHUNK_FORMATS, VIEW_FORMAT,
+                                        _abstract_params, _as_dtype, _config_from_json,
+                                        _cut, _describe_mismatch, _layout_from_json,
+                                        _layout_json, _named, _non_empty, _seq,
+                                        _signature)
+from zerojax.checkpoint._integrity import (check_arrays, check_step,
+                                           read_meta, verify)
+from zerojax.checkpoint._save import wait
+from zerojax.layout import _path_names
+from zerojax.reshard import leaf_spec
+from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
+                           place)
+
+
+def _open(directory: str, step: Optional[int]):
+  """(path of the state item, checked metadata or None, step) of the
+  checkpoint to read: `step`, or the newest. A step that cannot be read
+  raises, naming it, why, and the steps that can be restored: never a
+  silent fall back to an older one."""
+  if step is not None:
+    step = check_step(step, "restore")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint directory {directory!r}.")
+  wait(directory)
+  steps = sorted(int(s) for s in os.listdir(directory) if s.isdigit())
+  if not steps:
+    # A plain orbax checkpoint of a TrainState (StandardCheckpointer.save).
+    if step is not None or not os.path.exists(
+        os.path.join(directory, "_CHECKPOINT_METADATA")):
+      raise ValueError(f"{directory!r} holds no zerojax checkpoint and no "
+                       "orbax checkpoint.")
+    _saved_tree(directory)
+    return directory, None, None
+  chosen = steps[-1] if step is None else step
+  if chosen not in steps:
+    raise ValueError(f"step {chosen} is not in {directory!r}; saved steps: "
+                     f"{steps}.")
+  try:
+    return _readable(directory, chosen) + (chosen,)
+  except ValueError as e:
+    others = [s for s in steps[::-1] if s != chosen and _can_read(directory, s)]
+    hint = (f" Steps that can be restored: {others} (pass step=...)." if others
+            else " No other step in it can be restored.")
+    raise ValueError(f"step {chosen} in {directory!r} cannot be restored: "
+                     f"{e}{hint}") from None
+
+
+def _readable(directory: str, step: int) -> tuple:
+  """(state path, metadata) of a step whose files are all there and whose
+  metadata is sound; ValueError saying what is wrong otherwise."""
+  path = os.path.join(directory, str(step), "state")
+  for name in ("", "_METADATA", "manifest.ocdbt"):
+    if not os.path.exists(os.path.join(path, name)):
+      raise ValueError(f"{os.path.join(path, name)} is missing")
+  meta = read_meta(os.path.join(directory, str(step)))
+  saved = _saved_tree(path)
+  if meta is not None and meta["format"] in CHUNK_FORMATS:
+    check_arrays(path, meta["layout"], saved)
+  return path, meta
+
+
+def _can_read(directory: str, step: int) -> bool:
+  try:
+    _readable(directory, step)
+  except ValueError:
+    return False
+  return True
+
+
+def _saved_tree(path):
+  """The orbax metadata tree of the item at `path`."""
+  try:
+    item = ocp.StandardCheckpointer().metadata(path).item_metadata
+  except Exception as e:  # noqa: BLE001 - re-raised as one clear error
+    raise ValueError(f"orbax cannot read the metadata of {path}: "
+                     f"{type(e).__name__}: {e}") from None
+  if item is None or not hasattr(item, "tree"):
+    raise ValueError(f"{path} has no readable orbax metadata (_METADATA)")
+  return item.tree
+
+
+def _read(path: str, read: Callable, *args):
+  """`read(path, *args)` (an orbax restore), its failures (truncated or
+  missing data files) raised as one ValueError naming `path`."""
+  try:
+    return read(path, *args)
+  except Exception as e:  # noqa: BLE001 - re-raised as one clear error
+    raise ValueError(f"checkpoint {path} could not be read: "
+                     f"{type(e).__name__}: {e}") from None
+
+
+def _check_opt_state(saved: dict, want: dict) -> None:
+  if saved != want:
+    raise ValueError("the checkpoint's optimizer state does not match "
+                     "like.tx (a different optax transformation?):\n" +
+                     _describe_mismatch(saved, want, "").split("\n", 1)[1])
+
+
+def restore(directory: str, *, like: Any, step: Optional[int] = None,
+            mesh: Optional[Mesh] = None, stage: Optional[int] = None,
+            **config_fields) -> ZeroTrainState:
+  """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
+  differ from those at save time (any device count, any stage).
+
+  Args:
+    directory: a directory written by `save`, or a plain orbax checkpoint of
+      a flax TrainState (`StandardCheckpointer().save(path, train_state)`).
+    like: a ZeroTrainState or TrainState supplying `tx`, `apply_fn` and the
+      parameter structure (functions are not stored).
+    step: which checkpoint; default the newest.
+    mesh: target mesh; default all devices on the data axis.
+    stage: target stage; default the saved one (or `like`'s).
+    **config_fields: further ZeroConfig overrides.
+  """
+  path, meta, step = _open(directory, step)
+  if isinstance(like, ZeroTrainState):
+    fields = {f.name: getattr(like.config, f.name)
+              for f in dataclasses.fields(like.config)}
+    abstract = _abstract_params(like.layout)
+    static_extras = like.static_extras
+  elif hasattr(like, "params") and hasattr(like, "tx"):
+    fields = {}
+    abstract = jax.eval_shape(lambda p: p, like.params)
+    static_extras = ()
+  else:
+    raise TypeError("restore() needs like= a ZeroTrainState or TrainState "
+                    "(it supplies tx and apply_fn).")
+  if meta is not None and not isinstance(like, ZeroTrainState):
+    fields.update(_config_from_json(meta["config"]))
+  if stage is not None:
+    fields["stage"] = stage
+  fields.update(config_fields)
+  config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
+  target = dict(like=like, abstract=abstract, static_extras=static_extras,
+                config=config, mesh=mesh)
+  if meta is not None and meta.get("format") in CHUNK_FORMATS:
+    return _restore_chunk_form(path, meta["layout"], meta.get("checksums"),
+                               in_views=meta["format"] == VIEW_FORMAT, **target)
+  return _restore_tree_form(path, **target)
+
+
+def _loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:
+  if "loss_scale" not in loaded or state.loss_scale is None:
+    return state
+  return state.replace(loss_scale=precision.LossScaleState(
+      scale=loaded["loss_scale"]["scale"],
+      good_steps=loaded["loss_scale"]["good_steps"]))
+
+
+def _replicated_like(tree, mesh):
+  """ShapeDtypeStructs, replicated on `mesh`, of orbax metadata `tree`."""
+  rep = NamedSharding(mesh, P())
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+
+
+def _leaf_shardings(tree, mesh, axis_name):
+  n = mesh.shape[axis_name]
+  return jax.tree_util.tree_map(
+      lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
+
+
+def _restore_chunk_form(path, saved_layout, sums, *, like, abstract,
+                        static_extras, config, mesh,
+                        in_views: bool = False) -> ZeroTrainState:
+  """A chunk-form checkpoint: read straight into the target shardings when
+  the target's chunk layout is the saved one, else (or when its statistics
+  are in view shape, `in_views`) cut into the ordinary tree on the host and
+  repacked. `sums`: the saved arrays' checksums, checked as they are read."""
+  # The optimizer probes that check like.tx (a compile: seconds, once per
+  # process and tx) run beside the checks and the read, which need only the
+  # saved labels.
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  try:
+    probed = pool.submit(check_tx, like.tx, abstract, config)
+    saved = _saved_tree(path)
+    want = _signature(abstract)
+    names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
+    have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
+    if have != want:
+      raise ValueError(_describe_mismatch(have, want, "parameter tree"))
+    layout_saved = _layout_from_json(saved_layout,
+                                     jax.tree_util.tree_structure(abstract))
+    def saved_opt():
+      views = like.tx.init(layout_saved.views(
+          [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
+      return views if in_views else optim.stored(layout_saved, views)
+    views = jax.eval_shape(saved_opt)
+    _check_opt_state(_signature(saved["opt_state"]),
+                     _signature(_non_empty(views)))
+    tree_opt = jax.eval_shape(like.tx.init, abstract)
+    extras = _replicated_like(saved.get("extras", {}), mesh)
+    layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
+                                  tx=like.tx, apply_fn=like.apply_fn,
+                                  config=config, mesh=mesh,
+                                  labels=layout_saved.labels)
+    loaded = (_read_chunks(path, saved, shapes, where, mesh, sums)
+              if _layout_json(layout) == saved_layout and not in_views
+              else None)
+    labels = probed.result()   # raises if like.tx cannot run on chunks
+  finally:
+    pool.shutdown(wait=False)  # a refused checkpoint does not wait for it
+  if loaded is None or labels != layout_saved.labels:
+    del loaded
+    return _repack(path, layout_saved, sums, abstract, tree_opt,
+                   static_extras, like=like, config=config, mesh=mesh)
+  master = tuple(_seq(loaded.get("master", [])))
+  state = shapes.replace(
+      step=loaded["step"], master=master,
+      compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
+                    for m, s in zip(master, where.compute)),
+      rest=tuple(_seq(loaded.get("rest", []))),
+      opt_state=loaded["opt_state"],
+      loss_scale=jax.tree_util.tree_map(
+          reshard.copy, precision.init(config.loss_scale), where.loss_scale),
+      extras=loaded.get("extras", {}))
+  return _loss_scale(state, loaded)
+
+
+def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
+  """A chunk-form checkpoint (orbax tree `saved`) read straight into the
+  shardings `where` of a state shaped `shapes`. The optimizer state is read
+  in the saved tree's structure and refilled into `shapes.opt_state`'s,
+  leaf by leaf name: a `tx` whose state holds the same arrays in other
+  containers (optax.masked's, namedtuples read back as dicts) fits."""
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  opt = _named(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
+  target = {"step": sds(shapes.step, where.step),
+            "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
+            "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
+            "opt_state": jax.tree_util.tree_map_with_path(
+                lambda p, _: opt["/".join(_path_names(p))], saved["opt_state"])}
+  target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
+  for key in ("loss_scale", "extras"):
+    if key in saved:
+      target[key] = _replicated_like(saved[key], mesh)
+  loaded = _read(path, ocp.StandardCheckpointer().restore, target)
+  verify(path, sums, loaded, on_host=False)
+  got = _named(loaded["opt_state"])
+  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes.opt_state)
+  # empty views are not written (`_non_empty`): made again here
+  loaded["opt_state"] = jax.tree_util.tree_unflatten(treedef, [
+      got["/".join(_path_names(p))] if np.prod(x.shape) else
+      jax.device_put(jnp.zeros(x.shape, x.dtype), s)
+      for (p, x), s in zip(flat, jax.tree_util.tree_leaves(where.opt_state))])
+  return loaded
+
+
+def _repack(path, layout_saved, sums, abstract, tree_opt, static_extras, *,
+            like, config, mesh) -> ZeroTrainState:
+  """Another layout (device count, chunk size): the saved chunks read on the
+  host (numpy, straight from the files: any process count), cut into the
+  ordinary tree's leaves sharded over `mesh` one saved chunk at a time (each
+  freed once cut), then packed chunk by chunk as `shard()` packs, each leaf
+  deleted once packed. The host holds the read state once, shrinking as the
+  device form grows: about twice the state at the peak, not three times."""
+  loaded = _restore_to_host(path, sums)
+  n = mesh.shape[config.axis_name]
+
+  def sharded(x):
+    x = np.asarray(x)
+    s = NamedSharding(mesh, leaf_spec(x.shape, n, config.axis_name))
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+  params, opt = _cut(layout_saved, loaded, emit=sharded)
+
+  def like_tree(tree, by_names):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [
+        _as_dtype(by_names.pop(_path_names(p)), x.dtype) for p, x in flat])
+
+  state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
+                loaded["step"], loaded.get("extras", {}), static_extras,
+                tx=like.tx, apply_fn=like.apply_fn, config=config, mesh=mesh,
+                release=True)   # the cut leaves are ours
+  return _loss_scale(state, loaded)
+
+
+def _restore_tree_form(path, *, like, abstract, static_extras, config,
+                       mesh) -> ZeroTrainState:
+  """A tree-form checkpoint (format "zerojax-1", or a plain orbax
+  checkpoint of a flax TrainState): each leaf read sharded, then packed
+  chunk by chunk."""
+  saved = _saved_tree(path)
+  if _signature(saved["params"]) != _signature(abstract):
+    raise ValueError(_describe_mismatch(_signature(saved["params"]),
+                                        _signature(abstract), "parameter tree"))
+  tree_opt = jax.eval_shape(like.tx.init, abstract)
+  _check_opt_state(_signature(saved["opt_state"]), _signature(tree_opt))
+  rep = NamedSharding(mesh, P())
+  target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+            "params": jax.tree_util.tree_map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                abstract, _leaf_shardings(abstract, mesh, config.axis_name)),
+            "opt_state": jax.tree_util.tree_map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                tree_opt, _leaf_shardings(tree_opt, mesh, config.axis_name))}
+  for key in ("loss_scale", "extras"):
+    if key in saved:
+      target[key] = _replicated_like(saved[key], mesh)
+  loaded = _read(path, ocp.StandardCheckpointer().restore, target)
+  state = place(loaded["params"], loaded["opt_state"], loaded["step"],
+                loaded.get("extras", {}), static_extras, tx=like.tx,
+                apply_fn=like.apply_fn, config=config, mesh=mesh,
+                release=True)   # `loaded` is ours: freed as it is packed
+  return _loss_scale(state, loaded)
+
+
+def _restore_to_host(path: str, sums: Optional[dict]) -> dict:
+  """A saved tree as numpy arrays, read straight from the files: no device
+  mesh, so neither the device count nor the process count at save matters.
+  `sums`: the saved checksums, checked (None: none saved)."""
+  as_numpy = jax.tree_util.tree_map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(path))
+  loaded = _read(path, lambda p: ocp.PyTreeCheckpointer().restore(
+      p, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
+  verify(path, sums, loaded, on_host=True)
+  return loaded
