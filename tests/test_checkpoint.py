@@ -288,9 +288,15 @@ def test_an_async_save_on_the_last_line_is_committed_at_exit(tmp_path):
   from exit_worker import plain_state
   start = time.monotonic()
   proc = _worker("last-save", tmp_path, timeout=30)
-  assert proc.returncode == 0, proc.stderr[-4000:]
   assert time.monotonic() - start < 30
   assert "save returned" in proc.stdout
+  if zerojax.checkpoint._save._NO_THREADS_AT_EXIT:
+    # CPython 3.12.0/3.12.1 cannot commit at exit: the loss is reported
+    assert proc.returncode == 1
+    assert f"checkpoint step 2 in {tmp_path} was not written" in proc.stderr
+    assert "call zerojax.checkpoint.wait" in proc.stderr.replace("Call", "call")
+    return
+  assert proc.returncode == 0, proc.stderr[-4000:]
   assert sorted(os.listdir(tmp_path)) == ["2"]
   state = zerojax.checkpoint.restore(str(tmp_path), like=plain_state(0.0))
   want = plain_state(2.0)

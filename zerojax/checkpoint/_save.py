@@ -13,6 +13,10 @@ background. What zerojax adds to orbax:
     `threading._register_atexit`, which runs before those pools close. A
     save that fails there is printed once and the process exits with
     status 1, so a lost checkpoint never looks like success.
+    CPython 3.12.0 and 3.12.1 refuse to start threads once shutdown begins
+    (gh-113964, fixed in 3.12.2), so there a save still in flight at exit
+    cannot be committed: it is reported as above, and the first save warns
+    to call `wait()` before the script ends.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from typing import Optional
 
 import orbax.checkpoint as ocp
@@ -33,6 +38,8 @@ from zerojax.state import ZeroTrainState, check_live
 _MANAGERS: dict = {}   # absolute directory -> CheckpointManager
 _PENDING: dict = {}    # absolute directory -> the step being written
 _EXIT_HOOK: list = []
+# no thread can start at shutdown (gh-113964): orbax's commit needs some
+_NO_THREADS_AT_EXIT = sys.version_info[:3] in ((3, 12, 0), (3, 12, 1))
 
 
 def _manager(directory: str, keep: Optional[int] = None) -> ocp.CheckpointManager:
@@ -49,6 +56,14 @@ def _manager(directory: str, keep: Optional[int] = None) -> ocp.CheckpointManage
       # already, so registered before this hook and run after it).
       getattr(threading, "_register_atexit", atexit.register)(
           _finish_all_at_exit)
+      if _NO_THREADS_AT_EXIT:
+        warnings.warn(
+            f"Python {sys.version.split()[0]} cannot start threads at "
+            "interpreter shutdown (CPython gh-113964, fixed in 3.12.2): an "
+            "asynchronous checkpoint save still in flight when the script "
+            "ends is lost (and the exit status set to 1). Call "
+            "zerojax.checkpoint.wait(directory) before the script ends, or "
+            "use another Python.", RuntimeWarning, stacklevel=3)
   return _MANAGERS[directory]
 
 
