@@ -4,6 +4,7 @@
     python -m benchmarks.run --full  [--suites speed,memory,comm]
     python -m benchmarks.run --quick --suites offload
     python -m benchmarks.run --full --suites checkpoint
+    python -m benchmarks.run --gpu   # on the local GPUs: GPT-2 medium, bf16
 
 On 8 simulated CPU devices (XLA_FLAGS is set here, before jax is imported,
 unless the caller set it), in one process, for a GPT-2-style model
@@ -20,26 +21,28 @@ result file in the output folder (see `benchmarks.report`).
 from __future__ import annotations
 
 import os
+import sys
 
-if "--xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""):
+# --gpu runs on the local accelerators: no simulated CPU devices
+if "--gpu" not in sys.argv and "--xla_force_host_platform_device_count" not in (
+    os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--gpu" not in sys.argv:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
-from benchmarks import checkpoint  # noqa: E402
+from benchmarks import checkpoint, gpu  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
 EXTRA_SUITES = ("offload", "checkpoint")  # run when named in --suites
@@ -276,6 +279,16 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
   return written
 
 
+def run_gpu(mode: str, out: str) -> dict:
+  """The throughput suite (`benchmarks.gpu`) on the local devices."""
+  os.makedirs(out, exist_ok=True)
+  result = gpu.run(mode, log=_log)
+  result["meta"] = _meta(mode)
+  _write(out, f"{mode}_throughput.json", result)
+  report.write(out, mode)
+  return result
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.run",
                                    description=__doc__.split("\n\n")[0])
@@ -287,6 +300,12 @@ def main(argv=None) -> int:
                      "communication; speed at 1024 tokens per device")
   group.add_argument("--smoke", action="store_const", dest="mode",
                      const="smoke", help="tiny, for the tests")
+  group.add_argument("--gpu", action="store_const", dest="mode", const="gpu",
+                     help="GPT-2 medium, bf16, on the local GPUs: tokens/s, "
+                     "TFLOP/s, MFU and peak memory per variant")
+  group.add_argument("--gpu-smoke", action="store_const", dest="mode",
+                     const="gpu-smoke", help="--gpu's path on a tiny model "
+                     "(CPU), for the tests")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                       help="output folder (default: benchmarks/results)")
   parser.add_argument("--suites", default=",".join(SUITES),
@@ -299,7 +318,10 @@ def main(argv=None) -> int:
     parser.error(f"unknown suite(s) {unknown}; use "
                  f"{','.join(SUITES + EXTRA_SUITES)}")
   start = time.time()
-  run(args.mode, args.out, suites)
+  if args.mode in gpu.PLANS:
+    run_gpu(args.mode, args.out)
+  else:
+    run(args.mode, args.out, suites)
   _log(f"done in {time.time() - start:.0f} s")
   return 0
 

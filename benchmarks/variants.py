@@ -26,6 +26,7 @@ import functools
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.training import train_state
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -135,6 +136,15 @@ def fsdp_spec(path, shape, n: int, axis: str = "data") -> P:
   return P(*spec)
 
 
+def _cast_params(loss_fn, dtype):
+  """`loss_fn` on the parameters cast to `dtype` (the fp32 master stays in
+  the state: the mixed-precision recipe zerojax's `compute_dtype` runs)."""
+  if dtype is None:
+    return loss_fn
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return lambda params, batch: loss_fn(jax.tree_util.tree_map(cast, params), batch)
+
+
 def _optax_step(loss_fn):
   def step(state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -145,7 +155,8 @@ def _optax_step(loss_fn):
 # ---- builders ---------------------------------------------------------------
 def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
           num_devices: int, materialize: bool = True, seed: int = 0,
-          options: Optional[dict] = None, **zero_fields) -> Variant:
+          options: Optional[dict] = None, compute_dtype=None,
+          **zero_fields) -> Variant:
   """Builds variant `name` (see the module docstring) of the GPT config.
 
   Args:
@@ -156,6 +167,8 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
     num_devices: devices on the "data" mesh (1-device variants use 1).
     materialize: allocate the state (else an abstract state, see above).
     options: XLA compiler options for the step.
+    compute_dtype: e.g. jnp.bfloat16: every variant computes in it and keeps
+      its fp32 parameters and optimizer state (None: float32 throughout).
     **zero_fields: extra `ZeroConfig` fields for zero-* variants.
   """
   if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
@@ -180,6 +193,8 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
   if name.startswith("zero-") or name == "1dev-zero-3":
     stage = int(name[-1])
     fields = {"stacked": (STACK,), **zero_fields}
+    if compute_dtype is not None:
+      fields["compute_dtype"] = compute_dtype
 
     # (zerojax caches its optimizer probes per tx and shapes: sharding the
     # same model many times costs one probe)
@@ -198,7 +213,8 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
           lambda x: NamedSharding(mesh, P()), source)
     state = (jax.device_put(source, shardings) if materialize
              else _with_shardings(source, shardings))
-    step = jax.jit(_optax_step(loss_fn), in_shardings=(shardings, data),
+    step = jax.jit(_optax_step(_cast_params(loss_fn, compute_dtype)),
+                   in_shardings=(shardings, data),
                    out_shardings=(shardings, NamedSharding(mesh, P())),
                    donate_argnums=(0,))
     lowered = step.lower(state, batch)

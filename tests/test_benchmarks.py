@@ -274,3 +274,28 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
   assert "| tiny | 0.00 | first restore | 6.00 | 2.00 | 3.00 | 2.50–3.50 |" in text
   assert "| zerojax first save time / plain orbax (tiny) | 4.000 | ≤ 1.20 | **no** |" in text
   assert (tmp_path / "smoke_checkpoint.png").stat().st_size > 0
+
+
+def test_gpu_throughput_child_measures_one_variant_and_reports_it():
+  """`python -m benchmarks.run --gpu`'s per-variant measurement, run here on
+  the CPU devices with the tiny model: no known peak, so no MFU and no goal
+  row; the table says so."""
+  from benchmarks import gpu, models, report
+  row = gpu._child("zero-3", "tiny", 1, 16, 1)
+  cfg = models.CONFIGS["tiny"]
+  tokens = 8 * 16
+  assert row["devices"] == 8 and row["step_s"] > 0
+  assert row["tokens_per_s"] == pytest.approx(tokens / row["step_s"])
+  assert row["tflops_per_s"] == pytest.approx(
+      tokens * (6 * cfg.num_params + 12 * cfg.layers * cfg.width * 16)
+      / row["step_s"] / 1e12)
+  assert row["mfu"] is None and gpu.goal_checks([row]) == []
+  assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  h100 = dict(row, mfu=0.5)
+  assert gpu.goal_checks([h100]) == [("zero-3 MFU", 0.5, 0.45, True)]
+  table = report._throughput_md(
+      {"setup": {"config": "tiny", "compute": "bf16", "optimizer": "AdamW",
+                 "batch_per_device": 1, "seq": 16, "timed_steps": 1},
+       "rows": [row, {"variant": "plain-dp", "error": "OOM"}]}, "gpu")
+  assert "| zero-3 | 8× cpu |" in "\n".join(table) and "| — |" in "\n".join(table)
+  assert "error: OOM" in "\n".join(table)

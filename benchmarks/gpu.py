@@ -1,0 +1,112 @@
+"""GPU throughput: GPT-2 medium, bf16 compute, on the local accelerators.
+
+`python -m benchmarks.run --gpu` (or `--gpu-smoke`: a tiny model on CPU, for
+the tests). Each variant (zerojax stages 0-3, plain `jax.jit` data parallel,
+GSPMD FSDP; all keep fp32 parameters and AdamW state and compute in bf16)
+runs in a fresh process (`python -m benchmarks.gpu VARIANT CONFIG BATCH SEQ`,
+one JSON line on stdout), so that `device.memory_stats()`'s peak belongs to
+that variant alone. Reported per variant: median step time, tokens/s, model
+TFLOP/s, MFU against the device's dense bf16 peak, and the peak device
+bytes. Model FLOPs per token are 6Ψ + 12·layers·width·seq (PaLM's count:
+weights forward and backward, attention scores and values), whatever a
+variant recomputes (stage 3 rematerialises each layer).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM parts).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
+VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp", "gspmd-fsdp")
+# (config, global batch per device, tokens per row, timed steps)
+PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20), "gpu-smoke": ("tiny", 2, 16, 2)}
+MFU_GOAL = {"zero-3": 0.45}   # the target recorded for one H100
+
+
+def flops_per_token(cfg, seq: int) -> float:
+  return 6.0 * cfg.num_params + 12.0 * cfg.layers * cfg.width * seq
+
+
+def peak_flops(device_kind: str):
+  """The dense bf16 peak of `device_kind`, or None when unknown (CPU)."""
+  return next((v for k, v in PEAK_BF16.items() if k in device_kind), None)
+
+
+def _child(variant: str, config: str, batch_per_device: int, seq: int,
+           steps: int) -> dict:
+  """One variant in this process: warm up, time `steps` steps."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import models, variants as V
+
+  n = jax.device_count()
+  cfg = models.CONFIGS[config]
+  v = V.build(variant, cfg, global_batch=batch_per_device * n, seq=seq,
+              num_devices=n, compute_dtype=jnp.bfloat16)
+  v.compiled()
+  for _ in range(2):
+    v.run_once()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    v.run_once()
+    times.append(time.perf_counter() - start)
+  stats = jax.devices()[0].memory_stats() or {}
+  step_s = statistics.median(times)
+  tokens = batch_per_device * n * seq
+  tflops = tokens * flops_per_token(cfg, seq) / step_s / 1e12
+  peak = peak_flops(jax.devices()[0].device_kind)
+  return {"variant": variant, "devices": n,
+          "device_kind": jax.devices()[0].device_kind,
+          "step_s": step_s, "tokens_per_s": tokens / step_s,
+          "tflops_per_s": tflops,
+          "mfu": tflops * 1e12 / (peak * n) if peak else None,
+          "peak_bytes": stats.get("peak_bytes_in_use"),
+          "bytes_limit": stats.get("bytes_limit")}
+
+
+def run(mode: str, log=print) -> dict:
+  """Every variant of `mode` ("gpu" or "gpu-smoke"), each in a fresh
+  process; returns {"setup", "rows", "goals"}."""
+  config, per_device, seq, steps = PLANS[mode]
+  rows = []
+  env = dict(os.environ)
+  for variant in VARIANTS:
+    log(f"gpu: {variant} ({config}, {per_device} x {seq} tokens per device)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", variant, config,
+         str(per_device), str(seq), str(steps)], env=env, capture_output=True,
+        text=True, timeout=1800)
+    if proc.returncode:
+      rows.append({"variant": variant,
+                   "error": proc.stderr.strip().splitlines()[-1][:500]
+                   if proc.stderr.strip() else f"exit {proc.returncode}"})
+      continue
+    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  base = {r["variant"]: r for r in rows if "error" not in r}
+  for r in rows:
+    for ref in ("plain-dp", "gspmd-fsdp"):
+      if "error" not in r and ref in base:
+        r[f"step_vs_{ref}"] = r["step_s"] / base[ref]["step_s"]
+  return {"setup": {"config": config, "batch_per_device": per_device,
+                    "seq": seq, "timed_steps": steps, "compute": "bf16",
+                    "optimizer": "AdamW, fp32 state"},
+          "rows": rows, "goals": goal_checks(rows)}
+
+
+def goal_checks(rows: list) -> list:
+  """(what, value, bound, met) of the MFU goals that were measured: a row
+  without a known device peak (CPU) has no MFU and no goal row."""
+  return [(f"{r['variant']} MFU", r["mfu"], MFU_GOAL[r["variant"]],
+           r["mfu"] >= MFU_GOAL[r["variant"]])
+          for r in rows if r["variant"] in MFU_GOAL and r.get("mfu") is not None]
+
+
+if __name__ == "__main__":
+  print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                          int(sys.argv[4]), int(sys.argv[5]))))
