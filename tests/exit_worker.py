@@ -8,11 +8,12 @@
     without a race against a parent;
   last-save: an asynchronous save of step 2 is the script's last line;
   unwritable: saves into CKPT_DIR, which this process cannot write;
-  unwritable-late: the same with zerojax's up-front probe removed, so the
-    write fails in orbax's background thread;
+  full-disk: saves into CKPT_DIR, but no file can grow (RLIMIT_FSIZE 0,
+    as on a full disk), so the write fails in orbax's background thread;
   donated: steps a state, then steps the donated input again.
 """
 import os
+import resource
 import signal
 import sys
 
@@ -43,8 +44,12 @@ def main(mode: str, directory: str) -> None:
   if mode == "crash":
     zerojax.checkpoint.save(directory, zerojax.shard(plain_state(1.0), stage=3),
                             wait=True)
-  if mode == "unwritable-late":
-    zerojax.checkpoint._save._check_writable = lambda directory: None
+  if mode == "full-disk":
+    # every write of a file's bytes fails (EFBIG), as on a full disk: the
+    # directories and the empty probe file are made, the data write fails
+    # in orbax's background thread, after save() returned
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
   if mode == "donated":
     state = zerojax.shard(plain_state(0.0), stage=3)
     step = zerojax.train_step(lambda p, b: jnp.mean(p["b"] * b))
