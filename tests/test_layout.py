@@ -1,4 +1,8 @@
-"""ChunkLayout: packing rules, the chunk-size search, exact round trips."""
+"""ChunkLayout: packing rules, the chunk-size search, exact round trips, and
+the cost of unpacking's gradient."""
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +157,86 @@ def test_search_reports_chosen_size_and_waste():
                              search_interval=256)
   assert layout.chunk_size == 1024 and layout.waste == 0.0
   assert "chunk size 1024" in layout.summary()
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_unpacking_gradient_places_each_leaf_gradient_in_the_chunk(stacked):
+  lead = (2,) if stacked else ()
+  shapes = {"a": (3,), "b": (2, 5), "c": (4, 1), "unused": (5,), "d": ()}
+  if stacked:
+    shapes.pop("d")     # a scalar has no layer axis
+  tree = {"blocks": {k: jax.ShapeDtypeStruct(lead + s, jnp.float32)
+                     for k, s in shapes.items()}}
+  layout = ChunkLayout.build(tree, 8, chunk_size=64,
+                             stacked=("blocks",) if stacked else ())
+  (chunk,) = layout.chunks
+  assert chunk.padding > 0
+  rng = np.random.default_rng(0)
+  weights = {k: rng.normal(size=lead + s).astype(np.float32)
+             for k, s in shapes.items() if k != "unused"}
+
+  def loss(arr):   # linear: its gradient is `weights`, zero for "unused"
+    params = layout.merge([arr], [], dtype=None)["blocks"]
+    return sum(jnp.sum(params[k] * w) for k, w in weights.items())
+
+  # independent reference: each weight written at its leaf's offset
+  want = np.zeros(chunk.shape, np.float32)
+  for i, info in enumerate(layout.leaves):
+    if info.names[-1] in weights:
+      want[..., info.offset:info.offset + info.size] = np.reshape(
+          weights[info.names[-1]], lead + (-1,))
+  arrs = jnp.asarray(rng.normal(size=(2,) + chunk.shape), jnp.float32)
+  grads = jax.jit(jax.vmap(jax.grad(loss)))(arrs)
+  for g in grads:
+    np.testing.assert_array_equal(np.asarray(g), want)
+  # unpacking is linear, so forward mode works too
+  _, tangent = jax.jvp(loss, (arrs[0],), (jnp.asarray(want),))
+  np.testing.assert_allclose(tangent, sum(np.sum(w * w) for w in weights.values()),
+                             rtol=1e-6)
+
+
+_OP = re.compile(r"= (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+# the ops that can assemble a chunk-length array from leaf-sized ones (a
+# convert or parameter of chunk length feeding a fused slice is only read
+# where the slice reads)
+_ASSEMBLY = {"pad", "add", "select", "dynamic-update-slice", "scatter",
+             "concatenate"}
+
+
+def _chunk_length_ops(num_leaves, form, length=2 ** 14):
+  """Assembly ops (`_ASSEMBLY`) of chunk length (last axis) in the optimized
+  HLO of the gradient of unpacking one chunk of `num_leaves` leaves, by
+  opcode. `form`: "chunk" (a [length] chunk), "bf16" (a bfloat16 chunk
+  unpacked in float32), "layers" (a [layers, length] chunk) or "per_layer"
+  (one layer of it, as `layer_tree` unpacks it for zerojax.nn)."""
+  lead = (3,) if form in ("layers", "per_layer") else ()
+  dtype = jnp.bfloat16 if form == "bf16" else jnp.float32
+  tree = {"blocks": {f"w{i:02d}": jax.ShapeDtypeStruct(
+      lead + (length // num_leaves,), dtype) for i in range(num_leaves)}}
+  layout = ChunkLayout.build(tree, 8, chunk_size=length,
+                             stacked=("blocks",) if lead else ())
+  (chunk,) = layout.chunks
+  assert chunk.length == length and chunk.padding == 0
+
+  def loss(arr):
+    if form == "per_layer":
+      leaves = jax.tree_util.tree_leaves(layout.layer_tree(0, arr))
+    else:
+      leaves = jax.tree_util.tree_leaves(layout.merge(
+          [arr], [], dtype=jnp.float32 if form == "bf16" else None))
+    return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in leaves[1:])
+
+  shape = (length,) if form == "per_layer" else chunk.shape
+  hlo = jax.jit(jax.grad(loss)).lower(
+      jax.ShapeDtypeStruct(shape, dtype)).compile().as_text()
+  return collections.Counter(
+      op for _, dims, op in _OP.findall(hlo)
+      if dims.split(",")[-1] == str(length) and op in _ASSEMBLY)
+
+
+@pytest.mark.parametrize("form", ["chunk", "bf16", "layers", "per_layer"])
+def test_unpacking_gradient_cost_does_not_grow_with_leaves(form):
+  # Cut by slices, a chunk's gradient is one full-length pad per leaf, summed:
+  # O(leaves x length). Cut by one split, it is one concatenate: O(length).
+  few, many = _chunk_length_ops(4, form), _chunk_length_ops(64, form)
+  assert few == many == {"concatenate": 1}, (few, many)

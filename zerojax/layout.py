@@ -271,13 +271,12 @@ class ChunkLayout:
     from chunk `c`'s gathered per-layer array `full` (shape `[length]`)."""
     tree = {} if tree is None else tree
     depth = len(self.stack_prefix(c))
-    for i in self.chunks[c].leaves:
-      info = self.leaves[i]
+    for i, leaf in zip(self.chunks[c].leaves,
+                       self.unpack_chunk(c, full, per_layer=True)):
       node = tree
-      for name in info.names[depth:-1]:
+      for name in self.leaves[i].names[depth:-1]:
         node = node.setdefault(name, {})
-      node[info.names[-1]] = jnp.reshape(
-          full[info.offset:info.offset + info.size], info.shape[1:])
+      node[self.leaves[i].names[-1]] = leaf
     return tree
 
   def summary(self) -> str:
@@ -319,6 +318,26 @@ class ChunkLayout:
       parts.append(jnp.zeros(lead + (chunk.padding,), dt))
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
+  def unpack_chunk(self, c: int, arr: Any, per_layer: bool = False) -> list:
+    """The leaves of chunk `c` (in `chunks[c].leaves` order) cut from `arr`,
+    the chunk (shape `chunk.shape`, any dtype) or, with `per_layer`, one
+    layer `[length]` of a layer chunk (leaves without their layer axis).
+
+    One `lax.split` of the last axis, not a slice per leaf: the transpose of
+    a slice is a pad to the full chunk length, so the gradient of a chunk
+    cut by slices sums one full-length array per leaf, O(leaves x length);
+    the transpose of the split is one concatenate of the leaves' gradients
+    (zeros for a leaf the loss does not use), O(length), the same values as
+    `pack_chunk` of them. Leaves lie back to back from offset 0 (`build`).
+    """
+    chunk = self.chunks[c]
+    infos = [self.leaves[i] for i in chunk.leaves]
+    sizes = [info.size for info in infos]
+    parts = jax.lax.split(arr, sizes + [chunk.padding] if chunk.padding
+                          else sizes, axis=-1)
+    return [jnp.reshape(part, info.shape[1:] if per_layer else info.shape)
+            for part, info in zip(parts, infos)]
+
   def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
             dtype: Any = "leaf", skip: frozenset = frozenset()) -> Any:
     """Unpacks `(chunks, rest)` into the tree.
@@ -334,10 +353,8 @@ class ChunkLayout:
     for c, (chunk, arr) in enumerate(zip(self.chunks, chunks)):
       if c in skip:
         continue
-      for i in chunk.leaves:
+      for i, leaf in zip(chunk.leaves, self.unpack_chunk(c, arr)):
         info = self.leaves[i]
-        seg = arr[..., info.offset:info.offset + info.size]
-        leaf = jnp.reshape(seg, info.shape)
         if isinstance(dtype, str) and dtype == "leaf":
           leaf = leaf.astype(info.dtype)
         elif dtype is not None:

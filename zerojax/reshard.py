@@ -188,10 +188,10 @@ def _unpack_program(layout, c, mesh, axis_name, split, dtypes):
     full = jax.lax.all_gather(x, axis_name, axis=len(lead), tiled=True) if split else x
     me = jax.lax.axis_index(axis_name)
     out = []
-    for i, spec, dtype in zip(chunk.leaves, specs, dtypes):
+    for i, leaf, spec, dtype in zip(chunk.leaves, layout.unpack_chunk(c, full),
+                                    specs, dtypes):
       info = layout.leaves[i]
-      leaf = jnp.reshape(full[..., info.offset:info.offset + info.size],
-                         info.shape).astype(dtype)
+      leaf = leaf.astype(dtype)
       for d, name in enumerate(spec):
         if name is not None:
           size = info.shape[d] // n
