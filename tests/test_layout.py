@@ -181,7 +181,7 @@ def test_unpacking_gradient_places_each_leaf_gradient_in_the_chunk(stacked):
 
   # independent reference: each weight written at its leaf's offset
   want = np.zeros(chunk.shape, np.float32)
-  for i, info in enumerate(layout.leaves):
+  for info in layout.leaves:
     if info.names[-1] in weights:
       want[..., info.offset:info.offset + info.size] = np.reshape(
           weights[info.names[-1]], lead + (-1,))
@@ -224,6 +224,7 @@ def _chunk_length_ops(num_leaves, form, length=2 ** 14):
     else:
       leaves = jax.tree_util.tree_leaves(layout.merge(
           [arr], [], dtype=jnp.float32 if form == "bf16" else None))
+    # leaf 0 unused: its cotangent is a symbolic zero
     return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in leaves[1:])
 
   shape = (length,) if form == "per_layer" else chunk.shape
