@@ -253,8 +253,8 @@ def _update(state, grads, master, shardings, finite):
   (`optim.check_separable`, run by `shard`). Master shards in host memory
   whose optimizer state is on the device (`offload_params`) come to the
   device for the first update call. `finite`: when steps may be skipped
-  (loss scaling, `skip_nonfinite`), whether to
-  keep the update (else the old values).
+  (loss scaling, `skip_nonfinite`), whether to keep the update (else the
+  old values).
   """
   cfg, layout, tx = state.config, state.layout, state.tx
   host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
