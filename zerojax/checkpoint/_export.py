@@ -25,8 +25,8 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   if isinstance(directory_or_state, ZeroTrainState):
     tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
   else:
-    path, meta, _ = _open(directory_or_state, step)
-    tree = _restore_to_host(path, meta and meta.get("checksums"))
+    path, meta, _, saved = _open(directory_or_state, step)
+    tree = _restore_to_host(path, saved, meta and meta.get("checksums"))
     if meta is not None and meta.get("format") in CHUNK_FORMATS:
       params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
       tree = {"params": _nested(params), "opt_state": _nested(opt)}

@@ -8,8 +8,9 @@ the chunks wrongly.
 
 The array checksum is the sum of the array's 32-bit words (16- and 8-bit
 values widened) modulo 2**32: independent of how the array is sharded or
-in which order its parts are added, so the device computes it at save (one
-reduction, no copy) and the host or device recomputes it on restore. It
+in which order its parts are added, so it is computed where the array lies
+(on an accelerator by one reduction, on CPU devices by numpy over the
+shards, in place) at save and recomputed on restore. It
 catches any single flipped bit and any changed value that does not cancel
 out; it is no defence against deliberate edits.
 """
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zerojax.checkpoint._format import CHUNK_FORMATS, _named
+from zerojax.checkpoint._format import CHUNK_FORMATS, _named, _seq
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
 
@@ -172,11 +173,8 @@ def _layout_problem(layout: Any) -> str:
 def check_arrays(path: str, layout: dict, saved_tree: dict) -> None:
   """The saved chunk arrays have the shapes the layout says (orbax
   metadata `saved_tree` of the state item at `path`)."""
-  master = saved_tree.get("master", [])
-  master = [master[k] for k in sorted(master, key=int)] if isinstance(
-      master, dict) else list(master)
   chunks = layout["chunks"]
-  shapes = [tuple(np.shape(x)) for x in master]
+  shapes = [tuple(np.shape(x)) for x in _seq(saved_tree.get("master", []))]
   want = [(c["layers"], c["length"]) if c["layers"] else (c["length"],)
           for c in chunks]
   if shapes != want:

@@ -29,8 +29,8 @@ from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
 
 
 def _open(directory: str, step: Optional[int]):
-  """(path of the state item, checked metadata or None, step) of the
-  checkpoint to read: `step`, or the newest. A step that cannot be read
+  """(path of the state item, checked metadata or None, step, the item's
+  orbax metadata tree) of the checkpoint to read: `step`, or the newest. A step that cannot be read
   raises, naming it, why, and the steps that can be restored: never a
   silent fall back to an older one."""
   if step is not None:
@@ -45,14 +45,14 @@ def _open(directory: str, step: Optional[int]):
         os.path.join(directory, "_CHECKPOINT_METADATA")):
       raise ValueError(f"{directory!r} holds no zerojax checkpoint and no "
                        "orbax checkpoint.")
-    _saved_tree(directory)
-    return directory, None, None
+    return directory, None, None, _saved_tree(directory)
   chosen = steps[-1] if step is None else step
   if chosen not in steps:
     raise ValueError(f"step {chosen} is not in {directory!r}; saved steps: "
                      f"{steps}.")
   try:
-    return _readable(directory, chosen) + (chosen,)
+    path, meta, saved = _readable(directory, chosen)
+    return path, meta, chosen, saved
   except ValueError as e:
     others = [s for s in steps[::-1] if s != chosen and _can_read(directory, s)]
     hint = (f" Steps that can be restored: {others} (pass step=...)." if others
@@ -62,8 +62,9 @@ def _open(directory: str, step: Optional[int]):
 
 
 def _readable(directory: str, step: int) -> tuple:
-  """(state path, metadata) of a step whose files are all there and whose
-  metadata is sound; ValueError saying what is wrong otherwise."""
+  """(state path, metadata, orbax metadata tree) of a step whose files are
+  all there and whose metadata is sound; ValueError saying what is wrong
+  otherwise."""
   path = os.path.join(directory, str(step), "state")
   for name in ("", "_METADATA", "manifest.ocdbt"):
     if not os.path.exists(os.path.join(path, name)):
@@ -72,7 +73,7 @@ def _readable(directory: str, step: int) -> tuple:
   saved = _saved_tree(path)
   if meta is not None and meta["format"] in CHUNK_FORMATS:
     check_arrays(path, meta["layout"], saved)
-  return path, meta
+  return path, meta, saved
 
 
 def _can_read(directory: str, step: int) -> bool:
@@ -128,7 +129,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     stage: target stage; default the saved one (or `like`'s).
     **config_fields: further ZeroConfig overrides.
   """
-  path, meta, step = _open(directory, step)
+  path, meta, step, saved = _open(directory, step)
   if isinstance(like, ZeroTrainState):
     fields = {f.name: getattr(like.config, f.name)
               for f in dataclasses.fields(like.config)}
@@ -150,9 +151,10 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
-    return _restore_chunk_form(path, meta["layout"], meta.get("checksums"),
+    return _restore_chunk_form(path, saved, meta["layout"],
+                               meta.get("checksums"),
                                in_views=meta["format"] == VIEW_FORMAT, **target)
-  return _restore_tree_form(path, **target)
+  return _restore_tree_form(path, saved, **target)
 
 
 def _loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:
@@ -176,7 +178,7 @@ def _leaf_shardings(tree, mesh, axis_name):
       lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
 
 
-def _restore_chunk_form(path, saved_layout, sums, *, like, abstract,
+def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
                         static_extras, config, mesh,
                         in_views: bool = False) -> ZeroTrainState:
   """A chunk-form checkpoint: read straight into the target shardings when
@@ -189,7 +191,6 @@ def _restore_chunk_form(path, saved_layout, sums, *, like, abstract,
   pool = concurrent.futures.ThreadPoolExecutor(1)
   try:
     probed = pool.submit(check_tx, like.tx, abstract, config)
-    saved = _saved_tree(path)
     want = _signature(abstract)
     names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
     have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
@@ -218,7 +219,7 @@ def _restore_chunk_form(path, saved_layout, sums, *, like, abstract,
     pool.shutdown(wait=False)  # a refused checkpoint does not wait for it
   if loaded is None or labels != layout_saved.labels:
     del loaded
-    return _repack(path, layout_saved, sums, abstract, tree_opt,
+    return _repack(path, saved, layout_saved, sums, abstract, tree_opt,
                    static_extras, like=like, config=config, mesh=mesh)
   master = tuple(_seq(loaded.get("master", [])))
   state = shapes.replace(
@@ -262,7 +263,7 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
   return loaded
 
 
-def _repack(path, layout_saved, sums, abstract, tree_opt, static_extras, *,
+def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, *,
             like, config, mesh) -> ZeroTrainState:
   """Another layout (device count, chunk size): the saved chunks read on the
   host (numpy, straight from the files: any process count), cut into the
@@ -270,7 +271,7 @@ def _repack(path, layout_saved, sums, abstract, tree_opt, static_extras, *,
   freed once cut), then packed chunk by chunk as `shard()` packs, each leaf
   deleted once packed. The host holds the read state once, shrinking as the
   device form grows: about twice the state at the peak, not three times."""
-  loaded = _restore_to_host(path, sums)
+  loaded = _restore_to_host(path, saved, sums)
   n = mesh.shape[config.axis_name]
 
   def sharded(x):
@@ -292,12 +293,11 @@ def _repack(path, layout_saved, sums, abstract, tree_opt, static_extras, *,
   return _loss_scale(state, loaded)
 
 
-def _restore_tree_form(path, *, like, abstract, static_extras, config,
+def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
                        mesh) -> ZeroTrainState:
   """A tree-form checkpoint (format "zerojax-1", or a plain orbax
   checkpoint of a flax TrainState): each leaf read sharded, then packed
   chunk by chunk."""
-  saved = _saved_tree(path)
   if _signature(saved["params"]) != _signature(abstract):
     raise ValueError(_describe_mismatch(_signature(saved["params"]),
                                         _signature(abstract), "parameter tree"))
@@ -322,12 +322,13 @@ def _restore_tree_form(path, *, like, abstract, static_extras, config,
   return _loss_scale(state, loaded)
 
 
-def _restore_to_host(path: str, sums: Optional[dict]) -> dict:
+def _restore_to_host(path: str, saved, sums: Optional[dict]) -> dict:
   """A saved tree as numpy arrays, read straight from the files: no device
   mesh, so neither the device count nor the process count at save matters.
-  `sums`: the saved checksums, checked (None: none saved)."""
+  `saved`: its orbax metadata tree; `sums`: the saved checksums, checked
+  (None: none saved)."""
   as_numpy = jax.tree_util.tree_map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _saved_tree(path))
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
   loaded = _read(path, lambda p: ocp.PyTreeCheckpointer().restore(
       p, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
   verify(path, sums, loaded, on_host=True)
