@@ -14,7 +14,6 @@ variant recomputes (stage 3 rematerialises each layer).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -75,13 +74,12 @@ def run(mode: str, log=print) -> dict:
   process; returns {"setup", "rows", "goals"}."""
   config, per_device, seq, steps = PLANS[mode]
   rows = []
-  env = dict(os.environ)
   for variant in VARIANTS:
     log(f"gpu: {variant} ({config}, {per_device} x {seq} tokens per device)")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", variant, config,
-         str(per_device), str(seq), str(steps)], env=env, capture_output=True,
-        text=True, timeout=1800)
+         str(per_device), str(seq), str(steps)], capture_output=True, text=True,
+        timeout=1800)
     if proc.returncode:
       rows.append({"variant": variant,
                    "error": proc.stderr.strip().splitlines()[-1][:500]
