@@ -71,21 +71,53 @@ class Transformer(nn.Module):
 
 
 class ScannedLM(nn.Module):
-  """Blocks in one `nn.scan`, gathered per layer at stage 3 (`layerwise`)."""
+  """Blocks in one `nn.scan`, or (`scan=False`) called one by one in a
+  Python loop as `blocks_0`, `blocks_1`, ...; gathered per layer at stage 3
+  with `layerwise`."""
   layers: int = 2
   width: int = 64
   vocab: int = 128
   layerwise: bool = True
+  scan: bool = True
 
   @nn.compact
   def __call__(self, tokens):
     embed = nn.Embed(self.vocab, self.width)
     x = embed(tokens)
     block = layerwise(Block) if self.layerwise else Block
-    x, _ = nn.scan(block, variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=self.layers)(
-                       self.width, 4, name="blocks")(x, None)
+    if self.scan:
+      x, _ = nn.scan(block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.layers)(
+                         self.width, 4, name="blocks")(x, None)
+    else:
+      for i in range(self.layers):
+        x, _ = block(self.width, 4, name=f"blocks_{i}")(x)
     return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
+
+
+class ResidualBlock(nn.Module):
+  """LayerNorm -> Dense 4w -> GELU -> Dense w, plus the input."""
+  width: int = 64
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.width)(nn.gelu(h))
+
+
+class ResidualMLP(nn.Module):
+  """Residual blocks called one by one (`blocks_0`, ...); mean-square loss
+  of the output, so `apply` is the loss of a batch of inputs."""
+  layers: int = 2
+  width: int = 64
+  layerwise: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    block = layerwise(ResidualBlock) if self.layerwise else ResidualBlock
+    for i in range(self.layers):
+      x = block(self.width, name=f"blocks_{i}")(x)
+    return jnp.mean(x.astype(jnp.float32) ** 2)
 
 
 def lm_batches(vocab, batch=16, seq=16, steps=4):

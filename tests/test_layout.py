@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.layout import ChunkLayout, search_chunk_size
+from zerojax.layout import ChunkLayout, repeated_blocks, search_chunk_size
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.bool_]
 
@@ -118,6 +118,43 @@ def test_layer_stacked_leaves_are_chunked_per_layer():
   np.testing.assert_array_equal(stacked[1, 5:25], tree["blocks"]["k"][1].ravel())
   back = layout.merge(chunks, rest)
   jax.tree_util.tree_map(np.testing.assert_array_equal, back, tree)
+
+
+def _block(width, hidden=None):
+  hidden = hidden or 4 * width
+  return {"ln": {"scale": np.zeros(width), "bias": np.zeros(width)},
+          "fc": {"kernel": np.zeros((width, hidden)), "bias": np.zeros(hidden)}}
+
+
+def test_repeated_blocks_are_found_and_never_share_a_chunk():
+  params = {"embed": {"embedding": np.zeros((16, 8), np.float32)},
+            "blocks_0": _block(8), "blocks_1": _block(8), "blocks_2": _block(8),
+            "odd_0": _block(8), "odd_1": _block(8, hidden=4),   # shapes differ
+            "Dense_0": {"kernel": np.zeros((8, 8))},            # no submodules
+            "Dense_1": {"kernel": np.zeros((8, 8))},
+            "stack": {"layer_0": _block(8), "layer_1": _block(8)}}
+  params = jax.tree_util.tree_map(lambda x: x.astype(np.float32), params)
+  units = repeated_blocks(params, stacked=("stack",))
+  assert units == ("blocks_0", "blocks_1", "blocks_2")
+  # one large chunk size: without units, everything would share one chunk
+  layout = ChunkLayout.build(params, 2, chunk_size=10 ** 6, units=units)
+  for c, chunk in enumerate(layout.chunks):
+    owners = {next((u for u in units if u in layout.leaves[i].names), None)
+              for i in chunk.leaves}
+    assert owners == {chunk.stack}, (c, owners)
+  assert sorted(filter(None, (c.stack for c in layout.chunks))) == list(units)
+  # a unit's gathered chunk unpacks into its block's own tree
+  c = next(c for c, ch in enumerate(layout.chunks) if ch.stack == "blocks_1")
+  full = jnp.arange(layout.chunks[c].length, dtype=jnp.float32)
+  tree = layout.layer_tree(c, full)
+  assert jax.tree_util.tree_map(np.shape, tree) == jax.tree_util.tree_map(
+      np.shape, params["blocks_1"])
+
+
+def test_a_block_name_used_twice_is_not_a_unit():
+  params = {"a": {"blocks_0": _block(4), "blocks_1": _block(4)},
+            "b": {"blocks_0": _block(4), "blocks_1": _block(4)}}
+  assert repeated_blocks(params) == ()
 
 
 def test_stacked_leaves_must_agree_on_layers():

@@ -1,5 +1,7 @@
 """zerojax.nn.layerwise: per-layer gathering at stage 3, exact and flat in
 depth; and sharded initialisation (zerojax.create)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import ScannedLM, reference_run
+from models import ResidualMLP, ScannedLM, reference_run
 from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
 
@@ -16,9 +18,10 @@ def _all_gathers(hlo):
   return hlo.count("all-gather-start(") + hlo.count(" all-gather(")
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("layerwise", [True, False])
-def test_layerwise_matches_plain_optax(layerwise):
-  model = ScannedLM(layerwise=layerwise)
+def test_layerwise_matches_plain_optax(layerwise, scan):
+  model = ScannedLM(layers=3, layerwise=layerwise, scan=scan)
   batches = _batches(model.vocab)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   # momentum SGD: linear in the gradients, so the comparison measures the
@@ -27,7 +30,10 @@ def test_layerwise_matches_plain_optax(layerwise):
   loss_fn = _loss_fn(model)
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=3,
-                        stacked=("blocks",), accum_steps=2)
+                        stacked=("blocks",) if scan else (), accum_steps=2)
+  if not scan:   # every block has chunks of its own, opted in or not
+    assert {c.stack for c in state.layout.chunks} == {
+        None, "blocks_0", "blocks_1", "blocks_2"}
   step = zerojax.train_step(loss_fn)
   losses = []
   for b in batches:
@@ -66,6 +72,53 @@ def test_stage3_footprint_does_not_grow_with_gathered_layers():
   assert growth < 12 * 4 * per_layer_params
   # one gather per chunk in the forward loop body, one in the backward
   assert _all_gathers(hlo4) == _all_gathers(hlo16)
+
+
+@functools.lru_cache(maxsize=None)
+def _unrolled_step(layers, layerwise, width=256):
+  """The compiled stage-3 step of `layers` residual blocks, and its
+  (abstract) state."""
+  model = ResidualMLP(layers=layers, width=width, layerwise=layerwise)
+  x = np.zeros((64, width), np.float32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1])["params"])
+  state = zerojax.shard_shape(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3)
+  step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
+  return step.lower(state, x).compile(), state
+
+
+def test_unrolled_stage3_footprint_is_bounded_like_scanned_layers():
+  width = 256
+  (c4, s4), (c16, s16) = (_unrolled_step(n, True, width) for n in (4, 16))
+  per_block = sum(c.used for c in s4.layout.chunks if c.stack == "blocks_0")
+  assert per_block > 0
+  growth = (zerojax.compiled_footprint(c16)["footprint"]
+            - zerojax.compiled_footprint(c4)["footprint"])
+  # the sharded state (12 bytes a parameter / N), gradient shard (4 / N) and
+  # saved block input (8 rows x width floats a device) of 12 more blocks
+  persistent = 12 * (16 * per_block / 8 + 4 * 8 * width)
+  assert growth <= 1.1 * persistent
+  # the 12 more gathered blocks alone would add 12 x 4 x per_block bytes
+  assert growth < 12 * 4 * per_block
+  # temporaries: about the same at any depth (one block's gathered
+  # parameters and gradient more at most)
+  temp4, temp16 = (c.memory_analysis().temp_size_in_bytes for c in (c4, c16))
+  assert temp16 <= temp4 + 2 * 4 * per_block
+
+
+def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
+  """Without `tie`, XLA merges each block's backward re-gather with its
+  forward gather (CSE): one all-gather per chunk, every block held."""
+  for layerwise, per_unit_chunk in ((True, 2), (False, 1)):
+    compiled, state = _unrolled_step(4, layerwise)
+    units = sum(1 for c in state.layout.chunks if c.stack is not None)
+    assert units == 4
+    others = len(state.layout.chunks) - units
+    assert _all_gathers(compiled.as_text()) == per_unit_chunk * units + others
+  # the opt-in is what bounds the temporaries
+  temp = {w: _unrolled_step(4, w)[0].memory_analysis().temp_size_in_bytes
+          for w in (True, False)}
+  assert temp[True] < temp[False]
 
 
 def test_create_equals_init_then_shard_and_stays_sharded():

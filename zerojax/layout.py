@@ -14,7 +14,9 @@ Packing rules (ColossalAI Gemini's chunks, adapted to SPMD):
   * a chunk's length is its content rounded up to a multiple of the number of
     shards (zero padding, at most N-1 elements per chunk);
   * leaves stacked over layers (leading layer axis, as `flax.linen.scan`
-    produces) are packed per layer: such a chunk has shape [layers, length].
+    produces) are packed per layer: such a chunk has shape [layers, length];
+  * a chunk never spans two "units" (unrolled blocks, see `repeated_blocks`):
+    a unit's chunks hold its leaves only, so that it can be gathered alone.
 """
 from __future__ import annotations
 
@@ -59,7 +61,9 @@ class LeafInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-  """One chunk array: shape `[length]`, or `[layers, length]` when stacked."""
+  """One chunk array: shape `[length]`, or `[layers, length]` when stacked.
+  `stack` names the submodule the chunk belongs to: the layer stack
+  (`layers > 0`), the unit (an unrolled block, `layers == 0`), or None."""
   length: int
   used: int
   layers: int
@@ -116,6 +120,52 @@ def search_chunk_size(groups: Sequence[Sequence[int]], *, min_chunk_size: int,
   return int(candidates[best]), frac
 
 
+def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
+  """Names of the unrolled blocks of a parameter tree: sibling submodules
+  named `<base>_<i>` (`blocks_0`, `Block_3`, Flax's automatic names) with
+  the same structure (relative paths, shapes, dtypes) as at least one
+  sibling, that themselves contain submodules (a block, not one `Dense`),
+  and whose name is used once in the tree. Subtrees under `stacked` are
+  skipped; blocks inside blocks are not looked for.
+  """
+  def signature(node):
+    if isinstance(node, dict):
+      return tuple((k, signature(v)) for k, v in sorted(node.items()))
+    return (tuple(np.shape(node)), str(getattr(node, "dtype", "")))
+
+  def is_block(node):
+    return isinstance(node, dict) and any(isinstance(v, dict)
+                                          for v in node.values())
+
+  found, names = [], []
+
+  def visit(node):
+    groups = {}
+    for k, v in node.items():
+      names.append(str(k))
+      base, _, index = str(k).rpartition("_")
+      if base and index.isdigit() and is_block(v) and str(k) not in stacked:
+        groups.setdefault((base, signature(v)), []).append(str(k))
+    units = {k for group in groups.values() if len(group) > 1 for k in group}
+    found.extend(k for k in node if str(k) in units)
+    for k, v in node.items():
+      if isinstance(v, dict) and str(k) not in units and str(k) not in stacked:
+        visit(v)
+
+  params = _as_dict(params)
+  if isinstance(params, dict):
+    visit(params)
+  counts = {n: names.count(n) for n in found}
+  return tuple(n for n in found if counts[n] == 1)
+
+
+def _as_dict(node):
+  """Nested dicts of a (possibly frozen) parameter mapping."""
+  if hasattr(node, "items"):
+    return {k: _as_dict(v) for k, v in node.items()}
+  return node
+
+
 def _path_names(path) -> tuple:
   names = []
   for k in path:
@@ -144,6 +194,7 @@ class ChunkLayout:
   def build(cls, params: Any, num_shards: int, *, chunk_size: Optional[int] = None,
             trainable: Optional[Sequence[bool]] = None,
             labels: Optional[Sequence[int]] = None, stacked: Sequence[str] = (),
+            units: Sequence[str] = (),
             min_chunk_size: int = 2 ** 20, search_range: int = 2 ** 22,
             search_interval: int = 2 ** 12) -> "ChunkLayout":
     """Computes the layout of `params` (arrays or `jax.ShapeDtypeStruct`s).
@@ -155,6 +206,8 @@ class ChunkLayout:
       trainable: per leaf (tree order), False keeps the leaf out of chunks.
       labels: per leaf, the optimizer class; chunks never mix classes.
       stacked: path components marking leaves with a leading layer axis.
+      units: path components marking unrolled blocks (`repeated_blocks`):
+        a chunk never holds leaves of two units, or of a unit and others.
       min_chunk_size, search_range, search_interval: the search's candidates.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -174,9 +227,11 @@ class ChunkLayout:
       info = LeafInfo(jax.tree_util.keystr(path), shape, dtype,
                       stacked=stack is not None, names=names)
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
+      unit = (None if stack is not None else
+               next((u for u in units if u in names[:-1]), None))
       infos.append(info)
-      keys.append((stack, shape[0] if stack else 0, int(label), dtype.name)
-                  if chunked else None)
+      keys.append((stack or unit, shape[0] if stack else 0, int(label),
+                   dtype.name) if chunked else None)
     modules = {name for info in infos for name in info.names[:-1]}
     unknown = [s for s in stacked if s not in modules]
     if unknown:
@@ -261,18 +316,21 @@ class ChunkLayout:
     return max(members, key=lambda i: (self.leaves[i].ndim, -i))
 
   def stack_prefix(self, c: int) -> tuple:
-    """Path components down to (and including) the stack of chunk `c`."""
+    """Path components down to (and including) the stack or unit of chunk
+    `c`."""
     chunk = self.chunks[c]
     names = self.leaves[chunk.leaves[0]].names
     return names[:names.index(chunk.stack) + 1]
 
   def layer_tree(self, c: int, full: Any, tree: Optional[dict] = None) -> dict:
-    """One layer's parameters (nested dicts, paths relative to the stack)
-    from chunk `c`'s gathered per-layer array `full` (shape `[length]`)."""
+    """One layer's (or unit's) parameters (nested dicts, paths relative to
+    the stack or unit) from chunk `c`'s gathered array `full` (shape
+    `[length]`: one layer of a layer chunk, or a unit's chunk)."""
     tree = {} if tree is None else tree
     depth = len(self.stack_prefix(c))
+    per_layer = bool(self.chunks[c].layers)
     for i, leaf in zip(self.chunks[c].leaves,
-                       self.unpack_chunk(c, full, per_layer=True)):
+                       self.unpack_chunk(c, full, per_layer=per_layer)):
       node = tree
       for name in self.leaves[i].names[depth:-1]:
         node = node.setdefault(name, {})

@@ -14,8 +14,18 @@ device first, one layer at a time). Under
 `nn.remat` (on by default) the gathered layer is dropped after the forward
 and gathered again in the backward pass, so at most about two layers of
 gathered parameters are alive at once, whatever the depth. DESIGN.md records
-why a scan is needed: with layers unrolled in Python, XLA merges the backward
-re-gathers with the forward ones and keeps every gathered layer alive.
+why a scan needs nothing more.
+
+Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`) take
+the same one line: at stage 3 each repeated block gets chunks of its own
+(`layout.repeated_blocks`), and the wrapper gathers them when the block is
+called. Without a loop, XLA sees L gathers that depend on nothing but the
+parameters: it merges each backward re-gather with the forward gather
+(CSE) and is free to schedule every gather first, so every gathered block
+stays alive. The wrapper therefore ties each gather to data it must wait
+for (`tie`): the forward gather to the block's input, the backward
+re-gather to the cotangent of the block's output. A block call is a
+`custom_vjp` whose residuals are the block's shards and inputs only.
 """
 from __future__ import annotations
 
@@ -24,12 +34,16 @@ import contextvars
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from zerojax import collectives
 
 CHUNK_KEY = "__zerojax_chunk_"
 SLOT_KEY = "__zerojax_slot_"   # a host chunk's gradient slot (offload_params)
 _ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
+# the array a unit's forward gather waits for (its block's input)
+_AFTER = contextvars.ContextVar("zerojax_after", default=None)
 
 
 @contextlib.contextmanager
@@ -50,6 +64,39 @@ def slot_key(c: int) -> str:
   return f"{SLOT_KEY}{c}"
 
 
+@jax.custom_jvp
+def tie(x, after):
+  """`x`, bit for bit, computed from `after` too: XLA can then neither run
+  what reads the result before `after` exists, nor merge it with the same
+  computation on `x` elsewhere. `x & (x | t)` on the bits is `x` for every
+  `t`; no XLA simplification knows that (an optimization barrier would be
+  the usual tool, but XLA's CPU backend drops barriers before scheduling).
+  Differentiates as the identity in `x`.
+  """
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}")
+  t = jnp.ravel(after)[0]
+  if jnp.issubdtype(t.dtype, jnp.floating):
+    t = jax.lax.bitcast_convert_type(
+        t, jnp.dtype(f"uint{8 * jnp.dtype(t.dtype).itemsize}"))
+  u = jax.lax.bitcast_convert_type(x, bits)
+  return jax.lax.bitcast_convert_type(u & (u | t.astype(bits)), x.dtype)
+
+
+@tie.defjvp
+def _tie_jvp(primals, tangents):
+  return tie(*primals), tangents[0]
+
+
+def _anchor(tree):
+  """The first non-empty numeric array of `tree`, or None."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if (dtype is not None and jnp.size(leaf) and
+        (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_)):
+      return leaf
+  return None
+
+
 def _gather_layer(variables: Any) -> Any:
   params = variables.get("params", {})
   keys = [k for k in params if str(k).startswith(CHUNK_KEY)]
@@ -60,6 +107,7 @@ def _gather_layer(variables: Any) -> Any:
     raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
                        "a zerojax train step.")
   layout, config = context
+  after = _AFTER.get()
   tree = {}
   for key in keys:
     c = int(str(key)[len(CHUNK_KEY):])
@@ -68,7 +116,8 @@ def _gather_layer(variables: Any) -> Any:
           params[key], params[slot_key(c)], config.axis_name,
           config.compute_dtype, config.reduce_dtype)
     else:
-      full = collectives.gather(params[key], config.axis_name,
+      shard = params[key] if after is None else tie(params[key], after)
+      full = collectives.gather(shard, config.axis_name,
                                 config.compute_dtype, config.reduce_dtype)
     layout.layer_tree(c, full, tree)
   return {**variables, "params": tree}
@@ -78,9 +127,10 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """Wraps a Flax block class so zerojax gathers its parameters per layer.
 
   Args:
-    block: a `flax.linen.Module` class, to be scanned with `nn.scan`
+    block: a `flax.linen.Module` class, either scanned with `nn.scan`
       (`variable_axes={"params": 0}`) under a name listed in
-      `ZeroConfig.stacked`.
+      `ZeroConfig.stacked`, or called once per layer under names `<base>_<i>`
+      (unrolled; found by `zerojax.layout.repeated_blocks`).
     remat: rematerialise the block (and its gather) in the backward pass; this
       is what keeps gathered parameters from piling up over depth.
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).
@@ -90,6 +140,55 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """
   wrapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
                              init=True)
-  if remat:
-    wrapped = nn.remat(wrapped, **remat_kwargs)
-  return wrapped
+  if not remat:
+    return wrapped
+  wrapped = nn.remat(wrapped, **remat_kwargs)
+
+  class Layerwise(wrapped):
+    """Per call of an unrolled block: a `custom_vjp` around the gathered,
+    rematerialised block, its gathers tied to the block's input (forward)
+    and to the output's cotangent (backward); see the module docstring."""
+
+    def __call__(self, *args, **kwargs):
+      if not self._is_unit():
+        return super().__call__(*args, **kwargs)
+      names = tuple(kwargs)
+      count = len(args)
+
+      def call(module, *values):
+        return wrapped.__call__(module, *values[:count],
+                                **dict(zip(names, values[count:])))
+
+      def forward(module, *values):
+        token = _AFTER.set(_anchor(values))
+        try:
+          return nn.vjp(call, module, *values)
+        finally:
+          _AFTER.reset(token)
+
+      def backward(vjp_fn, cotangent):
+        after = _anchor(cotangent)
+        if after is not None:   # the re-gathers wait for the cotangent
+          vjp_fn = jax.tree_util.tree_map(
+              lambda r: r if _anchor(r) is None else tie(r, after), vjp_fn)
+        return vjp_fn(cotangent)
+
+      return nn.custom_vjp(call, forward_fn=forward, backward_fn=backward)(
+          self, *args, *kwargs.values())
+
+    def _is_unit(self) -> bool:
+      """Whether this call holds the shards of an unrolled block's chunks
+      (inside a zerojax step; not at init, nor in a scan)."""
+      context = _ACTIVE.get()
+      if context is None or self.is_initializing():
+        return False
+      params = self.variables.get("params", {})
+      chunks = [int(str(k)[len(CHUNK_KEY):]) for k in params
+                if str(k).startswith(CHUNK_KEY)]
+      return bool(chunks) and not any(context[0].chunks[c].layers
+                                      for c in chunks)
+
+  # Flax names unnamed submodules after their class: wrapping a block keeps
+  # its parameter paths (`Block_0`, not `LayerwiseBlock_0`)
+  Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
+  return Layerwise

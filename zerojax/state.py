@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload, optim, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
-from zerojax.layout import ChunkLayout
+from zerojax.layout import ChunkLayout, repeated_blocks
 
 _TRAIN_STATE_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
 
@@ -266,10 +266,13 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
     labels = check_tx(tx, abstract, config)
+  # stage 3 gathers an unrolled block's chunks alone (`zerojax.nn.layerwise`)
+  units = (repeated_blocks(abstract, config.stacked) if config.stage == 3
+           else ())
   return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
-      stacked=config.stacked, min_chunk_size=config.min_chunk_size,
+      stacked=config.stacked, units=units, min_chunk_size=config.min_chunk_size,
       search_range=config.search_range, search_interval=config.search_interval)
 
 

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,13 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
   scale = (state.loss_scale.scale if state.loss_scale is not None
            else jnp.ones((), jnp.float32))
   with_rng = rng is not None
-  layer_chunks = (frozenset(c for c, ch in enumerate(layout.chunks) if ch.layers)
-                  if stage == 3 else frozenset())
+  # chunks a `zerojax.nn.layerwise` block may gather itself: layer stacks,
+  # then those and the unrolled blocks' (units)
+  layer_chunks = frozenset(c for c, ch in enumerate(layout.chunks) if ch.layers)
+  unit_chunks = frozenset(c for c, ch in enumerate(layout.chunks)
+                          if ch.stack is not None and not ch.layers)
+  candidates = ([layer_chunks | unit_chunks, layer_chunks] if stage == 3
+                else [])
   # Stage-3 shards kept in host memory are moved to the device by their
   # gather (per layer for layer chunks); their gradients go to device-side
   # slots (`collectives.gather_from_host`).
@@ -67,7 +72,7 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
                if with_rng else None)
 
-    def scaled_loss(diff, micro_batch, micro_rng, layerwise=layer_chunks):
+    def scaled_loss(diff, micro_batch, micro_rng, layerwise=frozenset()):
       if stage == 3:
         chunks = [None if c in layerwise else
                   collectives.gather_from_host(params_in[c], s, ax,
@@ -99,17 +104,17 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
     else:
       diff = tuple(jnp.zeros(p.shape, p.dtype) if c in host else p
                    for c, p in enumerate(params_in))
-    if layer_chunks:
-      # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise);
-      # a model without it fails on the shard-form tree: gather whole chunks.
-      first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+    # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise);
+    # a model without it fails on the shard-form tree: gather whole chunks.
+    first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+    layerwise = frozenset()
+    for candidate in dict.fromkeys(c for c in candidates if c):
       try:
-        jax.eval_shape(lambda d: scaled_loss(d, first, dev_rng), diff)
-        layerwise = layer_chunks
+        jax.eval_shape(lambda d: scaled_loss(d, first, dev_rng, candidate), diff)
       except Exception:  # noqa: BLE001 - any failure: not opted in
-        layerwise = frozenset()
-    else:
-      layerwise = frozenset()
+        continue
+      layerwise = candidate
+      break
     grad_fn = jax.grad(functools.partial(scaled_loss, layerwise=layerwise),
                        has_aux=True)
     to_reduce = lambda g: tuple(x.astype(cfg.reduce_dtype) for x in g)
@@ -315,7 +320,7 @@ def _update(state, grads, master, shardings, finite):
 
 
 def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
-  cfg, layout = state.config, state.layout
+  cfg = state.config
   shardings = state_shardings(state)
   # Master chunks in host memory stay there: at stage 3 their gathers move
   # them to the device (one layer at a time for layer chunks), and `_update`
