@@ -19,7 +19,8 @@ host offload at stage 3 (`offload`: device/host bytes, the largest model
 under a fixed device budget, step-time cost) and checkpoint save / restore
 against plain orbax (`checkpoint`, each measurement in a fresh process). Writes
 `<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
-result file in the output folder (see `benchmarks.report`).
+result file in the output folder (see `benchmarks.report`). The exit status
+is 1 when a goal of a suite that ran was missed.
 """
 from __future__ import annotations
 
@@ -359,11 +360,15 @@ def main(argv=None) -> int:
                  f"{','.join(SUITES + EXTRA_SUITES)}")
   start = time.time()
   if args.mode in gpu.PLANS:
-    run_gpu(args.mode, args.out)
+    written = {"throughput": run_gpu(args.mode, args.out)}
   else:
-    run(args.mode, args.out, suites)
+    written = run(args.mode, args.out, suites)
   _log(f"done in {time.time() - start:.0f} s")
-  return 0
+  missed = [what for r in written.values() for what, _, _, met in
+            r.get("goals", []) if not met]
+  for what in missed:
+    _log(f"goal missed: {what}")
+  return 1 if missed else 0
 
 
 if __name__ == "__main__":
