@@ -1,10 +1,13 @@
 """zerojax benchmark suite (not part of the installed package).
 
-    python -m benchmarks.run --quick      # about two minutes on 2 CPU cores
+    python -m benchmarks.run --quick      # its speed suite: about 4 min on 2 cores
     python -m benchmarks.run --full       # GPT-2 small/medium memory + comm
 
   hlo       collectives counted from a compiled program's optimized HLO
-  models    the GPT-2-style Flax model the suites train
+  models    the GPT-2-style Flax model the suites train, and the config
+            protocol every benchmark model follows
+  user_models  a residual MLP and a transformer written as users write
+            them (unrolled blocks), for the speed suite
   variants  zerojax stages 0-3, plain jit data parallelism, GSPMD FSDP, and
             their 1-device counterparts, built side by side
   speed     interleaved step-time measurement

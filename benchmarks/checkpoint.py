@@ -92,7 +92,7 @@ def _problem(cfg_name: str):
   import jax
   from flax.training import train_state
   from benchmarks import models
-  model = models.make_model(models.CONFIGS[cfg_name])
+  model = models.CONFIGS[cfg_name].make_model()
   tx = models.make_tx()
 
   def init_fn(rng):

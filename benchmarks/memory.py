@@ -21,6 +21,7 @@ from zerojax import compat
 from benchmarks import variants as V
 
 FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
+           "1dev-zero-0": "12Ψ",
            "zero-1": "4Ψ+8Ψ/N", "zero-2": "4Ψ+8Ψ/N",
            "zero-3": "12Ψ/N", "gspmd-fsdp": "12Ψ/N", "1dev-zero-3": "12Ψ/N"}
 

@@ -4,6 +4,19 @@ Pre-LayerNorm blocks (causal self-attention, GELU MLP), learned positions,
 output tied to the token embedding. The blocks are one `nn.scan` under the
 submodule "blocks" (parameters stacked on a leading layer axis), so zerojax
 gets `stacked=("blocks",)` and GSPMD sees one while loop over layers.
+
+Every benchmark model is a frozen config dataclass that `benchmarks.variants`
+builds from through the same members (`GPTConfig` here, the models written as
+users write them in `benchmarks.user_models`):
+
+  num_params             Ψ, counted from the shapes
+  stacked                `ZeroConfig.stacked` for this model
+  make_model()           the Flax module
+  example_input()        what `make_model().init` is called with
+  make_loss_fn(model)    loss(params, batch), on the full parameter tree
+  make_batch(b, seq, s)  a random batch of b rows (host numpy arrays)
+  for_variant(name, d)   the config as the model code of variant `name` is
+                         written (d: the batch sharding)
 """
 from __future__ import annotations
 
@@ -21,8 +34,31 @@ from jax.sharding import NamedSharding
 import zerojax
 
 
+class LanguageModel:
+  """Input, loss and batch of a config whose model maps tokens to next-token
+  logits (the config has a `vocab_size` field)."""
+
+  def example_input(self):
+    return jnp.zeros((1, 8), jnp.int32)
+
+  def make_loss_fn(self, model: nn.Module):
+    """Mean next-token cross entropy, written on the full parameter tree."""
+    def loss_fn(params, batch):
+      logits = model.apply({"params": params}, batch["tokens"])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), batch["targets"]).mean()
+    return loss_fn
+
+  def make_batch(self, batch: int, seq: int, seed: int = 0) -> dict:
+    """A random token batch (host numpy arrays), `seq` tokens per row."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, self.vocab_size, size=(batch, seq + 1))
+    return {"tokens": t[:, :-1].astype(np.int32),
+            "targets": t[:, 1:].astype(np.int32)}
+
+
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(LanguageModel):
   """Model shape. `activation_sharding` (GSPMD runs only) pins the
   activations between blocks to this sharding (batch over the data axis), as
   MaxText's logical constraints do; inside zerojax's shard_map it stays None."""
@@ -36,8 +72,22 @@ class GPTConfig:
   # which also rematerialises the block)
   layerwise: bool = False
 
+  stacked = ("blocks",)
+
   def replace(self, **kw) -> "GPTConfig":
     return dataclasses.replace(self, **kw)
+
+  def for_variant(self, name: str, data: NamedSharding) -> "GPTConfig":
+    """Stage 3 wraps the block in `zerojax.nn.layerwise` (the opt-in a
+    stage-3 user writes); GSPMD FSDP pins the activations to `data`."""
+    if name == "gspmd-fsdp":
+      return self.replace(activation_sharding=data)
+    if name in ("zero-3", "1dev-zero-3"):
+      return self.replace(layerwise=True)
+    return self
+
+  def make_model(self) -> "GPT":
+    return GPT(self)
 
   @property
   def num_params(self) -> int:
@@ -109,32 +159,6 @@ class GPT(nn.Module):
                        cfg, name="blocks")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
     return wte.attend(x)
-
-
-def make_model(cfg: GPTConfig) -> GPT:
-  return GPT(cfg)
-
-
-def init_params(model: GPT, seed: int = 0):
-  tokens = jnp.zeros((1, 8), jnp.int32)
-  return model.init(jax.random.key(seed), tokens)["params"]
-
-
-def make_loss_fn(model: GPT):
-  """Mean next-token cross entropy, written on the full parameter tree."""
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["targets"]).mean()
-  return loss_fn
-
-
-def make_batch(cfg: GPTConfig, batch: int, seq: int, seed: int = 0) -> dict:
-  """A random token batch (host numpy arrays), `seq` tokens per row."""
-  rng = np.random.default_rng(seed)
-  t = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
-  return {"tokens": t[:, :-1].astype(np.int32),
-          "targets": t[:, 1:].astype(np.int32)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,8 @@ SUITES = ("speed", "memory", "comm", "offload", "checkpoint", "throughput")
 MIB = 2 ** 20
 COLORS = {"zero-0": "#9ecae1", "zero-1": "#6baed6", "zero-2": "#3182bd",
           "zero-3": "#08519c", "plain-dp": "#969696", "gspmd-fsdp": "#e6550d",
-          "1dev-zero-3": "#08519c", "1dev-optax": "#969696"}
+          "1dev-zero-0": "#9ecae1", "1dev-zero-3": "#08519c",
+          "1dev-optax": "#969696"}
 
 
 def _load(out: str, mode: str) -> dict:
@@ -53,38 +54,47 @@ def _goals_table(results: dict) -> list:
 
 # ---- markdown ------------------------------------------------------------------
 def _speed_md(r: dict, mode: str) -> list:
+  lines = ["### Step time", "",
+           "Per model, its variants timed in interleaved rounds after "
+           "warm-up; ratios of the medians and of the minima (the least "
+           "disturbed samples). The machine is shared (2 cores run 8 "
+           "simulated devices, other jobs run beside): read the ratios, not "
+           "the times; over several runs the GPT's zero-*/plain-dp ratios "
+           "spread over about 0.4 at 128 tokens per device and 0.1 at 1024.",
+           ""]
+  # a file written before the user models holds one model at the top level
+  for m in r.get("models", [r]):
+    lines += _speed_model_md(m)
+  return lines + [f"![step time]({mode}_speed.png)", ""]
+
+
+def _speed_model_md(r: dict) -> list:
   s = r["setup"]
   per_device = max(s["global_batch"] // s["devices"], 1)
-  lines = [f"### Step time ({s['config']}: Ψ = {s['num_params']:,}, "
-           f"{s['layers']} layers, width {s['width']}, batch "
-           f"{s['global_batch']}×{s['seq']} tokens = {per_device * s['seq']} "
-           f"tokens per device, {s['devices']} devices)", "",
-           f"{r['rounds']} interleaved rounds after warm-up; ratios of the "
-           "medians and of the minima (the least disturbed samples). The "
-           "machine is shared (2 cores run 8 simulated devices, other jobs "
-           "run beside): read the ratios, not the times; over several runs the "
-           "zero-*/plain-dp ratios spread over about 0.4 at 128 tokens per "
-           "device and 0.1 at 1024.", "",
-           "| variant | median step (ms) | median × plain-dp | min × plain-dp "
-           "| median × gspmd-fsdp |",
-           "|---|---:|---:|---:|---:|"]
-  for name, t in r["median_s"].items():
-    if name.startswith("1dev"):
-      continue
+  rows = (f"{s['global_batch']}×{s['seq']} tokens = {per_device * s['seq']} "
+          "tokens per device" if s["seq"] else
+          f"{s['global_batch']} rows = {per_device} per device")
+  fsdp = bool(r["ratio_vs_gspmd_fsdp"])
+  lines = [f"**{s['config']}** ({s.get('model', 'GPT')}: Ψ = "
+           f"{s['num_params']:,}, {s['layers']} layers, width {s['width']}; "
+           f"batch {rows}, {s['devices']} devices; {r['rounds']} rounds)", "",
+           "| variant | median step (ms) | median × plain-dp | min × plain-dp |"
+           + (" median × gspmd-fsdp |" if fsdp else ""),
+           "|---|---:|---:|---:|" + ("---:|" if fsdp else "")]
+  for name, ratio in r["ratio_vs_plain_dp"].items():
     vs_fsdp = r["ratio_vs_gspmd_fsdp"].get(name)
-    lines.append(f"| {name} | {1e3 * t:.1f} | "
-                 f"{r['ratio_vs_plain_dp'][name]:.3f} | "
-                 f"{r['min_ratio_vs_plain_dp'][name]:.3f} | "
-                 f"{'' if vs_fsdp is None else f'{vs_fsdp:.3f}'} |")
-  if "one_device_overhead" in r:
-    m = r["median_s"]
-    lines += ["", f"1-device overhead: zerojax stage 3 on a 1-device mesh "
-              f"{1e3 * m['1dev-zero-3']:.1f} ms vs plain optax jit "
-              f"{1e3 * m['1dev-optax']:.1f} ms: "
-              f"**{r['one_device_overhead']:.3f}×** (minima: "
-              f"{r['min_one_device_overhead']:.3f}×; batch "
-              f"{per_device}×{s['seq']})."]
-  return lines + ["", f"![step time]({mode}_speed.png)", ""]
+    lines.append(f"| {name} | {1e3 * r['median_s'][name]:.1f} | {ratio:.3f} "
+                 f"| {r['min_ratio_vs_plain_dp'][name]:.3f} |" + (
+                     "" if not fsdp else " |" if vs_fsdp is None
+                     else f" {vs_fsdp:.3f} |"))
+  m = r["median_s"]
+  for name, ratio in r.get("one_device_ratio", {}).items():
+    lines += ["", f"1 device: zerojax stage {name[-1]} on a 1-device mesh "
+              f"{1e3 * m[name]:.1f} ms vs plain optax jit "
+              f"{1e3 * m['1dev-optax']:.1f} ms: **{ratio:.3f}×** (minima: "
+              f"{r['min_one_device_ratio'][name]:.3f}×; one device's share "
+              "of the batch)."]
+  return lines + [""]
 
 
 def _memory_md(r: dict, mode: str) -> list:
@@ -323,7 +333,12 @@ def markdown(out: str) -> str:
            "(`stacked=(\"blocks\",)`), `plain-dp` (jax.jit, replicated "
            "params, batch sharded), `gspmd-fsdp` (MaxText-style: every leaf "
            "sharded on its largest divisible axis, XLA inserts the "
-           "collectives); see `benchmarks/variants.py`.", ""]
+           "collectives); see `benchmarks/variants.py`. The step-time suite "
+           "also runs two models written as users write them "
+           "(`benchmarks/user_models.py`: a residual MLP and a transformer, "
+           "one submodule per block in a Python loop, no `nn.scan`, so many "
+           "leaves share a chunk) against plain DP, and zerojax stage 0 on "
+           "a 1-device mesh against plain optax on that device.", ""]
   for mode in MODES:
     results = _load(out, mode)
     if not results:
@@ -360,10 +375,18 @@ def _bar_colors(names):
 
 
 def plot_speed(r: dict, path: str):
+  runs = r.get("models", [r])
+  fig, axes = plt.subplots(len(runs), 1, figsize=(7, 3.8 * len(runs)),
+                           squeeze=False)
+  for ax, m in zip(axes[:, 0], runs):
+    _plot_speed_model(ax, m)
+  _save(fig, path)
+
+
+def _plot_speed_model(ax, r: dict):
   ratios = r["ratio_vs_plain_dp"]
   minima = r["min_ratio_vs_plain_dp"]
   names = list(ratios)
-  fig, ax = plt.subplots(figsize=(7, 3.8))
   ax.barh(names, [ratios[n] for n in names], color=_bar_colors(names),
           label="median")
   ax.scatter([minima[n] for n in names], names, marker="|", s=250,
@@ -373,18 +396,18 @@ def plot_speed(r: dict, path: str):
     ax.text(max(ratios[n], minima[n]), i, f"  {ratios[n]:.2f}×", va="center",
             fontsize=9)
   s = r["setup"]
-  tokens = max(s["global_batch"] // s["devices"], 1) * s["seq"]
-  title = (f"Step time vs plain-dp ({s['config']}, {tokens} tokens/device, "
+  per_device = max(s["global_batch"] // s["devices"], 1)
+  load = (f"{per_device * s['seq']} tokens/device" if s["seq"]
+          else f"{per_device} rows/device")
+  title = (f"Step time vs plain-dp ({s['config']}, {load}, "
            f"{s['devices']} devices)")
-  if "one_device_overhead" in r:
-    title += (f"\n1-device zerojax stage 3 / optax: "
-              f"{r['one_device_overhead']:.2f}×")
+  for name, ratio in r.get("one_device_ratio", {}).items():
+    title += f"\n1-device zerojax stage {name[-1]} / optax: {ratio:.2f}×"
   ax.set_title(title, fontsize=10)
   ax.set_xlabel("step time / plain-dp (lower is better)")
   ax.invert_yaxis()
   ax.set_xlim(0, max(list(ratios.values()) + list(minima.values())) * 1.45)
   ax.legend(fontsize=8, loc="lower right")
-  _save(fig, path)
 
 
 def plot_memory(r: dict, path: str):

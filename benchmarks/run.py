@@ -9,14 +9,18 @@
 On 8 simulated CPU devices (XLA_FLAGS is set here, before jax is imported,
 unless the caller set it), in one process, for a GPT-2-style model
 (`benchmarks.models`): step time of zerojax stages 0-3 against plain jit data
-parallelism and GSPMD FSDP (`speed`), per-device memory against ZeRO's
+parallelism and GSPMD FSDP, and of zerojax on a 1-device mesh against plain
+optax, for that model and for two models written as users write them
+(`benchmarks.user_models`, against plain DP only) (`speed`), per-device
+memory against ZeRO's
 formulas plus a depth sweep (`memory`), collectives per step against ZeRO's
 communication volume plus a chunk-size sweep (`comm`); on request only,
 host offload at stage 3 (`offload`: device/host bytes, the largest model
 under a fixed device budget, step-time cost) and checkpoint save / restore
 against plain orbax (`checkpoint`, each measurement in a fresh process). Writes
 `<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
-result file in the output folder (see `benchmarks.report`).
+result file in the output folder (see `benchmarks.report`). The exit status
+is 1 when a goal of a suite that ran was missed.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ if "--gpu" not in sys.argv:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -41,31 +46,50 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
+from benchmarks import user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
 from benchmarks import checkpoint, gpu  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
 EXTRA_SUITES = ("offload", "checkpoint")  # run when named in --suites
+CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
+# The user-written models against plain DP, not GSPMD FSDP: the comparison
+# the issue sets goals for, at half the time.
+USER_VARIANTS = tuple(f"zero-{s}" for s in V.ZERO_STAGES) + (
+    "plain-dp", "1dev-zero-0", "1dev-optax")
+# 32 rows of 256 features per device, in --quick and --full alike
+MLP_SPEED = dict(config="mlp-3m", batch=256, seq=None, rounds=9,
+                 variants=USER_VARIANTS)
 
-# Per mode: the speed config (also analysed for memory and communication when
-# it is the first memory config), the memory configs, the depth sweep and the
-# chunk-size sweep. Batches are global (rows over all devices) x tokens.
+# Per mode: the speed configs, each timed on its own (the first, the GPT, is
+# also analysed for memory and communication when it is the first memory
+# config), the memory configs, the depth sweep and the chunk-size sweep.
+# Batches are global (rows over all devices) x tokens.
 MODES = {
     "smoke": dict(
-        speed=dict(config="tiny", batch=8, seq=16, rounds=1,
-                   variants=("zero-3", "plain-dp", "gspmd-fsdp"),
-                   options=memory.analysis_options()),
+        speed=(dict(config="tiny", batch=8, seq=16, rounds=1,
+                    variants=("zero-3", "plain-dp", "gspmd-fsdp"),
+                    options=memory.analysis_options()),
+               # every variant of the user models, one step each (and the
+               # warm-up): compiled the sweeps' faster way
+               dict(config="mlp-tiny", batch=8, seq=None, rounds=1,
+                    variants=USER_VARIANTS, options=memory.sweep_options()),
+               dict(config="transformer-tiny", batch=8, seq=16, rounds=1,
+                    variants=USER_VARIANTS, options=memory.sweep_options())),
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
         offload=dict(config="tiny", batch=8, seq=16, speed_config="tiny",
                      speed_batch=8, speed_seq=16, rounds=1),
     ),
-    # 128 tokens per device: the per-step cost of the optimizer and of
+    # GPT: 128 tokens per device: the per-step cost of the optimizer and of
     # parameter movement weighs heavily against so little compute.
     "quick": dict(
-        speed=dict(config="cpu-1m", batch=16, seq=64, rounds=15,
-                   variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+        speed=(dict(config="cpu-1m", batch=16, seq=64, rounds=15,
+                    variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+               MLP_SPEED,
+               dict(config="transformer-6m", batch=16, seq=32, rounds=9,
+                    variants=USER_VARIANTS)),
         memory=dict(configs=("cpu-1m",), batch=16, seq=64),
         depth=dict(config="cpu-1m", layers=(2, 4, 8)),
         comm=dict(config="cpu-1m", chunk_sizes=(2 ** 14, 2 ** 16, 2 ** 18),
@@ -79,8 +103,11 @@ MODES = {
     # medium for memory and communication (compiled, and allocated only where
     # the state fits in this host's memory).
     "full": dict(
-        speed=dict(config="cpu-1m", batch=64, seq=128, rounds=9,
-                   variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+        speed=(dict(config="cpu-1m", batch=64, seq=128, rounds=9,
+                    variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
+               MLP_SPEED,
+               dict(config="transformer-6m", batch=32, seq=64, rounds=9,
+                    variants=USER_VARIANTS)),
         memory=dict(configs=("gpt2-small", "gpt2-medium"), batch=8, seq=256),
         depth=dict(config="gpt2-small", layers=(2, 4, 8, 12)),
         comm=dict(config="gpt2-small",
@@ -121,17 +148,31 @@ def _meta(mode: str) -> dict:
           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _setup(cfg_name: str, batch: int, seq: int) -> dict:
-  cfg = models.CONFIGS[cfg_name]
-  return {"config": cfg_name, "num_params": cfg.num_params,
-          "width": cfg.width, "layers": cfg.layers, "heads": cfg.heads,
-          "vocab": cfg.vocab_size, "global_batch": batch, "seq": seq,
-          "devices": NUM_DEVICES}
+def _setup(cfg_name: str, batch: int, seq) -> dict:
+  """The config's name, model class, Ψ and integer shape fields."""
+  cfg = CONFIGS[cfg_name]
+  shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+           if type(getattr(cfg, f.name)) is int}
+  return {"config": cfg_name, "model": type(cfg.make_model()).__name__,
+          "num_params": cfg.num_params, **shape, "global_batch": batch,
+          "seq": seq, "devices": NUM_DEVICES}
+
+
+def _build_speed(sp: dict) -> dict:
+  """The variants of one speed config, built and compiled side by side."""
+  built = {}
+  for name in sp["variants"]:
+    _log(f"building {name} ({sp['config']})")
+    built[name] = V.build(name, CONFIGS[sp["config"]],
+                          global_batch=sp["batch"], seq=sp["seq"],
+                          num_devices=NUM_DEVICES, options=sp.get("options"))
+    built[name].compiled()
+  return built
 
 
 def _same_setup(plan: dict, cfg_name: str) -> bool:
   """Whether the memory suite can reuse the speed suite's variants."""
-  sp, mp = plan["speed"], plan["memory"]
+  sp, mp = plan["speed"][0], plan["memory"]
   return (cfg_name == sp["config"] and
           (mp["batch"], mp["seq"]) == (sp["batch"], sp["seq"]))
 
@@ -175,7 +216,7 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
   Returns the results written, by suite.
   """
   plan = MODES[mode]
-  sp, mp, dp, cp = plan["speed"], plan["memory"], plan["depth"], plan["comm"]
+  sp, mp, dp, cp = plan["speed"][0], plan["memory"], plan["depth"], plan["comm"]
   os.makedirs(out, exist_ok=True)
   if jax.device_count() < NUM_DEVICES:
     raise RuntimeError(
@@ -186,26 +227,26 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
   written = {}
   analyse = "memory" in suites or "comm" in suites
 
-  # Speed: the variants of the speed config, built (allocated) side by side.
-  main = {}
-  if "speed" in suites or (analyse and _same_setup(plan, mp["configs"][0])):
-    for name in sp["variants"]:
-      _log(f"building {name} ({sp['config']})")
-      main[name] = V.build(name, models.CONFIGS[sp["config"]],
-                           global_batch=sp["batch"], seq=sp["seq"],
-                           num_devices=NUM_DEVICES, options=sp.get("options"))
-      main[name].compiled()
+  # Speed: per speed config, its variants built (allocated) side by side and
+  # timed; the first config's are kept for the memory suite when it analyses
+  # the same setup.
+  keep = analyse and _same_setup(plan, mp["configs"][0])
+  main = _build_speed(sp) if keep else {}
   if "speed" in suites:
-    _log(f"timing {len(main)} variants, {sp['rounds']} rounds")
-    result = speed.run(main, sp["rounds"], _setup(sp["config"], sp["batch"],
-                                                  sp["seq"]))
-    result.update(meta=meta, goals=speed.goal_checks(result))
+    timed = []
+    for i, p in enumerate(plan["speed"]):
+      built = main if i == 0 and keep else _build_speed(p)
+      _log(f"timing {len(built)} variants ({p['config']}), {p['rounds']} "
+           "rounds")
+      timed.append(speed.run(built, p["rounds"],
+                             _setup(p["config"], p["batch"], p["seq"])))
+      if built is not main:
+        for v in built.values():
+          v.release()
+    result = {"meta": meta, "models": timed,
+              "goals": [g for r in timed for g in speed.goal_checks(r)]}
     _write(out, f"{mode}_speed.json", result)
     written["speed"] = result
-  if not (analyse and _same_setup(plan, mp["configs"][0])):
-    for v in main.values():
-      v.release()
-    main = {}
 
   # Memory and communication of every memory config.
   mem_rows, comm_rows = {}, []
@@ -294,7 +335,7 @@ def main(argv=None) -> int:
                                    description=__doc__.split("\n\n")[0])
   group = parser.add_mutually_exclusive_group(required=True)
   group.add_argument("--quick", action="store_const", dest="mode",
-                     const="quick", help="small model, about two minutes")
+                     const="quick", help="small models, some minutes")
   group.add_argument("--full", action="store_const", dest="mode",
                      const="full", help="GPT-2 small/medium memory and "
                      "communication; speed at 1024 tokens per device")
@@ -319,11 +360,15 @@ def main(argv=None) -> int:
                  f"{','.join(SUITES + EXTRA_SUITES)}")
   start = time.time()
   if args.mode in gpu.PLANS:
-    run_gpu(args.mode, args.out)
+    written = {"throughput": run_gpu(args.mode, args.out)}
   else:
-    run(args.mode, args.out, suites)
+    written = run(args.mode, args.out, suites)
   _log(f"done in {time.time() - start:.0f} s")
-  return 0
+  missed = [what for r in written.values() for what, _, _, met in
+            r.get("goals", []) if not met]
+  for what in missed:
+    _log(f"goal missed: {what}")
+  return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The training steps the benchmarks compare, built side by side in one process.
+"""The training steps the benchmarks compare, built side by side in one process,
+for any benchmark model config (`benchmarks.models` describes the protocol).
 
   zero-0 .. zero-3   zerojax.shard(stage=s) + zerojax.train_step
   plain-dp           plain jax.jit data parallelism, written without zerojax:
@@ -7,9 +8,11 @@
   gspmd-fsdp         MaxText-style FSDP without zerojax: every parameter and
                      optimizer-state leaf sharded over "data" on its largest
                      divisible axis (never the layer axis of the scanned
-                     blocks), activations pinned to batch sharding, plain
-                     jax.jit with in/out shardings; XLA's SPMD partitioner
-                     inserts the collectives
+                     blocks), activations pinned to batch sharding (where
+                     the model has the knob), plain jax.jit with in/out
+                     shardings; XLA's SPMD partitioner inserts the
+                     collectives
+  1dev-zero-0        zerojax stage 0 on a 1-device mesh
   1dev-zero-3        zerojax stage 3 on a 1-device mesh
   1dev-optax         plain optax under jax.jit on that one device
 
@@ -34,11 +37,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import zerojax
 from benchmarks import models
 
-STACK = "blocks"
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_VARIANTS = tuple(f"zero-{s}" for s in ZERO_STAGES) + ("plain-dp",
                                                             "gspmd-fsdp")
-ONE_DEVICE_VARIANTS = ("1dev-zero-3", "1dev-optax")
+ONE_DEVICE_VARIANTS = ("1dev-zero-0", "1dev-zero-3", "1dev-optax")
 
 
 def make_mesh(n: int) -> Mesh:
@@ -103,13 +105,14 @@ class Variant:
 
 # ---- states -----------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _make_train_state(cfg: models.GPTConfig, seed: int):
+def _make_train_state(cfg, seed: int):
   """The initial flax TrainState of a config: a jitted function (compiled
   once per config, fresh arrays per call) and the model."""
-  model = models.make_model(cfg)
+  model = cfg.make_model()
   tx = models.make_tx()
   make = lambda: train_state.TrainState.create(
-      apply_fn=model.apply, params=models.init_params(model, seed), tx=tx)
+      apply_fn=model.apply, tx=tx, params=model.init(
+          jax.random.key(seed), cfg.example_input())["params"])
   return jax.jit(make), model
 
 
@@ -119,11 +122,12 @@ def _with_shardings(abstract, shardings):
       abstract, shardings)
 
 
-def fsdp_spec(path, shape, n: int, axis: str = "data") -> P:
+def fsdp_spec(path, shape, n: int, stacked=(), axis: str = "data") -> P:
   """MaxText-style FSDP: shard the largest axis divisible by n (the leading
-  layer axis of stacked blocks excluded); replicate when none divides."""
+  layer axis of the blocks stacked under a name in `stacked` excluded);
+  replicate when none divides."""
   names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-  first = 1 if STACK in names and len(shape) > 1 else 0
+  first = 1 if set(stacked) & set(names) and len(shape) > 1 else 0
   best = None
   for i in range(first, len(shape)):
     if shape[i] % n == 0 and shape[i] >= n and (
@@ -153,16 +157,17 @@ def _optax_step(loss_fn):
 
 
 # ---- builders ---------------------------------------------------------------
-def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
+def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           num_devices: int, materialize: bool = True, seed: int = 0,
           options: Optional[dict] = None, compute_dtype=None,
           **zero_fields) -> Variant:
-  """Builds variant `name` (see the module docstring) of the GPT config.
+  """Builds variant `name` (see the module docstring) of a model config.
 
   Args:
     name: one of MESH_VARIANTS or ONE_DEVICE_VARIANTS.
-    cfg: the model config.
-    global_batch, seq: the batch (rows over all devices, tokens per row);
+    cfg: the model config (`models.GPTConfig`, a `user_models` config).
+    global_batch, seq: the batch (rows over all devices, tokens per row;
+      `seq` is unused by a model without tokens);
       1-device variants take one device's share, global_batch / num_devices.
     num_devices: devices on the "data" mesh (1-device variants use 1).
     materialize: allocate the state (else an abstract state, see above).
@@ -180,19 +185,15 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
     global_batch = max(global_batch // num_devices, 1)
   mesh = make_mesh(n)
   data = NamedSharding(mesh, P("data"))
-  if name == "gspmd-fsdp":
-    cfg = cfg.replace(activation_sharding=data)
-  if name in ("zero-3", "1dev-zero-3"):
-    cfg = cfg.replace(layerwise=True)   # the opt-in a stage-3 user writes
+  cfg = cfg.for_variant(name, data)
   make, model = _make_train_state(cfg, seed)
-  loss_fn = models.make_loss_fn(model)
-  batch = jax.device_put(models.make_batch(cfg, global_batch, seq, seed),
-                         data)
+  loss_fn = cfg.make_loss_fn(model)
+  batch = jax.device_put(cfg.make_batch(global_batch, seq, seed), data)
   source = make() if materialize else jax.eval_shape(make)
 
-  if name.startswith("zero-") or name == "1dev-zero-3":
+  if name.startswith(("zero-", "1dev-zero-")):
     stage = int(name[-1])
-    fields = {"stacked": (STACK,), **zero_fields}
+    fields = {"stacked": cfg.stacked, **zero_fields}
     if compute_dtype is not None:
       fields["compute_dtype"] = compute_dtype
 
@@ -206,7 +207,8 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
   else:
     if name == "gspmd-fsdp":
       shardings = jax.tree_util.tree_map_with_path(
-          lambda p, x: NamedSharding(mesh, fsdp_spec(p, np.shape(x), n)),
+          lambda p, x: NamedSharding(mesh, fsdp_spec(p, np.shape(x), n,
+                                                     cfg.stacked)),
           source)
     else:   # plain-dp, 1dev-optax: replicated
       shardings = jax.tree_util.tree_map(
@@ -227,7 +229,7 @@ def build(name: str, cfg: models.GPTConfig, *, global_batch: int, seq: int,
 def theory_bytes(name: str, num_params: int, n: int) -> Optional[float]:
   """ZeRO's persistent bytes per device, fp32 params + Adam (DESIGN.md)."""
   psi = num_params
-  if name in ("zero-0", "plain-dp", "1dev-optax"):
+  if name in ("zero-0", "plain-dp", "1dev-zero-0", "1dev-optax"):
     return 12.0 * psi
   if name in ("zero-1", "zero-2"):
     return 4.0 * psi + 8.0 * psi / n
