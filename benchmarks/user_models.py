@@ -2,9 +2,11 @@
 
 The GPT in `benchmarks.models` was built for the benchmarks: its blocks are
 one `nn.scan`, so zerojax sees a few stacked leaves per chunk. These two are
-unrolled (a Python loop creating one submodule per block, no `nn.scan`, no
-zerojax opt-in), so zerojax packs many small leaves into one chunk and every
-variant runs the model code exactly as written:
+unrolled (a Python loop creating one submodule per block, no `nn.scan`), so
+zerojax packs many small leaves into one chunk and every variant runs the
+model code as written; at stage 3 the block class is wrapped in
+`zerojax.nn.layerwise` (the one line a stage-3 user adds), so each block is
+gathered when it is called:
 
   ResidualMLP   blocks of LayerNorm -> Dense(hidden) -> GELU -> Dense(width)
                 with a residual, then a classification head; random
@@ -28,20 +30,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import zerojax
 from benchmarks.models import LanguageModel
 
 
 class _UserConfig:
-  """What the two configs share: no stacked blocks and no per-variant model
-  code (a user's model runs as written under every variant)."""
+  """What the two configs share: no stacked blocks; the only per-variant
+  model code is stage 3's opt-in (`layerwise`, a field of each config)."""
   stacked = ()
 
   def replace(self, **kw):
     return dataclasses.replace(self, **kw)
 
   def for_variant(self, name, data):
-    del name, data
-    return self
+    del data
+    return self.replace(layerwise=name in ("zero-3", "1dev-zero-3"))
+
+  def block(self, cls):
+    return zerojax.nn.layerwise(cls) if self.layerwise else cls
 
 
 # ---- residual MLP -----------------------------------------------------------
@@ -51,6 +57,7 @@ class MLPConfig(_UserConfig):
   hidden: int = 1024
   layers: int = 6
   classes: int = 10
+  layerwise: bool = False
 
   @property
   def num_params(self) -> int:
@@ -94,8 +101,9 @@ class ResidualMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+    block = self.cfg.block(ResidualBlock)
     for _ in range(self.cfg.layers):
-      x = ResidualBlock(self.cfg.hidden)(x)
+      x = block(self.cfg.hidden)(x)
     return nn.Dense(self.cfg.classes)(x)
 
 
@@ -106,6 +114,7 @@ class TransformerConfig(_UserConfig, LanguageModel):
   width: int = 256
   layers: int = 6
   heads: int = 4
+  layerwise: bool = False
 
   @property
   def num_params(self) -> int:
@@ -149,8 +158,9 @@ class Transformer(nn.Module):
   def __call__(self, tokens):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab_size, cfg.width)(tokens)
+    block = cfg.block(TransformerBlock)
     for _ in range(cfg.layers):
-      x = TransformerBlock(cfg.heads)(x)
+      x = block(cfg.heads)(x)
     x = nn.LayerNorm()(x)
     return nn.Dense(cfg.vocab_size, use_bias=False)(x)
 
