@@ -97,9 +97,15 @@ def _anchor(tree):
   return None
 
 
+def _chunk_keys(params) -> dict:
+  """`{chunk index: key}` of the chunk shards a block's params hold."""
+  return {int(str(k)[len(CHUNK_KEY):]): k for k in params
+          if str(k).startswith(CHUNK_KEY)}
+
+
 def _gather_layer(variables: Any) -> Any:
   params = variables.get("params", {})
-  keys = [k for k in params if str(k).startswith(CHUNK_KEY)]
+  keys = _chunk_keys(params)
   if not keys:
     return variables      # init, or a plain (gathered) tree: pass through
   context = _ACTIVE.get()
@@ -109,8 +115,7 @@ def _gather_layer(variables: Any) -> Any:
   layout, config = context
   after = _AFTER.get()
   tree = {}
-  for key in keys:
-    c = int(str(key)[len(CHUNK_KEY):])
+  for c, key in keys.items():
     if slot_key(c) in params:   # kept in host memory: this layer comes over now
       full = collectives.gather_from_host(
           params[key], params[slot_key(c)], config.axis_name,
@@ -182,9 +187,7 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       context = _ACTIVE.get()
       if context is None or self.is_initializing():
         return False
-      params = self.variables.get("params", {})
-      chunks = [int(str(k)[len(CHUNK_KEY):]) for k in params
-                if str(k).startswith(CHUNK_KEY)]
+      chunks = _chunk_keys(self.variables.get("params", {}))
       return bool(chunks) and not any(context[0].chunks[c].layers
                                       for c in chunks)
 
