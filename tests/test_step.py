@@ -103,6 +103,23 @@ def test_small_meshes(stage, num_devices):
   _assert_close("mlp", "float32", CLIP, losses, params)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_one_device_mesh_compiles_no_collective(stage):
+  """XLA keeps a one-device all-reduce (on CPU a copy of every gradient
+  chunk); zerojax emits none, and the step still matches plain optax
+  (test_small_meshes)."""
+  model, params, loss_fn, batches = _problem("transformer")
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",),
+              axis_types=(AxisType.Auto,))
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=stage,
+                        chunk_size=2048, accum_steps=2, clip_norm=CLIP)
+  hlo = zerojax.train_step(loss_fn).lower(state, batches[0]).compile().as_text()
+  found = [op for op in ("all-reduce", "all-gather", "reduce-scatter",
+                         "all-to-all", "collective-permute") if op in hlo]
+  assert not found, found
+
+
 def test_metrics_report_global_norm_before_clipping_and_aux():
   model, params, loss_fn, batches = make_problem("mlp")
 

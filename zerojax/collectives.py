@@ -7,6 +7,11 @@ gradients of gathered parameters arrive already sharded (ZeRO-3).
 to the device right before the all-gather.
 `scatter_on_backward` gives a replicated chunk the same backward (ZeRO-2):
 the gradient is reduce-scattered as soon as the backward pass produces it.
+
+On an axis of one device every collective here is the identity and emits
+no collective op: XLA does not remove a one-device all-reduce, which on CPU
+costs a copy of every gradient chunk (a 1-device mesh is how a user first
+tries zerojax, and the benchmarks hold it to plain optax's speed).
 """
 from __future__ import annotations
 
@@ -16,15 +21,33 @@ import jax
 import jax.numpy as jnp
 
 
+def _alone(axis_name) -> bool:
+  return jax.lax.axis_size(axis_name) == 1
+
+
 def all_gather(x, axis_name):
   """Concatenates the shards of `x` (last axis) from every device."""
+  if _alone(axis_name):
+    return x
   return jax.lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True)
 
 
 def reduce_scatter(x, axis_name):
   """Sums `x` over devices and keeps this device's slice of the last axis."""
+  if _alone(axis_name):
+    return x
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=x.ndim - 1,
                               tiled=True)
+
+
+def all_reduce(x, axis_name):
+  """Sums `x` over devices (stage 0's gradient reduction)."""
+  return x if _alone(axis_name) else jax.lax.psum(x, axis_name)
+
+
+def all_mean(x, axis_name):
+  """Averages `x` over devices (the loss and aux metrics)."""
+  return x if _alone(axis_name) else jax.lax.pmean(x, axis_name)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -141,17 +141,17 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
           else jnp.mean(a, axis=0), auxes)
 
     if stage == 0:
-      grads = tuple(jax.lax.psum(g, ax) for g in grads)
+      grads = tuple(collectives.all_reduce(g, ax) for g in grads)
     elif stage == 1:
       grads = tuple(collectives.reduce_scatter(g, ax) for g in grads)
     grads = tuple(g / (n * k) for g in grads)
-    loss = jax.lax.pmean(loss, ax)
+    loss = collectives.all_mean(loss, ax)
     # Every aux value leaves with a leading device axis: per-example values
     # are concatenated over the global batch, scalars are averaged over the
     # devices and taken once below.
     scalar.append(jax.tree_util.tree_map(lambda a: a.ndim == 0, aux))
     aux = jax.tree_util.tree_map(
-        lambda a: jnp.reshape(jax.lax.pmean(jnp.asarray(a, jnp.float32), ax),
+        lambda a: jnp.reshape(collectives.all_mean(jnp.asarray(a, jnp.float32), ax),
                               (1,)) if a.ndim == 0 else a, aux)
     return grads, loss, aux
 
@@ -319,6 +319,23 @@ def _update(state, grads, master, shardings, finite):
   return tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt)
 
 
+def _global_norm(grads) -> jax.Array:
+  """The L2 norm over all gradient chunks, one read of each: `vdot` is one
+  pass, where `optax.tree.norm`'s square-then-sum writes a chunk-sized
+  temporary first on XLA's CPU backend (and clipping with optax would
+  compute the norm a second time)."""
+  return jnp.sqrt(sum(jnp.vdot(g, g, preferred_element_type=jnp.float32)
+                      for g in grads))
+
+
+def _clip(grads, norm, max_norm) -> tuple:
+  """`optax.clip_by_global_norm(max_norm)` given the global `norm`: the same
+  select and the same arithmetic, so the same values."""
+  keep = norm < max_norm
+  return tuple(jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm)
+               for g in grads)
+
+
 def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   cfg = state.config
   shardings = state_shardings(state)
@@ -334,10 +351,10 @@ def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
   # is expected) or when asked for (`skip_nonfinite`).
   guard = state.loss_scale is not None or cfg.skip_nonfinite
   finite = precision.all_finite(grads) if guard else None
-  grad_norm = optax.tree.norm(grads)   # zero padding adds nothing
+  grad_norm = _global_norm(grads)   # zero padding adds nothing
   metrics["grad_norm"] = grad_norm
   if cfg.clip_norm is not None:
-    grads, _ = optax.clip_by_global_norm(cfg.clip_norm).update(grads, None)
+    grads = _clip(grads, grad_norm, cfg.clip_norm)
 
   if cfg.stage in (1, 2) and not master_is_sharded(cfg):
     # float32 stages 1-2: the replicated master is the compute copy; this
