@@ -14,6 +14,7 @@ variant recomputes (stage 3 rematerialises each layer).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -106,5 +107,10 @@ def goal_checks(rows: list) -> list:
 
 
 if __name__ == "__main__":
+  # every variant with the GPU overlap flags the example sets (read when
+  # jax starts the backend, in _child)
+  from zerojax import compat
+  os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(
+      os.environ.get("XLA_FLAGS", ""))
   print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]),
                           int(sys.argv[4]), int(sys.argv[5]))))

@@ -146,13 +146,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def simulate_cpu_devices(n: int) -> None:
   """Asks XLA for `n` host devices. Only the CPU platform reads this flag,
-  and only when it starts, so it is set before jax is imported; it does
-  nothing on a machine whose default backend is a GPU or TPU."""
+  and only when jax starts it, so it is set before any device is used; it does
+  nothing on a machine whose default backend is a GPU or TPU. The GPU
+  compiler's overlap flags (`zerojax.compat.GPU_OVERLAP_FLAGS`: prefetch of
+  the next layer's gather, reduce-scatter beside the backward) are set
+  alike; the CPU compiler ignores them."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (
-        flags + f" --xla_force_host_platform_device_count={n}").strip()
+    flags = (flags + f" --xla_force_host_platform_device_count={n}").strip()
+  os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(flags)
 
+
+# (imports jax, which reads XLA_FLAGS only when it starts a backend)
+from zerojax import compat  # noqa: E402
 
 if __name__ == "__main__":
   simulate_cpu_devices(parse_args().devices)

@@ -6,6 +6,9 @@ such compile option", which fails the whole compile. Options here only make
 compiles cheaper, never change results, so one this XLA lacks is dropped
 (logged once) rather than failing. The library, the tests and the
 benchmarks all ask `compiler_options` for theirs.
+
+`with_gpu_overlap_flags` is the other side: XLA flags (read once, when jax
+starts a backend) that let a GPU run ZeRO's collectives beside compute.
 """
 from __future__ import annotations
 
@@ -47,3 +50,33 @@ def compiler_options(options: Optional[dict] = None, backend=None) -> dict:
   once."""
   options = FAST_COMPILE if options is None else options
   return {k: v for k, v in options.items() if _accepted(k, v, backend)}
+
+
+# XLA's GPU scheduler overlaps a collective with compute only when allowed to
+# (NVIDIA's JAX-Toolbox and MaxText set these for FSDP). For a stage-3 model
+# whose layers are scanned (`zerojax.nn.layerwise` under `nn.scan`) the
+# pipelined all-gather issues layer i+1's gather in iteration i of the layer
+# loop (a prefetch) and the pipelined reduce-scatter sends layer i's gradient
+# while layer i-1's backward runs; double buffering unrolls the loop by two
+# so that both buffers alternate. Only the GPU compiler reads them; XLA on
+# CPU accepts and ignores them (a flag XLA does not know aborts the process:
+# tests/test_compat.py starts one with them).
+GPU_OVERLAP_FLAGS = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+}
+
+
+def with_gpu_overlap_flags(xla_flags: str = "") -> str:
+  """`xla_flags` (an `XLA_FLAGS` value) with `GPU_OVERLAP_FLAGS` added; a
+  flag it already sets keeps the caller's value. Put the result in
+  `os.environ["XLA_FLAGS"]` before jax first touches a device:
+
+      os.environ["XLA_FLAGS"] = zerojax.compat.with_gpu_overlap_flags(
+          os.environ.get("XLA_FLAGS", ""))
+  """
+  named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
+  extra = [f"--{k}={v}" for k, v in GPU_OVERLAP_FLAGS.items() if k not in named]
+  return " ".join([xla_flags.strip()] + extra).strip()
