@@ -227,7 +227,7 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
 
 
 def theory_bytes(name: str, num_params: int, n: int) -> Optional[float]:
-  """ZeRO's persistent bytes per device, fp32 params + Adam (DESIGN.md)."""
+  """ZeRO's persistent bytes per device, fp32 params + Adam (docs/design.md)."""
   psi = num_params
   if name in ("zero-0", "plain-dp", "1dev-zero-0", "1dev-optax"):
     return 12.0 * psi

@@ -322,7 +322,7 @@ def memory_summary(state, step, batch) -> dict:
 
 
 def zero_theory_bytes(psi: int, n: int, stage: int, mixed: bool) -> int:
-  """DESIGN.md's table: persistent bytes per device under Adam."""
+  """docs/design.md's table: persistent bytes per device under Adam."""
   if stage == 0:
     return 12 * psi
   if stage == 3:

@@ -1,6 +1,6 @@
 """ZeroConfig: every knob of a ZeRO run, validated once where it enters.
 
-Imports nothing else from the package (see DESIGN.md, "Layers of the package").
+Imports nothing else from the package (see docs/design.md, "Modules").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bytes per device: measured from a state's arrays, predicted from Ψ, and
 read from a compiled step. Never imports `step`.
 
-The predictions follow DESIGN.md's table (Adam: two fp32 moments, 8 bytes a
+The predictions follow docs/design.md's table (Adam: two fp32 moments, 8 bytes a
 parameter; no persistent 16-bit copy at stages 0 and 3):
 
   stage   float32 training     16-bit compute, fp32 master

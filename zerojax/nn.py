@@ -13,7 +13,7 @@ the layer runs and unflattens them into the block's own parameter tree
 device first, one layer at a time). Under
 `nn.remat` (on by default) the gathered layer is dropped after the forward
 and gathered again in the backward pass, so at most about two layers of
-gathered parameters are alive at once, whatever the depth. DESIGN.md records
+gathered parameters are alive at once, whatever the depth. docs/design.md records
 why a scan needs nothing more.
 
 Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`) take

@@ -1,7 +1,7 @@
 """ZeroTrainState: the sharded train state, `shard()` to build it from a Flax
 `TrainState`, and `gather_params()` to read the ordinary parameter tree back.
 
-What each stage stores (N devices on the data axis, see DESIGN.md):
+What each stage stores (N devices on the data axis, see docs/design.md):
 
   stage 0: `master` chunks replicated, optimizer state replicated.
   stage 1/2, float32 compute: `master` replicated (it is the compute copy),
