@@ -259,7 +259,7 @@ def test_donate_false_keeps_the_state_when_a_step_fails_at_run_time():
     zerojax.train_step(loss_fn, donate="no")
 
 
-def test_a_loss_that_is_not_a_floating_scalar_is_refused():
+def test_bad_losses_and_aux_values_are_refused():
   state, model, loss_fn, batches = _mlp_state(stage=1)
   step = lambda f, **kw: zerojax.train_step(f, **kw)(state, batches[0])
   with pytest.raises(TypeError, match=r"floating scalar loss; it returned an "
@@ -275,6 +275,10 @@ def test_a_loss_that_is_not_a_floating_scalar_is_refused():
     step(lambda p, b: (loss_fn(p, b), {"a": 1.0}))
   with pytest.raises(TypeError, match=r"aux value \['bad'\] has shape \(3,\)"):
     step(lambda p, b: (loss_fn(p, b), {"bad": jnp.ones(3)}), has_aux=True)
+  for key in ("loss", "grad_norm", "loss_scale", "skipped"):
+    with pytest.raises(ValueError, match=rf"aux key\(s\) \['{key}'\] would "
+                       "overwrite the step's own metric"):
+      step(lambda p, b: (loss_fn(p, b), {key: 1.0, "fine": 2.0}), has_aux=True)
   state, _ = zerojax.train_step(loss_fn)(state, batches[0])  # never donated
   assert int(state.step) == 1
 

@@ -33,6 +33,10 @@ from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
                            master_is_sharded, state_shardings)
 
 
+# metrics the step writes itself; a dict aux is merged beside them
+METRICS = ("loss", "grad_norm", "loss_scale", "skipped")
+
+
 def _shard_shape(shape, n):
   return shape[:-1] + (shape[-1] // n,)
 
@@ -193,6 +197,13 @@ def _loss_and_aux(out, has_aux: bool, batch_size: int) -> tuple:
         f"loss_fn must return a floating scalar loss; it returned "
         f"{_describe(loss)}. Reduce it to a scalar (e.g. .mean()) and keep it "
         "floating: an integer loss has no gradient.")
+  if isinstance(aux, dict):
+    taken = sorted(set(map(str, aux)) & set(METRICS))
+    if taken:
+      raise ValueError(
+          f"aux key(s) {taken} would overwrite the step's own metric(s) of "
+          f"that name (the step reports {', '.join(METRICS)}); rename them "
+          "in loss_fn's aux dict.")
   for path, a in jax.tree_util.tree_leaves_with_path(aux):
     shape = np.shape(a)
     if shape and shape[0] != batch_size:
