@@ -193,7 +193,20 @@ def test_search_reports_chosen_size_and_waste():
   layout = ChunkLayout.build(tree, 4, min_chunk_size=512, search_range=1024,
                              search_interval=256)
   assert layout.chunk_size == 1024 and layout.waste == 0.0
-  assert "chunk size 1024" in layout.summary()
+  assert "capacity 1,024" in layout.summary()
+
+
+def test_summary_of_a_tiny_model_reports_its_real_padding():
+  """A 965-element model gets a chunk capacity of 2**20 by default; its
+  chunk is 968 long (965 rounded up to 8 devices): 3 padding elements,
+  not the 99.9% of unused capacity."""
+  tree = {"w": jnp.ones((30, 30)), "b": jnp.ones(65), "step": jnp.ones((), jnp.int32)}
+  layout = ChunkLayout.build(tree, 8)
+  assert layout.chunk_size == 2 ** 20
+  text = layout.summary()
+  assert "965 trainable elements + 3 padding (0.31%)" in text
+  assert "largest chunk 968 elements" in text
+  assert "1 leaves outside the chunks" in text
 
 
 @pytest.mark.parametrize("stacked", [False, True])

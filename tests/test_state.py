@@ -58,6 +58,25 @@ def test_gather_params_returns_the_original_tree():
     zerojax.gather_params(state)
 
 
+def test_gather_params_traces_once_per_state_structure(monkeypatch):
+  traced = []
+  merge = zerojax.layout.ChunkLayout.merge
+
+  def counting(self, *args, **kwargs):
+    traced.append(1)
+    return merge(self, *args, **kwargs)
+
+  monkeypatch.setattr(zerojax.layout.ChunkLayout, "merge", counting)
+  state, _, _ = _state("mlp", tx=optax.sgd(0.1))
+  z = zerojax.shard(state, stage=3, chunk_size=300)
+  traced.clear()   # (shard's optimizer probes unpack chunks too)
+  for _ in range(3):
+    zerojax.gather_params(z)
+  zerojax.gather_params(z, dtype="bfloat16")
+  zerojax.gather_params(z, dtype=jnp.bfloat16)   # the same dtype
+  assert len(traced) == 2
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"stage": 4}, ValueError, "stage=4 is not a ZeRO stage"),
     ({"stage": -1}, ValueError, "stage=-1"),

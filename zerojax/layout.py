@@ -338,10 +338,20 @@ class ChunkLayout:
     return tree
 
   def summary(self) -> str:
-    return (f"{len(self.chunks)} chunks over {len(self.leaves)} leaves, chunk "
-            f"size {self.chunk_size}, {self.num_chunked_elements} elements + "
-            f"{self.num_padding_elements} padding, search waste "
-            f"{100 * self.waste:.2f}%")
+    """What a user can act on: chunks (one collective each per step), the
+    padding they cost, and the leaves kept out. A chunk is as long as its
+    leaves (rounded up to the device count), not as the capacity the search
+    chose, so the capacity's unused share is not a cost and is not shown."""
+    psi, pad = self.num_chunked_elements, self.num_padding_elements
+    largest = max((c.length for c in self.chunks), default=0)
+    out = (f"{len(self.chunks)} chunk(s) over {len(self.leaves)} leaves: "
+           f"{psi:,} trainable elements + {pad:,} padding "
+           f"({100 * pad / max(psi + pad, 1):.2f}%); largest chunk "
+           f"{largest:,} elements (capacity {self.chunk_size:,})")
+    kept = len(self.rest_indices)
+    if kept:
+      out += f"; {kept} leaves outside the chunks (frozen, integer or empty)"
+    return out
 
   # ---- pack / unpack ------------------------------------------------------
   def _leaves_of(self, tree) -> list:

@@ -14,6 +14,7 @@ What each stage stores (N devices on the data axis, see docs/design.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -355,7 +356,15 @@ def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
     raise TypeError(f"gather_params() takes a ZeroTrainState, got "
                     f"{type(state).__name__}.")
   check_live(state, "gather_params()")
-  layout = state.layout
+  dtype = None if dtype is None else jnp.dtype(dtype)
+  return _gather_program(state.layout, state.mesh, dtype)(state.master,
+                                                           state.rest)
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_program(layout: ChunkLayout, mesh: Mesh, dtype) -> Callable:
+  """`gather_params`' jitted program, one per layout, mesh and dtype (a new
+  jitted closure per call would trace and compile on every call)."""
 
   def merge(master, rest):
     tree = layout.merge(master, rest)
@@ -365,5 +374,4 @@ def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, tree)
 
-  return jax.jit(merge, out_shardings=NamedSharding(state.mesh, P()))(
-      state.master, state.rest)
+  return jax.jit(merge, out_shardings=NamedSharding(mesh, P()))
