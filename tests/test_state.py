@@ -114,6 +114,21 @@ def test_mesh_without_the_axis():
     zerojax.shard(state, stage=1, mesh=mesh)
   z = zerojax.shard(state, stage=1, mesh=mesh, axis_name="batch")
   assert z.num_shards == 8
+  assert z.mesh is mesh     # an Auto mesh is kept as it is
+
+
+def test_an_explicit_mesh_is_copied_with_auto_axes_and_said_once(caplog):
+  state, _, _ = _state()
+  mesh = Mesh(np.array(jax.devices()), ("data",),
+              axis_types=(AxisType.Explicit,))
+  with caplog.at_level("WARNING", logger="zerojax"):
+    z = zerojax.shard(state, stage=1, mesh=mesh)
+    zerojax.shard(state, stage=3, mesh=mesh)
+  said = [r.getMessage() for r in caplog.records if "Auto axes" in r.getMessage()]
+  assert len(said) == 1 and "axis_types=(AxisType.Auto,)" in said[0]
+  assert z.mesh is not mesh and z.mesh.axis_names == mesh.axis_names
+  assert list(z.mesh.devices.flat) == list(mesh.devices.flat)
+  assert all(t == AxisType.Auto for t in z.mesh.axis_types)
 
 
 def test_already_sharded_and_not_a_train_state():
