@@ -169,16 +169,21 @@ def test_rng_is_passed_per_device_and_micro_batch():
   def noisy_loss(p, b, rng):
     noise = jax.random.normal(rng, b["y"].shape)
     out = model.apply({"params": p}, b["x"])
-    return jnp.mean((out - b["y"] - noise) ** 2)
+    # per-example draws come back in global batch order: device, then
+    # micro-batch, then example
+    return jnp.mean((out - b["y"] - noise) ** 2), {"draw": noise[:, 0]}
 
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), stage=2, accum_steps=2)
-  step = zerojax.train_step(noisy_loss)
-  _, m1 = step(state, batches[0], jax.random.key(1))
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), stage=2, accum_steps=2)
-  _, m2 = step(state, batches[0], jax.random.key(2))
+  def run(key):
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=TX), stage=2, accum_steps=2)
+    return zerojax.train_step(noisy_loss, has_aux=True)(state, batches[0], key)[1]
+
+  m1, m2 = run(jax.random.key(1)), run(jax.random.key(2))
   assert np.isfinite(float(m1["loss"])) and float(m1["loss"]) != float(m2["loss"])
+  draws = np.asarray(m1["draw"]).reshape(8 * 2, -1)   # 8 devices x 2 micro-batches
+  assert draws.shape[1] >= 2
+  # every (device, micro-batch) drew its own numbers: no two rows alike
+  assert len({row.tobytes() for row in draws}) == len(draws)
 
 
 def test_batch_not_divisible_raises_and_keeps_state():
