@@ -86,14 +86,7 @@ class Variant:
   def persistent_bytes(self) -> int:
     """Per-device bytes of the state: the first shard of every array (real
     arrays) or the same from shapes and shardings (abstract state)."""
-    total = 0
-    for x in jax.tree_util.tree_leaves(self.state):
-      if isinstance(x, jax.Array):
-        total += x.addressable_shards[0].data.nbytes
-      else:
-        shape = x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
+    return zerojax.memory.per_device_bytes(self.state)
 
   def release(self):
     for x in jax.tree_util.tree_leaves(self.state):
@@ -226,13 +219,17 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
                  extra, dict(options or {}))
 
 
+# the ZeRO stage whose persistent bytes each variant should hold
+_STAGE_OF = {"zero-0": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3,
+             "plain-dp": 0, "1dev-optax": 0, "1dev-zero-0": 0,
+             "gspmd-fsdp": 3, "1dev-zero-3": 3}
+
+
 def theory_bytes(name: str, num_params: int, n: int) -> Optional[float]:
-  """ZeRO's persistent bytes per device, fp32 params + Adam (docs/design.md)."""
-  psi = num_params
-  if name in ("zero-0", "plain-dp", "1dev-zero-0", "1dev-optax"):
-    return 12.0 * psi
-  if name in ("zero-1", "zero-2"):
-    return 4.0 * psi + 8.0 * psi / n
-  if name in ("zero-3", "gspmd-fsdp", "1dev-zero-3"):
-    return 12.0 * psi / n
-  return None
+  """ZeRO's persistent bytes per device, fp32 params + Adam
+  (`zerojax.estimate_memory`, docs/design.md's table)."""
+  if name not in _STAGE_OF:
+    return None
+  one = name.startswith("1dev-")
+  return float(zerojax.estimate_memory(
+      num_params, stage=_STAGE_OF[name], num_devices=1 if one else n)["persistent"])

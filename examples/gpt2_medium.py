@@ -321,15 +321,6 @@ def memory_summary(state, step, batch) -> dict:
           "compiled": compiled, "report": str(report)}
 
 
-def zero_theory_bytes(psi: int, n: int, stage: int, mixed: bool) -> int:
-  """docs/design.md's table: persistent bytes per device under Adam."""
-  if stage == 0:
-    return 12 * psi
-  if stage == 3:
-    return 12 * psi // n
-  return 2 * psi + 12 * psi // n if mixed else 4 * psi + 8 * psi // n
-
-
 # Dense 16-bit peak per chip, TFLOP/s (vendor datasheets).
 _PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989),
                 ("H200", 989), ("H800", 989), ("A100", 312), ("L40S", 362),
@@ -488,8 +479,10 @@ def main(argv=None) -> dict:
     timing["step_time_s"] = seconds / len(steady)
   memory = memory_summary(state, step, batch)
   psi = layout.num_chunked_elements
-  theory = zero_theory_bytes(psi, len(devices), args.stage,
-                             run["precision"] != "fp32")
+  expected = zerojax.estimate_memory(
+      psi, stage=args.stage, num_devices=len(devices),
+      compute_dtype=jnp.float32 if run["precision"] == "fp32" else jnp.bfloat16,
+      optimizer_bytes_per_param=8)["persistent"]   # AdamW: two fp32 moments
 
   floor = (f" (data entropy, the floor: {data.entropy:.4f})"
            if data.probs is not None else "")
@@ -500,7 +493,8 @@ def main(argv=None) -> dict:
     log(f"throughput {timing['tokens_per_s']:,.0f} tokens/s, "
         f"{timing['step_time_s'] * 1e3:,.1f} ms/step (steps 2-{len(records)})")
   log(f"memory per device: state {_mib(memory['persistent_bytes_per_device'])} "
-      f"(ZeRO-{args.stage} theory {_mib(theory)} for {psi:,} parameters), "
+      f"(ZeRO-{args.stage} with AdamW should need {_mib(expected)} for "
+      f"{psi:,} parameters on {len(devices)} devices), "
       f"compiled step {_mib(memory['compiled_footprint_bytes_per_device'])}")
   log(memory["report"])
   if backend != "cpu" and steady:

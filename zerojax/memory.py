@@ -35,10 +35,20 @@ def _kind(x) -> str:
   return getattr(x.sharding, "memory_kind", None) or "device"
 
 
-def _per_device_bytes(x) -> int:
-  """Bytes `x` occupies on its most loaded addressable device."""
+def per_device_bytes(tree) -> int:
+  """Bytes `tree`'s arrays occupy on their most loaded device: a
+  `jax.Array` from its addressable shards, a `jax.ShapeDtypeStruct` carrying
+  a sharding (what `shard_shape` returns) from its shard shape, anything
+  else whole."""
+  return sum(_leaf_bytes(x) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _leaf_bytes(x) -> int:
+  if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+    shape = x.sharding.shard_shape(x.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
   if not isinstance(x, jax.Array):
-    return int(np.asarray(x).nbytes)
+    return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
   by_device = defaultdict(int)
   for shard in x.addressable_shards:
     by_device[shard.device] += shard.data.nbytes
@@ -122,8 +132,8 @@ class MemoryReport:
                                             for k in kinds] + [mib(self.persistent)])
     blank = [""] * len(kinds)
     est = self.estimate
-    rows.append(["DESIGN table (zerojax)"] + blank + [mib(est["persistent"])])
-    rows.append(["ZeRO paper"] + blank + [mib(est["paper"])])
+    rows.append(["expected (zerojax's formula)"] + blank + [mib(est["persistent"])])
+    rows.append(["ZeRO paper (mixed precision)"] + blank + [mib(est["paper"])])
     if est["accumulator"]:
       rows.append(["+ accumulator (in step)"] + blank + [mib(est["accumulator"])])
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -137,8 +147,9 @@ class MemoryReport:
 
 
 def memory_report(state) -> MemoryReport:
-  """Measured per-device bytes of `state` (a ZeroTrainState), with the
-  DESIGN-table and ZeRO-paper predictions for the same Ψ, N and stage."""
+  """Measured per-device bytes of `state` (a ZeroTrainState), with
+  `estimate_memory`'s and the ZeRO paper's figures for the same Ψ, N and
+  stage."""
   if not isinstance(state, ZeroTrainState):
     raise TypeError(f"memory_report() takes a ZeroTrainState, got "
                     f"{type(state).__name__}.")
@@ -155,7 +166,7 @@ def memory_report(state) -> MemoryReport:
   for cat, tree in parts.items():
     kinds = defaultdict(int)
     for leaf in jax.tree_util.tree_leaves(tree):
-      kinds[_kind(leaf)] += _per_device_bytes(leaf)
+      kinds[_kind(leaf)] += per_device_bytes(leaf)
     measured[cat] = dict(kinds)
   opt_bytes = sum(x.size * x.dtype.itemsize
                   for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x))

@@ -52,7 +52,7 @@ import jax
 import numpy as np
 
 from zerojax import offload
-from zerojax.memory import compiled_footprint
+from zerojax.memory import compiled_footprint, per_device_bytes
 from zerojax.state import ZeroTrainState, state_shardings
 from zerojax.step import train_step
 
@@ -219,12 +219,8 @@ def _placement(abstract) -> tuple:
 
 def _host_bytes(abstract) -> int:
   """Per-device bytes of the arrays placed in host memory."""
-  total = 0
-  for x in jax.tree_util.tree_leaves(abstract):
-    if x.sharding.memory_kind == offload.HOST:
-      shape = x.sharding.shard_shape(x.shape)
-      total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-  return total
+  return per_device_bytes([x for x in jax.tree_util.tree_leaves(abstract)
+                           if x.sharding.memory_kind == offload.HOST])
 
 
 def _has_host_memory(mesh) -> bool:

@@ -20,7 +20,6 @@ chunk (or one leaf) at a time.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -30,8 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim
 from zerojax.layout import ChunkLayout
-
-HOST = "pinned_host"
+from zerojax.offload import HOST
 
 
 def leaf_spec(shape, n, axis_name) -> P:
@@ -317,9 +315,3 @@ def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
           layout, c, views[j], axis_name, [targets[m].dtype for m in members])):
         out[m] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def per_device_bytes(tree) -> int:
-  """Bytes of `tree` (arrays or shapes with shardings) on one device."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-             for x in jax.tree_util.tree_leaves(tree))

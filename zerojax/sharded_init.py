@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optim, precision, reshard
+from zerojax import memory, optim, precision, reshard
 from zerojax.state import (ZeroTrainState, _config_and_mesh, chunk_spec,
                            master_is_sharded, plan_layout, state_shardings)
 
@@ -96,12 +96,12 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
     master = run(make.start, rng)
     for add_leaf in make.leaves:
       master = run(add_leaf, rng, master)
-    held += reshard.per_device_bytes(master)
+    held += memory.per_device_bytes(master)
     compute = run(make.cast, master) if make.cast else None
-    held += reshard.per_device_bytes(compute)
+    held += memory.per_device_bytes(compute)
     made.append((master, compute))
   rest = run(rest_program, rng)
-  held += reshard.per_device_bytes(rest)
+  held += memory.per_device_bytes(rest)
   # the assembling program's arguments are the chunks held so far (donated)
   held = 0
   run(assemble, tuple(m for m, _ in made),
