@@ -3,7 +3,9 @@
 Pre-LayerNorm blocks (causal self-attention, GELU MLP), learned positions,
 output tied to the token embedding. The blocks are one `nn.scan` under the
 submodule "blocks" (parameters stacked on a leading layer axis), so zerojax
-gets `stacked=("blocks",)` and GSPMD sees one while loop over layers.
+gets `stacked=("blocks",)` and GSPMD sees one while loop over layers; with
+`scan=False` they are called one by one as `blocks_0`, `blocks_1`, ... (the
+unrolled model a user writes; zerojax finds the blocks by their names).
 
 Every benchmark model is a frozen config dataclass that `benchmarks.variants`
 builds from through the same members (`GPTConfig` here, the models written as
@@ -71,8 +73,14 @@ class GPTConfig(LanguageModel):
   # zerojax stage 3: gather each layer right before use (zerojax.nn.layerwise,
   # which also rematerialises the block)
   layerwise: bool = False
+  scan: bool = True
+  # whether zero-3 variants take the one-line opt-in (False: the model as a
+  # user writes it without zerojax.nn.layerwise)
+  opt_in: bool = True
 
-  stacked = ("blocks",)
+  @property
+  def stacked(self) -> tuple:
+    return ("blocks",) if self.scan else ()
 
   def replace(self, **kw) -> "GPTConfig":
     return dataclasses.replace(self, **kw)
@@ -83,7 +91,7 @@ class GPTConfig(LanguageModel):
     if name == "gspmd-fsdp":
       return self.replace(activation_sharding=data)
     if name in ("zero-3", "1dev-zero-3"):
-      return self.replace(layerwise=True)
+      return self.replace(layerwise=self.opt_in)
     return self
 
   def make_model(self) -> "GPT":
@@ -110,6 +118,9 @@ CONFIGS = {
                         heads=4),
     "gpt2-small": GPTConfig(),                                   # 124M
     "gpt2-medium": GPTConfig(width=1024, layers=24, heads=16),  # 355M
+    # issue 14's unscanned model: stage 3 without the opt-in against GSPMD
+    "gpt2-384-unrolled": GPTConfig(width=384, layers=12, heads=6, scan=False,
+                                   opt_in=False),                # 40M
 }
 
 
@@ -154,9 +165,13 @@ class GPT(nn.Module):
     x = wte(tokens) + wpe[: tokens.shape[1]]
     block = (zerojax.nn.layerwise(Block, prevent_cse=False) if cfg.layerwise
              else Block)
-    x, _ = nn.scan(block, variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=cfg.layers)(
-                       cfg, name="blocks")(x, None)
+    if cfg.scan:
+      x, _ = nn.scan(block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=cfg.layers)(
+                         cfg, name="blocks")(x, None)
+    else:
+      for i in range(cfg.layers):
+        x, _ = block(cfg, name=f"blocks_{i}")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
     return wte.attend(x)
 

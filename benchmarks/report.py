@@ -134,12 +134,13 @@ def _memory_md(r: dict, mode: str) -> list:
     e = r.get("expected_stage3", {}).get(cfg_name)
     if e:
       lines += [f"ZeRO-3 yardstick (`benchmarks.memory.stage3_expected`): "
-                f"12Ψ/N {_mib(e['state'])} + two gathered layers "
+                f"12Ψ/N {_mib(e['state'])} + gradient shard 4Ψ/N "
+                f"{_mib(e['gradient_shard'])} + two gathered layers "
                 f"{_mib(e['two_layers'])} + activations (saved block inputs, "
                 f"logits and their gradient) {_mib(e['activations'])} = "
-                f"{_mib(e['total'])} MiB; not in it: the gradient shard "
-                "(4Ψ/N) and the tied embedding, gathered for the whole step "
-                "with its full gradient before the reduce-scatter.", ""]
+                f"{_mib(e['total'])} MiB; not in it: the tied embedding, "
+                "gathered for the whole step, with its full gradient before "
+                "the reduce-scatter.", ""]
   if notes:
     lines += ["¹ " + n for n in notes] + [""]
   d = r["depth_sweep"]

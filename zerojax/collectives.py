@@ -4,7 +4,9 @@ A chunk is sharded on its last axis. `gather` all-gathers it in the compute
 dtype; its transpose reduce-scatters the gradient in the reduce dtype, so
 gradients of gathered parameters arrive already sharded (ZeRO-3).
 `gather_from_host` does the same for a shard kept in host memory, moving it
-to the device right before the all-gather.
+to the device right before the all-gather. `gather_leaves` gathers a chunk
+held for the whole step and cuts it into its leaves, each in a buffer of its
+own, so that the gathered chunk is freed at once.
 `scatter_on_backward` gives a replicated chunk the same backward (ZeRO-2):
 the gradient is reduce-scattered as soon as the backward pass produces it.
 
@@ -72,6 +74,67 @@ def _gather_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 3, 4, 5))
+def gather_leaves(layout, c, shard, axis_name, compute_dtype, reduce_dtype):
+  """`gather` of chunk `c`'s shard, cut into the chunk's leaves
+  (`layout.unpack_chunk`), for a chunk the step holds gathered throughout.
+
+  Each leaf is written to a buffer of its own right after the all-gather
+  (`_own_buffers`), so the gathered chunk dies there. Cut by a plain split,
+  XLA fuses the cut of a leaf into the op that reads it, and the whole
+  gathered chunk then stays alive beside the leaves already cut from it
+  (twice the chunk's bytes) until the last such op, in the backward pass
+  for a leaf the backward reads.
+
+  Backward: the leaves' gradients are concatenated into the chunk's
+  (`layout.pack_chunk`, in `reduce_dtype`) and reduce-scattered, as
+  `gather`'s.
+  """
+  full = all_gather(shard.astype(compute_dtype), axis_name)
+  return _own_buffers(lambda f: layout.unpack_chunk(c, f), full, axis_name)
+
+
+def _own_buffers(cut, full, axis_name):
+  """`cut(full)`, its parts computed into buffers of their own before any of
+  them is read. A single part that is all of `full` is a reshape (a bitcast
+  in XLA, no copy) and is returned as is."""
+  shapes = jax.eval_shape(cut, full)
+  if len(shapes) == 1 and shapes[0].size == full.size:
+    return cut(full)
+
+  def on_cpu(full):
+    # XLA fuses nothing across a conditional's boundary, so the parts are
+    # the conditional's results. The predicate is true on every device and
+    # unknown to XLA before run time (CPU XLA drops optimization barriers
+    # before fusion, so those cannot do it there).
+    return jax.lax.cond(jax.lax.axis_index(axis_name) >= 0, cut,
+                        lambda f: [jnp.zeros(x.shape, x.dtype) for x in shapes],
+                        full)
+
+  def elsewhere(full):
+    # an accelerator's XLA keeps barriers through fusion (no predicate to
+    # read back to the host)
+    return jax.lax.optimization_barrier(cut(full))
+
+  return jax.lax.platform_dependent(full, cpu=on_cpu, default=elsewhere)
+
+
+def _leaves_fwd(layout, c, shard, axis_name, compute_dtype, reduce_dtype):
+  # The residual is an empty array: it only carries the shard's dtype.
+  return (gather_leaves(layout, c, shard, axis_name, compute_dtype,
+                        reduce_dtype), jnp.zeros((0,), shard.dtype))
+
+
+def _leaves_bwd(layout, c, axis_name, compute_dtype, reduce_dtype, like, cts):
+  del compute_dtype
+  grad = layout.pack_chunk(c, dict(zip(layout.chunks[c].leaves, cts)),
+                           reduce_dtype)
+  return (reduce_scatter(grad, axis_name).astype(like.dtype),)
+
+
+gather_leaves.defvjp(_leaves_fwd, _leaves_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

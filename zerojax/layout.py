@@ -407,7 +407,8 @@ class ChunkLayout:
             for part, info in zip(parts, infos)]
 
   def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
-            dtype: Any = "leaf", skip: frozenset = frozenset()) -> Any:
+            dtype: Any = "leaf", skip: frozenset = frozenset(),
+            leaves: Optional[dict] = None) -> Any:
     """Unpacks `(chunks, rest)` into the tree.
 
     Args:
@@ -416,12 +417,16 @@ class ChunkLayout:
       dtype: "leaf" restores each leaf's dtype; None keeps the chunk's dtype
         (the compute dtype inside a step); or an explicit dtype.
       skip: chunk indices whose leaves are left as None.
+      leaves: `{chunk index: its leaves}` already cut (in `unpack_chunk`
+        order); those chunks' entries of `chunks` are not read.
     """
+    leaves = leaves or {}
     out = [None] * len(self.leaves)
     for c, (chunk, arr) in enumerate(zip(self.chunks, chunks)):
       if c in skip:
         continue
-      for i, leaf in zip(chunk.leaves, self.unpack_chunk(c, arr)):
+      cut = leaves[c] if c in leaves else self.unpack_chunk(c, arr)
+      for i, leaf in zip(chunk.leaves, cut):
         info = self.leaves[i]
         if isinstance(dtype, str) and dtype == "leaf":
           leaf = leaf.astype(info.dtype)

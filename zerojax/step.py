@@ -77,13 +77,16 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                if with_rng else None)
 
     def scaled_loss(diff, micro_batch, micro_rng, layerwise=frozenset()):
+      leaves = {}   # chunk -> its leaves, cut as it was gathered
       if stage == 3:
         chunks = [None if c in layerwise else
                   collectives.gather_from_host(params_in[c], s, ax,
                                                cfg.compute_dtype, cfg.reduce_dtype)
-                  if c in host else
-                  collectives.gather(s, ax, cfg.compute_dtype, cfg.reduce_dtype)
-                  for c, s in enumerate(diff)]
+                  if c in host else None for c, s in enumerate(diff)]
+        leaves = {c: collectives.gather_leaves(layout, c, s, ax, cfg.compute_dtype,
+                                               cfg.reduce_dtype)
+                  for c, s in enumerate(diff)
+                  if c not in layerwise and c not in host}
       elif stage == 2:
         chunks = [collectives.scatter_on_backward(
             p.astype(cfg.compute_dtype), slot, ax, cfg.reduce_dtype)
@@ -91,10 +94,10 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
       else:
         chunks = [p.astype(cfg.compute_dtype) for p in diff]
       if layerwise:
-        params = _with_layer_shards(layout, chunks, rest, params_in, diff,
-                                    layerwise, host)
+        params = _with_layer_shards(layout, chunks, leaves, rest, params_in,
+                                    diff, layerwise, host)
       else:
-        params = layout.merge(chunks, rest, dtype=None)
+        params = layout.merge(chunks, rest, dtype=None, leaves=leaves)
       with zero_nn.active(layout, cfg):
         out = (loss_fn(params, micro_batch, micro_rng) if with_rng
                else loss_fn(params, micro_batch))
@@ -223,12 +226,13 @@ def _describe(x) -> str:
   return f"a {type(x).__name__}"
 
 
-def _with_layer_shards(layout, chunks, rest, shards, slots, layer_chunks,
-                       host):
+def _with_layer_shards(layout, chunks, leaves, rest, shards, slots,
+                       layer_chunks, host):
   """The parameter tree with each layer-stacked chunk left as its shard
   `[layers, length / N]` under the stack (see `zerojax.nn.layerwise`); a
   chunk in `host` memory also leaves its gradient slot there."""
-  tree = layout.merge(chunks, rest, dtype=None, skip=layer_chunks)
+  tree = layout.merge(chunks, rest, dtype=None, skip=layer_chunks,
+                      leaves=leaves)
   skipped = {layout.leaves[i].names for c in layer_chunks
              for i in layout.chunks[c].leaves}
   flat = {k: v for k, v in traverse_util.flatten_dict(tree).items()
