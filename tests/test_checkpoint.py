@@ -1,6 +1,7 @@
 """Checkpoints: round trip, any device count and stage, export, plain orbax,
 bad input, a crash during an asynchronous save."""
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
@@ -177,7 +179,7 @@ def test_export_equals_gather_and_plain_orbax_reads_it(saved):
   with open(os.path.join(directory, str(SPLIT), "meta", "metadata")) as f:
     layout = json.load(f)["layout"]
   path = os.path.join(directory, str(SPLIT), "state")
-  tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path)).tree
   as_numpy = jax.tree_util.tree_map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   ckpt = ocp.PyTreeCheckpointer().restore(
@@ -465,3 +467,17 @@ def test_a_stray_step_directory_is_named(problem, saved, tmp_path):
                      rf".*9/state/_METADATA is missing.*\[{SPLIT}\] \(pass step="):
     zerojax.checkpoint.restore(copy, like=plain)
   assert int(zerojax.checkpoint.restore(copy, like=plain, step=SPLIT).step) == SPLIT
+
+
+def test_restoring_a_valid_checkpoint_logs_no_missing_metadata_warning(
+    problem, saved, caplog):
+  """orbax warns "Metadata file does not exist" when asked for a step's
+  metadata inside the step's item directory (`<step>/state`)."""
+  plain, _, _ = problem
+  directory, params, _ = saved
+  with caplog.at_level(logging.WARNING):
+    state = zerojax.checkpoint.restore(directory, like=plain)
+    exported = zerojax.checkpoint.export_params(directory)
+  assert int(state.step) == SPLIT
+  jax.tree_util.tree_map(np.testing.assert_array_equal, exported, params)
+  assert not [r for r in caplog.records if "does not exist" in r.getMessage()]

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim, precision, reshard
@@ -87,7 +88,11 @@ def _can_read(directory: str, step: int) -> bool:
 def _saved_tree(path):
   """The orbax metadata tree of the item at `path`."""
   try:
-    item = ocp.StandardCheckpointer().metadata(path).item_metadata
+    # The handler reads only the item's tree (`_METADATA`). A Checkpointer
+    # would also look for the step's `_CHECKPOINT_METADATA`, which a
+    # CheckpointManager writes one level up (`<step>/`), and warn "Metadata
+    # file does not exist" on every restore of a valid checkpoint.
+    item = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
   except Exception as e:  # noqa: BLE001 - re-raised as one clear error
     raise ValueError(f"orbax cannot read the metadata of {path}: "
                      f"{type(e).__name__}: {e}") from None
