@@ -469,6 +469,29 @@ def test_a_stray_step_directory_is_named(problem, saved, tmp_path):
   assert int(zerojax.checkpoint.restore(copy, like=plain, step=SPLIT).step) == SPLIT
 
 
+def _steps(directory):
+  return sorted(int(s) for s in os.listdir(directory) if s.isdigit())
+
+
+def test_save_honours_keep_on_every_call(problem, tmp_path):
+  plain, _, _ = problem
+  state = zerojax.shard(plain, stage=1)
+  directory = str(tmp_path)
+  save = lambda step, keep: zerojax.checkpoint.save(directory, state, step=step,
+                                                    keep=keep, wait=True)
+  for step in (1, 2, 3):
+    save(step, keep=3)
+  assert _steps(directory) == [1, 2, 3]
+  save(4, keep=1)
+  assert _steps(directory) == [4]
+  for step in (5, 6, 7):
+    save(step, keep=3)
+  assert _steps(directory) == [5, 6, 7]
+  save(8, keep=None)
+  save(9, keep=None)
+  assert _steps(directory) == [5, 6, 7, 8, 9]
+
+
 def test_restoring_a_valid_checkpoint_logs_no_missing_metadata_warning(
     problem, saved, caplog):
   """orbax warns "Metadata file does not exist" when asked for a step's
