@@ -469,6 +469,51 @@ def test_a_stray_step_directory_is_named(problem, saved, tmp_path):
   assert int(zerojax.checkpoint.restore(copy, like=plain, step=SPLIT).step) == SPLIT
 
 
+def _freeze_embedding_and_first_block(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path[0].key in ("Embed_0", "block_0"), params)
+
+
+def test_a_restore_from_a_plain_train_state_keeps_frozen(problem, tmp_path,
+                                                        monkeypatch):
+  """`frozen` is a callable, not stored: the metadata names the frozen
+  leaves, and a restore from a plain TrainState freezes them again (reading
+  the saved layout as it is); an explicit frozen= wins."""
+  plain, loss_fn, batches = problem
+  state = zerojax.shard(plain, stage=3, chunk_size=3000,
+                        frozen=_freeze_embedding_and_first_block)
+  state, _ = _train(state, loss_fn, batches[:SPLIT])
+  directory = str(tmp_path / "ckpt")
+  zerojax.checkpoint.save(directory, state, wait=True)
+  layout, before = state.layout, zerojax.gather_params(state)
+  _, rest = _train(state, loss_fn, batches[SPLIT:])
+  is_frozen = jax.tree_util.tree_leaves(_freeze_embedding_and_first_block(before))
+
+  repack = zerojax.checkpoint._restore._repack
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", lambda *a, **k: (
+      pytest.fail("the saved layout was repacked: frozen was lost")))
+  back = zerojax.checkpoint.restore(directory, like=plain)
+  assert back.layout == layout
+  back, losses = _train(back, loss_fn, batches[SPLIT:])
+  np.testing.assert_allclose(losses, rest, rtol=1e-5)
+  for frozen, x, y in zip(is_frozen, jax.tree_util.tree_leaves(before),
+                          jax.tree_util.tree_leaves(zerojax.gather_params(back))):
+    assert frozen == np.array_equal(x, y)
+
+  # Metadata written before it named the frozen leaves: read off the layout.
+  step_dir = os.path.join(directory, str(SPLIT))
+  _edit_meta(step_dir, lambda meta: meta.pop("frozen"), keep_checksum=False)
+  assert zerojax.checkpoint.restore(directory, like=plain).layout == layout
+
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", repack)
+  unfrozen = zerojax.checkpoint.restore(directory, like=plain, frozen=None)
+  assert not unfrozen.rest
+  unfrozen, _ = _train(unfrozen, loss_fn, batches[SPLIT:SPLIT + 1])
+  for x, y in zip(jax.tree_util.tree_leaves(before),
+                  jax.tree_util.tree_leaves(zerojax.gather_params(unfrozen))):
+    assert not np.array_equal(x, y)
+
+
 def _steps(directory):
   return sorted(int(s) for s in os.listdir(directory) if s.isdigit())
 
