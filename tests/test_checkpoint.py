@@ -1,6 +1,7 @@
 """Checkpoints: round trip, any device count and stage, export, plain orbax,
 bad input, a crash during an asynchronous save."""
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
@@ -177,7 +179,7 @@ def test_export_equals_gather_and_plain_orbax_reads_it(saved):
   with open(os.path.join(directory, str(SPLIT), "meta", "metadata")) as f:
     layout = json.load(f)["layout"]
   path = os.path.join(directory, str(SPLIT), "state")
-  tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path)).tree
   as_numpy = jax.tree_util.tree_map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   ckpt = ocp.PyTreeCheckpointer().restore(
@@ -465,3 +467,85 @@ def test_a_stray_step_directory_is_named(problem, saved, tmp_path):
                      rf".*9/state/_METADATA is missing.*\[{SPLIT}\] \(pass step="):
     zerojax.checkpoint.restore(copy, like=plain)
   assert int(zerojax.checkpoint.restore(copy, like=plain, step=SPLIT).step) == SPLIT
+
+
+def _freeze_embedding_and_first_block(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path[0].key in ("Embed_0", "block_0"), params)
+
+
+def test_a_restore_from_a_plain_train_state_keeps_frozen(problem, tmp_path,
+                                                        monkeypatch):
+  """`frozen` is a callable, not stored: the metadata names the frozen
+  leaves, and a restore from a plain TrainState freezes them again (reading
+  the saved layout as it is); an explicit frozen= wins."""
+  plain, loss_fn, batches = problem
+  state = zerojax.shard(plain, stage=3, chunk_size=3000,
+                        frozen=_freeze_embedding_and_first_block)
+  state, _ = _train(state, loss_fn, batches[:SPLIT])
+  directory = str(tmp_path / "ckpt")
+  zerojax.checkpoint.save(directory, state, wait=True)
+  layout, before = state.layout, zerojax.gather_params(state)
+  _, rest = _train(state, loss_fn, batches[SPLIT:])
+  is_frozen = jax.tree_util.tree_leaves(_freeze_embedding_and_first_block(before))
+
+  repack = zerojax.checkpoint._restore._repack
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", lambda *a, **k: (
+      pytest.fail("the saved layout was repacked: frozen was lost")))
+  back = zerojax.checkpoint.restore(directory, like=plain)
+  assert back.layout == layout
+  back, losses = _train(back, loss_fn, batches[SPLIT:])
+  np.testing.assert_allclose(losses, rest, rtol=1e-5)
+  for frozen, x, y in zip(is_frozen, jax.tree_util.tree_leaves(before),
+                          jax.tree_util.tree_leaves(zerojax.gather_params(back))):
+    assert frozen == np.array_equal(x, y)
+
+  # Metadata written before it named the frozen leaves: read off the layout.
+  step_dir = os.path.join(directory, str(SPLIT))
+  _edit_meta(step_dir, lambda meta: meta.pop("frozen"), keep_checksum=False)
+  assert zerojax.checkpoint.restore(directory, like=plain).layout == layout
+
+  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", repack)
+  unfrozen = zerojax.checkpoint.restore(directory, like=plain, frozen=None)
+  assert not unfrozen.rest
+  unfrozen, _ = _train(unfrozen, loss_fn, batches[SPLIT:SPLIT + 1])
+  for x, y in zip(jax.tree_util.tree_leaves(before),
+                  jax.tree_util.tree_leaves(zerojax.gather_params(unfrozen))):
+    assert not np.array_equal(x, y)
+
+
+def _steps(directory):
+  return sorted(int(s) for s in os.listdir(directory) if s.isdigit())
+
+
+def test_save_honours_keep_on_every_call(problem, tmp_path):
+  plain, _, _ = problem
+  state = zerojax.shard(plain, stage=1)
+  directory = str(tmp_path)
+  save = lambda step, keep: zerojax.checkpoint.save(directory, state, step=step,
+                                                    keep=keep, wait=True)
+  for step in (1, 2, 3):
+    save(step, keep=3)
+  assert _steps(directory) == [1, 2, 3]
+  save(4, keep=1)
+  assert _steps(directory) == [4]
+  for step in (5, 6, 7):
+    save(step, keep=3)
+  assert _steps(directory) == [5, 6, 7]
+  save(8, keep=None)
+  save(9, keep=None)
+  assert _steps(directory) == [5, 6, 7, 8, 9]
+
+
+def test_restoring_a_valid_checkpoint_logs_no_missing_metadata_warning(
+    problem, saved, caplog):
+  """orbax warns "Metadata file does not exist" when asked for a step's
+  metadata inside the step's item directory (`<step>/state`)."""
+  plain, _, _ = problem
+  directory, params, _ = saved
+  with caplog.at_level(logging.WARNING):
+    state = zerojax.checkpoint.restore(directory, like=plain)
+    exported = zerojax.checkpoint.export_params(directory)
+  assert int(state.step) == SPLIT
+  jax.tree_util.tree_map(np.testing.assert_array_equal, exported, params)
+  assert not [r for r in caplog.records if "does not exist" in r.getMessage()]

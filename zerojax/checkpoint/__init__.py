@@ -17,9 +17,10 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
           the ZeroTrainState's arrays (`opt_state` is optax's state over the
           chunk views, `ChunkLayout.views`, each chunk's statistics in the
           chunk's shape: `optim.stored`);
-  meta/   JSON: format, the ZeroConfig fields, the device count at save, and
-          the chunk layout (`_layout_json`), a checksum per saved array
-          and the SHA-256 of the metadata itself (`_integrity`).
+  meta/   JSON: format, the ZeroConfig fields, the frozen leaves' names
+          (`_frozen_names`), the device count at save, the chunk layout
+          (`_layout_json`), a checksum per saved array and the SHA-256 of
+          the metadata itself (`_integrity`).
 Formats "zerojax-2" (statistics in view shape, written before 2026-11-23:
 restored by repacking) and "zerojax-1" (the ordinary tree form, written
 before 2026-11-22), and plain orbax checkpoints of a flax TrainState are

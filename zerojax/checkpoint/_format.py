@@ -74,7 +74,7 @@ def _config_json(cfg: ZeroConfig) -> dict:
   for f in dataclasses.fields(cfg):
     v = getattr(cfg, f.name)
     if f.name == "frozen":
-      continue  # a callable; restore takes it from `like`
+      continue  # maybe a callable: the metadata names the leaves instead
     if isinstance(v, np.dtype):
       v = v.name
     elif isinstance(v, DynamicLossScale):
@@ -91,6 +91,31 @@ def _config_from_json(d: dict) -> dict:
     d["loss_scale"] = DynamicLossScale(**d["loss_scale"]["dynamic"])
   d["stacked"] = tuple(d.get("stacked", ()))
   return d
+
+
+def _frozen_names(layout: dict) -> list:
+  """The leaves (names joined by "/") that `ZeroConfig.frozen` kept out of
+  the chunks of a layout JSON: its floating-point leaves outside them.
+  Integer and empty leaves stay outside whether frozen or not, and are never
+  trained either way."""
+  return ["/".join(i["names"]) for i in layout["leaves"]
+          if i["chunk"] < 0 and jnp.issubdtype(jnp.dtype(i["dtype"]), jnp.floating)
+          and np.prod(i["shape"], dtype=np.int64) > 0]
+
+
+def _frozen_mask(meta: dict, abstract) -> Any:
+  """`ZeroConfig.frozen` of the saved state, as a tree of bools over the
+  parameter tree `abstract`, or None where nothing was frozen. Metadata
+  written before it named the frozen leaves has them in its layout; format
+  "zerojax-1" has neither."""
+  names = meta.get("frozen")
+  if names is None and meta["format"] in CHUNK_FORMATS:
+    names = _frozen_names(meta["layout"])
+  if not names:
+    return None
+  names = set(names)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "/".join(_path_names(path)) in names, abstract)
 
 
 def _signature(tree) -> dict:

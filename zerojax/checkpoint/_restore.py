@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim, precision, reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, VIEW_FORMAT,
                                         _abstract_params, _as_dtype, _config_from_json,
-                                        _cut, _describe_mismatch, _layout_from_json,
+                                        _cut, _describe_mismatch, _frozen_mask,
+                                        _layout_from_json,
                                         _layout_json, _named, _non_empty, _seq,
                                         _signature)
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
@@ -87,7 +89,11 @@ def _can_read(directory: str, step: int) -> bool:
 def _saved_tree(path):
   """The orbax metadata tree of the item at `path`."""
   try:
-    item = ocp.StandardCheckpointer().metadata(path).item_metadata
+    # The handler reads only the item's tree (`_METADATA`). A Checkpointer
+    # would also look for the step's `_CHECKPOINT_METADATA`, which a
+    # CheckpointManager writes one level up (`<step>/`), and warn "Metadata
+    # file does not exist" on every restore of a valid checkpoint.
+    item = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
   except Exception as e:  # noqa: BLE001 - re-raised as one clear error
     raise ValueError(f"orbax cannot read the metadata of {path}: "
                      f"{type(e).__name__}: {e}") from None
@@ -123,11 +129,16 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     directory: a directory written by `save`, or a plain orbax checkpoint of
       a flax TrainState (`StandardCheckpointer().save(path, train_state)`).
     like: a ZeroTrainState or TrainState supplying `tx`, `apply_fn` and the
-      parameter structure (functions are not stored).
+      parameter structure (functions are not stored). A ZeroTrainState also
+      supplies the ZeroConfig (its `frozen` included); from a TrainState the
+      saved ZeroConfig is used, and the leaves frozen at save stay frozen.
     step: which checkpoint; default the newest.
     mesh: target mesh; default all devices on the data axis.
     stage: target stage; default the saved one (or `like`'s).
-    **config_fields: further ZeroConfig overrides.
+    **config_fields: further ZeroConfig overrides. An explicit `frozen=`
+      replaces the saved one (`frozen=None` trains every leaf): leaves
+      unfrozen start with zero optimizer statistics, and the chunks are
+      repacked.
   """
   path, meta, step, saved = _open(directory, step)
   if isinstance(like, ZeroTrainState):
@@ -144,6 +155,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
                     "(it supplies tx and apply_fn).")
   if meta is not None and not isinstance(like, ZeroTrainState):
     fields.update(_config_from_json(meta["config"]))
+    fields["frozen"] = _frozen_mask(meta, abstract)
   if stage is not None:
     fields["stage"] = stage
   fields.update(config_fields)

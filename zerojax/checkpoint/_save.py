@@ -31,18 +31,24 @@ from typing import Optional
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint._format import (FORMAT, _chunk_form, _config_json,
-                                        _layout_json)
+                                        _frozen_names, _layout_json)
 from zerojax.checkpoint._integrity import check_step, checksums, seal
 from zerojax.state import ZeroTrainState, check_live
 
 _MANAGERS: dict = {}   # absolute directory -> CheckpointManager
+_KEEP: dict = {}       # absolute directory -> its manager's `keep`
 _PENDING: dict = {}    # absolute directory -> the step being written
 _EXIT_HOOK: list = []
 # no thread can start at shutdown (gh-113964): orbax's commit needs some
 _NO_THREADS_AT_EXIT = sys.version_info[:3] in ((3, 12, 0), (3, 12, 1))
 
 
-def _manager(directory: str, keep: Optional[int] = None) -> ocp.CheckpointManager:
+def _manager(directory: str, keep: Optional[int]) -> ocp.CheckpointManager:
+  """The directory's manager, keeping the newest `keep` steps. Orbax fixes
+  `max_to_keep` when a manager is made, so another `keep` than the last
+  save's gets a new one (the caller has committed the last save)."""
+  if directory in _MANAGERS and _KEEP[directory] != keep:
+    _MANAGERS.pop(directory).close()
   if directory not in _MANAGERS:
     # The process that saves owns the directory: orbax's leftovers of a save
     # that a crash cut short (`<step>.orbax-checkpoint-tmp`) are removed.
@@ -50,6 +56,7 @@ def _manager(directory: str, keep: Optional[int] = None) -> ocp.CheckpointManage
         directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True,
             cleanup_tmp_directories=True))
+    _KEEP[directory] = keep
     if not _EXIT_HOOK:
       _EXIT_HOOK.append(_finish_all_at_exit)
       # Runs before concurrent.futures closes its pools (imported by orbax
@@ -120,8 +127,9 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
     directory: the checkpoint directory (created if missing).
     state: a ZeroTrainState.
     step: the checkpoint's number, a non-negative int; default `state.step`.
-    keep: keep only the newest `keep` checkpoints (set on first use of
-      `directory` in this process).
+    keep: after this save, keep only the newest `keep` checkpoints in
+      `directory` (older ones are deleted); None keeps them all. Each call's
+      own `keep` applies.
     wait: block until the write is committed.
 
   Returns:
@@ -134,8 +142,8 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
   step = int(state.step) if step is None else check_step(step, "save")
   directory = os.path.abspath(directory)
   _check_writable(directory)
-  mgr = _manager(directory, keep)
   _finish(directory)   # the previous save's failure is raised here
+  mgr = _manager(directory, keep)
   if step in mgr.all_steps():
     raise ValueError(f"step {step} already exists in {directory}; pass "
                      "another step= (nothing was overwritten).")
@@ -146,9 +154,12 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
                      f"({latest}) in {directory}; pass a step= above {latest} "
                      "or another directory (nothing was written).")
   tree = _chunk_form(state)
+  layout = _layout_json(state.layout)
+  # `frozen` beside the config, not in it: a reader that predates it
+  # ignores it instead of passing names to ZeroConfig(frozen=...).
   meta = seal({"format": FORMAT, "config": _config_json(state.config),
-               "num_shards": state.num_shards,
-               "layout": _layout_json(state.layout),
+               "frozen": _frozen_names(layout),
+               "num_shards": state.num_shards, "layout": layout,
                "checksums": checksums(tree)})
   _PENDING[directory] = step
   mgr.save(step, args=ocp.args.Composite(
