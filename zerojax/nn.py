@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -47,9 +47,12 @@ _AFTER = contextvars.ContextVar("zerojax_after", default=None)
 
 
 @contextlib.contextmanager
-def active(layout, config):
-  """Set by the step while it traces the user's loss (trace-time metadata)."""
-  token = _ACTIVE.set((layout, config))
+def active(layout, config, called: Optional[set] = None):
+  """Set by the step while it traces the user's loss (trace-time metadata).
+  Every layerwise block called meanwhile adds its module path (a tuple of
+  names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
+  step learns which stacks and blocks opted in, without guessing."""
+  token = _ACTIVE.set((layout, config, set() if called is None else called))
   try:
     yield
   finally:
@@ -112,7 +115,7 @@ def _gather_layer(variables: Any) -> Any:
   if context is None:
     raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
                        "a zerojax train step.")
-  layout, config = context
+  layout, config, _ = context
   after = _AFTER.get()
   tree = {}
   for c, key in keys.items():
@@ -145,17 +148,20 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """
   wrapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
                              init=True)
-  if not remat:
-    return wrapped
-  wrapped = nn.remat(wrapped, **remat_kwargs)
+  if remat:
+    wrapped = nn.remat(wrapped, **remat_kwargs)
 
   class Layerwise(wrapped):
     """Per call of an unrolled block: a `custom_vjp` around the gathered,
     rematerialised block, its gathers tied to the block's input (forward)
-    and to the output's cotangent (backward); see the module docstring."""
+    and to the output's cotangent (backward); see the module docstring.
+    Inside a zerojax step every call says where it sits (`active`)."""
 
     def __call__(self, *args, **kwargs):
-      if not self._is_unit():
+      context = _ACTIVE.get()
+      if context is not None and not self.is_initializing():
+        context[2].add(tuple(self.scope.path))
+      if not (remat and self._is_unit()):
         return super().__call__(*args, **kwargs)
       names = tuple(kwargs)
       count = len(args)

@@ -335,12 +335,17 @@ def _update(state, grads, master, shardings, finite):
 
 
 def _global_norm(grads) -> jax.Array:
-  """The L2 norm over all gradient chunks, one read of each: `vdot` is one
-  pass, where `optax.tree.norm`'s square-then-sum writes a chunk-sized
-  temporary first on XLA's CPU backend (and clipping with optax would
-  compute the norm a second time)."""
-  return jnp.sqrt(sum(jnp.vdot(g, g, preferred_element_type=jnp.float32)
-                      for g in grads))
+  """The L2 norm over all gradient chunks, one read of each: a dot of each
+  chunk with itself over all its axes is one pass, where
+  `optax.tree.norm`'s square-then-sum writes a chunk-sized temporary first
+  on XLA's CPU backend (and clipping with optax would compute the norm a
+  second time). Not `jnp.vdot`: it flattens, and flattening a `[layers,
+  length]` chunk sharded on its last axis makes GSPMD gather it whole."""
+  def squares(g):
+    axes = tuple(range(g.ndim))
+    return jax.lax.dot_general(g, g, ((axes, axes), ((), ())),
+                               preferred_element_type=jnp.float32)
+  return jnp.sqrt(sum(squares(g) for g in grads))
 
 
 def _clip(grads, norm, max_norm) -> tuple:
