@@ -121,6 +121,55 @@ def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
   assert temp[True] < temp[False]
 
 
+def _tiny_lm_state(layerwise, scan, stacked):
+  model = ScannedLM(layers=2, width=32, vocab=64, layerwise=layerwise, scan=scan)
+  batch = _batches(model.vocab, batch=16, seq=8, steps=1)[0]
+  params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
+                        stacked=stacked)
+  return model, state, batch
+
+
+@pytest.mark.parametrize("layerwise,scan,want", [
+    (True, True, {"blocks": "per layer"}),
+    (True, False, {"blocks_0": "per block", "blocks_1": "per block"}),
+    (False, False, {"blocks_0": "whole step", "blocks_1": "whole step"}),
+])
+def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
+  model, state, batch = _tiny_lm_state(layerwise, scan,
+                                       ("blocks",) if scan else ())
+  modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
+  assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
+  assert [v for k, v in modes.items() if not k.startswith("blocks")] == [
+      "whole step"]                      # the embedding, final norm
+
+
+def test_a_stacked_model_without_the_opt_in_is_told_so(caplog):
+  model, state, batch = _tiny_lm_state(False, True, ("blocks",))
+  with caplog.at_level("WARNING", logger="zerojax"):
+    modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
+  assert modes["blocks"] == "whole step"
+  said = " ".join(r.getMessage() for r in caplog.records)
+  assert "not wrapped with zerojax.nn.layerwise" in said and "'blocks'" in said
+
+
+def test_an_error_in_the_model_surfaces_instead_of_choosing_a_gather():
+  """The opt-in is heard, not guessed by catching errors: a model that
+  fails while the step looks at it fails the step with its own error."""
+  model, state, batch = _tiny_lm_state(True, True, ("blocks",))
+  calls = []
+
+  def flaky(params, b):
+    calls.append(1)
+    if len(calls) == 1:
+      raise ZeroDivisionError("a bug in the model")
+    return _loss_fn(model)(params, b)
+
+  with pytest.raises(ZeroDivisionError, match="a bug in the model"):
+    zerojax.train_step(flaky)(state, batch)
+
+
 def test_create_equals_init_then_shard_and_stays_sharded():
   model = ScannedLM(layers=4, width=128, vocab=512, layerwise=False)
   tokens = jnp.zeros((1, 8), jnp.int32)

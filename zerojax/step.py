@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 import jax
@@ -33,6 +34,7 @@ from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
                            master_is_sharded, state_shardings)
 
 
+_log = logging.getLogger("zerojax")
 # metrics the step writes itself; a dict aux is merged beside them
 METRICS = ("loss", "grad_norm", "loss_scale", "skipped")
 
@@ -41,9 +43,10 @@ def _shard_shape(shape, n):
   return shape[:-1] + (shape[-1] // n,)
 
 
-def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
+def _grads_and_metrics(loss_fn, has_aux, state, batch, rng, modes):
   """Step 1: the shard_map program. Returns reduced gradient chunks (sharded
-  for stages 1-3, replicated for stage 0), the mean loss and mean aux."""
+  for stages 1-3, replicated for stage 0), the mean loss and mean aux;
+  fills `modes` with how each chunk is gathered (`gather_modes`)."""
   cfg, layout, mesh = state.config, state.layout, state.mesh
   ax, stage, k = cfg.axis_name, cfg.stage, cfg.accum_steps
   n = mesh.shape[ax]
@@ -58,13 +61,10 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
   scale = (state.loss_scale.scale if state.loss_scale is not None
            else jnp.ones((), jnp.float32))
   with_rng = rng is not None
-  # chunks a `zerojax.nn.layerwise` block may gather itself: layer stacks,
-  # then those and the unrolled blocks' (units)
-  layer_chunks = frozenset(c for c, ch in enumerate(layout.chunks) if ch.layers)
-  unit_chunks = frozenset(c for c, ch in enumerate(layout.chunks)
-                          if ch.stack is not None and not ch.layers)
-  candidates = ([layer_chunks | unit_chunks, layer_chunks] if stage == 3
-                else [])
+  # chunks a `zerojax.nn.layerwise` block may gather itself: layer stacks
+  # and unrolled blocks (units), each under its module's path
+  own_gather = {c: layout.stack_prefix(c) for c, ch in enumerate(layout.chunks)
+                if stage == 3 and ch.stack is not None}
   # Stage-3 shards kept in host memory are moved to the device by their
   # gather (per layer for layer chunks); their gradients go to device-side
   # slots (`collectives.gather_from_host`).
@@ -76,7 +76,8 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
                if with_rng else None)
 
-    def scaled_loss(diff, micro_batch, micro_rng, layerwise=frozenset()):
+    def scaled_loss(diff, micro_batch, micro_rng, layerwise=frozenset(),
+                    called=None):
       leaves = {}   # chunk -> its leaves, cut as it was gathered
       if stage == 3:
         chunks = [None if c in layerwise else
@@ -98,7 +99,7 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                                     diff, layerwise, host)
       else:
         params = layout.merge(chunks, rest, dtype=None, leaves=leaves)
-      with zero_nn.active(layout, cfg):
+      with zero_nn.active(layout, cfg, called):
         out = (loss_fn(params, micro_batch, micro_rng) if with_rng
                else loss_fn(params, micro_batch))
       loss, aux = _loss_and_aux(out, has_aux, _batch_size(micro_batch))
@@ -111,17 +112,19 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
     else:
       diff = tuple(jnp.zeros(p.shape, p.dtype) if c in host else p
                    for c, p in enumerate(params_in))
-    # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise);
-    # a model without it fails on the shard-form tree: gather whole chunks.
-    first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+    # Per-layer gathering needs the model's opt-in (zerojax.nn.layerwise):
+    # one abstract trace on the ordinary tree hears which blocks are
+    # wrapped (each says its module path); an error in it is the model's.
     layerwise = frozenset()
-    for candidate in dict.fromkeys(c for c in candidates if c):
-      try:
-        jax.eval_shape(lambda d: scaled_loss(d, first, dev_rng, candidate), diff)
-      except Exception:  # noqa: BLE001 - any failure: not opted in
-        continue
-      layerwise = candidate
-      break
+    if own_gather:
+      first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+      called = set()
+      jax.eval_shape(lambda d: scaled_loss(d, first, dev_rng, called=called),
+                     diff)
+      layerwise = frozenset(c for c, path in own_gather.items()
+                            if path in called)
+      _say_whole(layout, cfg, own_gather, layerwise)
+    modes.update(gather_modes(layout, stage, layerwise))
     grad_fn = jax.grad(functools.partial(scaled_loss, layerwise=layerwise),
                        has_aux=True)
     to_reduce = lambda g: tuple(x.astype(cfg.reduce_dtype) for x in g)
@@ -170,6 +173,38 @@ def _grads_and_metrics(loss_fn, has_aux, state, batch, rng):
                                    out_specs=out_specs, check_vma=False)(*args)
   aux = jax.tree_util.tree_map(lambda a, one: a[0] if one else a, aux, scalar[-1])
   return grads, loss, aux
+
+
+def gather_modes(layout, stage: int, layerwise: frozenset) -> dict:
+  """How a step gathers each chunk: `{name: mode}`, the name being the
+  stack or block a chunk belongs to ("blocks", "blocks_3") or "chunk <c>
+  (<its first leaf>)"; the mode "per layer" (a scanned stack whose block is
+  wrapped with `zerojax.nn.layerwise`), "per block" (an unrolled wrapped
+  block, gathered at each call), "whole step" (gathered once for the step's
+  forward and backward), or, below stage 3, "replicated" (never gathered)."""
+  out = {}
+  for c, chunk in enumerate(layout.chunks):
+    name = ("/".join(layout.stack_prefix(c)) if chunk.stack is not None else
+            f"chunk {c} ({layout.leaves[chunk.leaves[0]].path})")
+    out[name] = ("replicated" if stage < 3 else
+                 "whole step" if c not in layerwise else
+                 "per layer" if chunk.layers else "per block")
+  return out
+
+
+def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
+  """A scanned stack whose blocks are not wrapped is gathered whole, every
+  layer at once: legal, but not what `stacked=` at stage 3 is for."""
+  stacks = sorted({layout.chunks[c].stack for c in own_gather
+                   if c not in layerwise and layout.chunks[c].layers})
+  if stacks:
+    _log.warning(
+        "zerojax: stacked=%r at stage 3, but the blocks scanned under %s are "
+        "not wrapped with zerojax.nn.layerwise, so the step gathers all their "
+        "layers at once for the whole step (memory grows with depth). Wrap "
+        "the block class, Block = zerojax.nn.layerwise(Block), to gather one "
+        "layer at a time.", tuple(config.stacked),
+        ", ".join(map(repr, stacks)))
 
 
 def _batch_size(batch) -> int:
@@ -356,13 +391,14 @@ def _clip(grads, norm, max_norm) -> tuple:
                for g in grads)
 
 
-def _step(loss_fn, has_aux, state: ZeroTrainState, batch, rng):
+def _step(loss_fn, has_aux, modes, state: ZeroTrainState, batch, rng):
   cfg = state.config
   shardings = state_shardings(state)
   # Master chunks in host memory stay there: at stage 3 their gathers move
   # them to the device (one layer at a time for layer chunks), and `_update`
   # moves them along with their optimizer state.
-  grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng)
+  grads, loss, aux = _grads_and_metrics(loss_fn, has_aux, state, batch, rng,
+                                        modes)
 
   metrics = {"loss": loss}
   if state.loss_scale is not None:
@@ -442,13 +478,16 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     `step.trace(state, batch)` gives the traced program, e.g. for
     `.lower(lowering_platforms=("cuda",))`: what a GPU would run, host
     offload transfers included, lowered on any machine.
+    `step.gathering(state, batch)` says how the step gathers each chunk
+    (`gather_modes`: per layer, per block, whole step or replicated).
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
   for name, value in (("has_aux", has_aux), ("donate", donate)):
     if not isinstance(value, bool):
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
-  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux),
+  modes = {}   # filled when the step is traced (`step.gathering`)
+  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, modes),
                    donate_argnums=(0,) if donate else ())
 
   def prepare(state, batch):
@@ -486,4 +525,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to see them
   step.trace = lambda state, batch, rng=None: jitted.trace(
       state, prepare(state, batch), rng)
+
+  def gathering(state, batch, rng=None) -> dict:
+    modes.clear()
+    step.trace(state, batch, rng)
+    return dict(modes)
+
+  step.gathering = gathering
   return step
