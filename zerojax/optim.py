@@ -14,6 +14,7 @@ silently wrong on chunks.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Optional, Sequence
 
@@ -26,6 +27,18 @@ from zerojax import compat
 from zerojax.layout import ChunkLayout
 
 _PROBE_STEPS = 3
+# compiled probe programs kept for reuse: one `check_tx` compiles at most
+# five (the tree, two packings, two halves of one packing)
+_PROGRAMS_KEPT = 8
+_programs: collections.OrderedDict = collections.OrderedDict()
+
+
+def _hashable(key) -> bool:
+  try:
+    hash(key)
+  except TypeError:  # a tx holding unhashable parts
+    return False
+  return True
 
 
 def _cached(probe):
@@ -39,9 +52,7 @@ def _cached(probe):
     leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
     key = (tx, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
            tuple(tuple(a) if isinstance(a, list) else a for a in args))
-    try:
-      hash(key)
-    except TypeError:  # a tx holding unhashable parts: probe every time
+    if not _hashable(key):  # probe every time
       return probe(tx, abstract_params, *args)
     if key not in answers:
       answers[key] = probe(tx, abstract_params, *args)
@@ -67,14 +78,62 @@ def _run(tx, params, grads_seq):
   return outs
 
 
-def _run_probe(probe, *args):
+def _run_probe(key, probe, *args):
   """`probe(*args)` on a few-element surrogate, fetched as numpy. It runs on
   the host CPU whatever the default backend, compiled as cheaply as XLA
-  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost)."""
+  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost).
+
+  `key` names what, beside the arguments' types, decides the program (the
+  tx, the tree or packing it runs on); a program is compiled once per key
+  and then run on other values: the tree's run serves `leaf_labels` (equal
+  values) and `check_elementwise` (random values), a packing's run serves
+  `check_elementwise` and `check_separable` (large gradients)."""
+  options = compat.compiler_options(backend="cpu")
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  key = (key, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
+         tuple(sorted(options.items())))
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    compiled = jax.jit(probe).lower(*args).compile(
-        compiler_options=compat.compiler_options(backend="cpu"))
+    compiled = _programs.get(key) if _hashable(key) else None
+    if compiled is None:
+      compiled = jax.jit(probe).lower(*args).compile(compiler_options=options)
+      if _hashable(key):
+        _programs[key] = compiled
+        while len(_programs) > _PROGRAMS_KEPT:
+          _programs.popitem(last=False)
+    else:
+      _programs.move_to_end(key)
     return jax.device_get(compiled(*args))
+
+
+def _tree_updates(tx, treedef, params: list, grads: list) -> list:
+  """Per step, the update leaves of `tx` on the tree of `params` (leaves;
+  `grads`: per step, leaves)."""
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  return _run_probe(
+      ("tree", tx, treedef),
+      lambda p, gs: [treedef.flatten_up_to(u)
+                     for u in _run(tx, unflat(p), [unflat(g) for g in gs])],
+      params, grads)
+
+
+def _chunk_updates(tx, layout: ChunkLayout, chunks: list, grads: list,
+                   only: Optional[frozenset] = None) -> list:
+  """Per step, the update chunks of `tx` on the views of `chunks` (those in
+  `only`, default all; None for the others); `grads`: per step, chunks."""
+  def probe(chunks, grads):
+    views = lambda cs: layout.views(cs, only=only)
+    return [layout.from_views(u, only)
+            for u in _run(tx, views(chunks), [views(g) for g in grads])]
+  return _run_probe(("chunks", tx, layout, only), probe, chunks, grads)
+
+
+def _packed(layout: ChunkLayout, params: list, grads: list) -> tuple:
+  """(the chunks of the parameter leaves, per step the chunks of the
+  gradient leaves), packed on the host: a probe's cost is its compile, which
+  then holds `tx` and the views alone, not a pack and unpack per leaf."""
+  pack = lambda leaves: [layout.pack_chunk(c, leaves, xp=np)
+                         for c in range(len(layout.chunks))]
+  return pack(params), [pack(g) for g in grads]
 
 
 def _is_float(leaf) -> bool:
@@ -95,9 +154,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
   grads = [[np.full(s, v, x.dtype) if t else np.zeros(s, x.dtype)
             for s, x, t in zip(shapes, leaves, trainable)]
            for v in (0.3, -0.55, 0.9)]
-  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-  outs = _run_probe(lambda p, gs: _run(tx, unflat(p), [unflat(g) for g in gs]),
-                    params, grads)
+  outs = _tree_updates(tx, treedef, params, grads)
   signatures = {}
   labels = []
   for i, (x, t) in enumerate(zip(leaves, trainable)):
@@ -108,7 +165,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
         None if np.size(leaf) == 0 else
         float(np.format_float_positional(np.ravel(np.asarray(leaf, np.float32))[0],
                                          precision=6, unique=False, fractional=False))
-        for leaf in (jax.tree_util.tree_leaves(o)[i] for o in outs))
+        for leaf in (o[i] for o in outs))
     labels.append(signatures.setdefault(sig, len(signatures)))
   return tuple(labels)
 
@@ -168,31 +225,13 @@ def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
   return treedef, surrogate, params, grads
 
 
-def _packed(layout: ChunkLayout, params: list, grads: list) -> tuple:
-  """(the chunks of the parameter leaves, per step the chunks of the
-  gradient leaves), packed on the host: a probe's cost is its compile, which
-  then holds `tx` and the views alone, not a pack and unpack per leaf."""
-  pack = lambda leaves: [layout.pack_chunk(c, leaves, xp=np)
-                         for c in range(len(layout.chunks))]
-  return pack(params), [pack(g) for g in grads]
-
-
-def _run_on_chunks(tx, layout: ChunkLayout, chunks, grads_seq, only=None):
-  """`_run` of `tx` on the views of `chunks` (those in `only`, default all):
-  per step, the update chunks (None outside `only`)."""
-  views = lambda cs: layout.views(cs, only=only)
-  return [layout.from_views(u, only)
-          for u in _run(tx, views(chunks), [views(g) for g in grads_seq])]
-
-
 @_cached
 def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
   """Why running `tx` on chunk views differs from running it on the tree.
 
-  One jitted probe runs `tx` on a small surrogate tree (random values, each
-  axis capped at 3) and on two packings of it: many leaves per chunk
-  (exposes per-tensor reductions) and small padded chunks (exposes updates
-  that move zeros).
+  Runs `tx` on a small surrogate tree (random values, each axis capped at
+  3) and on two packings of it: many leaves per chunk (exposes per-tensor
+  reductions) and small padded chunks (exposes updates that move zeros).
   """
   treedef, surrogate, params, grads = _random_surrogate(abstract_params,
                                                        trainable)
@@ -201,17 +240,10 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
                                trainable=trainable, labels=labels,
                                stacked=stacked)
              for size in (sum(int(np.prod(s)) for s in shapes) + 1, 5)]
-  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-
-  def probe(p, gs, packed):
-    reference = [treedef.flatten_up_to(u)
-                 for u in _run(tx, unflat(p), [unflat(g) for g in gs])]
-    return reference, [_run_on_chunks(tx, layout, *chunks)
-                       for layout, chunks in zip(layouts, packed)]
-
   try:
-    reference, chunked = _run_probe(
-        probe, params, grads, [_packed(layout, params, grads) for layout in layouts])
+    reference = _tree_updates(tx, treedef, params, grads)
+    chunked = [_chunk_updates(tx, layout, *_packed(layout, params, grads))
+               for layout in layouts]
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
   for layout, outs in zip(layouts, chunked):
@@ -266,21 +298,18 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   over all of them (a transformation that reads every gradient at once:
   `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
   (x1000) so that clipping thresholds are crossed."""
-  treedef, surrogate, params, grads = _random_surrogate(
+  _, surrogate, params, grads = _random_surrogate(
       abstract_params, trainable, grad_scale=1e3)
   layout = ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
                              trainable=trainable, labels=labels, stacked=stacked)
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
-
-  def probe(chunks, grads_seq):
-    return (_run_on_chunks(tx, layout, chunks, grads_seq),
-            [_run_on_chunks(tx, layout, chunks, grads_seq, part)
-             for part in parts])
-
+  chunks, chunk_grads = _packed(layout, params, grads)
   try:
-    whole, split = _run_probe(probe, *_packed(layout, params, grads))
+    whole = _chunk_updates(tx, layout, chunks, chunk_grads)
+    split = [_chunk_updates(tx, layout, chunks, chunk_grads, part)
+             for part in parts]
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
     return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
   for part, outs in zip(parts, split):
