@@ -68,12 +68,19 @@ def _surrogate_shapes(abstract_params) -> list:
 
 
 def _run(tx, params, grads_seq):
-  """Updates of `tx` over a sequence of gradients (plain optax semantics)."""
+  """Updates of `tx` over a sequence of gradients (plain optax semantics).
+
+  A step is traced once for all steps of equal input types and inlined
+  into the probe's program (tracing `tx` costs as much as compiling it)."""
+  @functools.partial(jax.jit, inline=True)
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return updates, state, optax.apply_updates(params, updates)
+
   state = tx.init(params)
   outs = []
   for grads in grads_seq:
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    updates, state, params = step(grads, state, params)
     outs.append(updates)
   return outs
 
