@@ -27,8 +27,9 @@ from zerojax import compat
 from zerojax.layout import ChunkLayout
 
 _PROBE_STEPS = 3
-# compiled probe programs kept for reuse: one `check_tx` compiles at most
-# five (the tree, two packings, two halves of one packing)
+# compiled probe programs kept for reuse (least recently used dropped): one
+# `check_tx` compiles at most three (the tree, the two packings, two halves
+# of a packing); each holds its tx alive
 _PROGRAMS_KEPT = 8
 _programs: collections.OrderedDict = collections.OrderedDict()
 
@@ -70,8 +71,9 @@ def _surrogate_shapes(abstract_params) -> list:
 def _run(tx, params, grads_seq):
   """Updates of `tx` over a sequence of gradients (plain optax semantics).
 
-  A step is traced once for all steps of equal input types and inlined
-  into the probe's program (tracing `tx` costs as much as compiling it)."""
+  A step is one jitted function inlined into the probe's program: traced
+  once for all steps of equal input types, not once per step (tracing is
+  a fifth to a third of a probe's cost); the compiled program is the same."""
   @functools.partial(jax.jit, inline=True)
   def step(grads, state, params):
     updates, state = tx.update(grads, state, params)
@@ -91,24 +93,24 @@ def _run_probe(key, probe, *args):
   allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost).
 
   `key` names what, beside the arguments' types, decides the program (the
-  tx, the tree or packing it runs on); a program is compiled once per key
+  tx, the tree or packings it runs on); a program is compiled once per key
   and then run on other values: the tree's run serves `leaf_labels` (equal
-  values) and `check_elementwise` (random values), a packing's run serves
+  values) and `check_elementwise` (random values), the packings' run
   `check_elementwise` and `check_separable` (large gradients)."""
   options = compat.compiler_options(backend="cpu")
   leaves, treedef = jax.tree_util.tree_flatten(args)
   key = (key, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
          tuple(sorted(options.items())))
+  keep = _hashable(key)   # else compiled every time
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    compiled = _programs.get(key) if _hashable(key) else None
+    compiled = _programs.get(key) if keep else None
     if compiled is None:
       compiled = jax.jit(probe).lower(*args).compile(compiler_options=options)
-      if _hashable(key):
-        _programs[key] = compiled
-        while len(_programs) > _PROGRAMS_KEPT:
-          _programs.popitem(last=False)
-    else:
+    if keep:
+      _programs[key] = compiled
       _programs.move_to_end(key)
+      while len(_programs) > _PROGRAMS_KEPT:
+        _programs.popitem(last=False)
     return jax.device_get(compiled(*args))
 
 
@@ -123,24 +125,38 @@ def _tree_updates(tx, treedef, params: list, grads: list) -> list:
       params, grads)
 
 
-def _chunk_updates(tx, layout: ChunkLayout, chunks: list, grads: list,
-                   only: Optional[frozenset] = None) -> list:
-  """Per step, the update chunks of `tx` on the views of `chunks` (those in
-  `only`, default all; None for the others); `grads`: per step, chunks."""
-  def probe(chunks, grads):
-    views = lambda cs: layout.views(cs, only=only)
-    return [layout.from_views(u, only)
-            for u in _run(tx, views(chunks), [views(g) for g in grads])]
-  return _run_probe(("chunks", tx, layout, only), probe, chunks, grads)
+def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
+  """Per run `(layout, only)`: per step, the update chunks of `tx` on the
+  views of the chunks in `only` (None: all; None for the others) packed
+  from `params` (leaves; `grads`: per step, leaves). One program for all
+  runs: a program's fixed cost is a good part of a small tree's probe.
+
+  The packing happens on the host: the compiled program then holds `tx` and
+  the views alone, not a pack and unpack per leaf and step."""
+  def probe(packed):
+    outs = []
+    for (layout, only), (chunks, chunk_grads) in zip(runs, packed):
+      views = lambda cs, layout=layout, only=only: layout.views(cs, only=only)
+      outs.append([layout.from_views(u, only) for u in
+                   _run(tx, views(chunks), [views(g) for g in chunk_grads])])
+    return outs
+
+  pack = lambda layout, leaves: [layout.pack_chunk(c, leaves, xp=np)
+                                 for c in range(len(layout.chunks))]
+  packed = [(pack(layout, params), [pack(layout, g) for g in grads])
+            for layout, _ in runs]
+  return _run_probe(("chunks", tx, runs), probe, packed)
 
 
-def _packed(layout: ChunkLayout, params: list, grads: list) -> tuple:
-  """(the chunks of the parameter leaves, per step the chunks of the
-  gradient leaves), packed on the host: a probe's cost is its compile, which
-  then holds `tx` and the views alone, not a pack and unpack per leaf."""
-  pack = lambda leaves: [layout.pack_chunk(c, leaves, xp=np)
-                         for c in range(len(layout.chunks))]
-  return pack(params), [pack(g) for g in grads]
+def _packings(surrogate, trainable, labels, stacked) -> tuple:
+  """The runs (`_chunk_updates`) of `tx` on all chunks of two packings of
+  the surrogate: many leaves per chunk (exposes per-tensor reductions) and
+  small padded chunks (exposes updates that move zeros)."""
+  size = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(surrogate))
+  return tuple((ChunkLayout.build(surrogate, num_shards=2, chunk_size=chunk_size,
+                                  trainable=trainable, labels=labels,
+                                  stacked=stacked), None)
+               for chunk_size in (size + 1, 5))
 
 
 def _is_float(leaf) -> bool:
@@ -237,23 +253,17 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   """Why running `tx` on chunk views differs from running it on the tree.
 
   Runs `tx` on a small surrogate tree (random values, each axis capped at
-  3) and on two packings of it: many leaves per chunk (exposes per-tensor
-  reductions) and small padded chunks (exposes updates that move zeros).
+  3) and on its two `_packings`.
   """
   treedef, surrogate, params, grads = _random_surrogate(abstract_params,
                                                        trainable)
-  shapes = [x.shape for x in jax.tree_util.tree_leaves(surrogate)]
-  layouts = [ChunkLayout.build(surrogate, num_shards=2, chunk_size=size,
-                               trainable=trainable, labels=labels,
-                               stacked=stacked)
-             for size in (sum(int(np.prod(s)) for s in shapes) + 1, 5)]
+  runs = _packings(surrogate, trainable, labels, stacked)
   try:
     reference = _tree_updates(tx, treedef, params, grads)
-    chunked = [_chunk_updates(tx, layout, *_packed(layout, params, grads))
-               for layout in layouts]
+    chunked = _chunk_updates(tx, runs, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
-  for layout, outs in zip(layouts, chunked):
+  for (layout, _), outs in zip(runs, chunked):
     why = _compare(layout, reference, outs)
     if why is not None:
       return why
@@ -304,19 +314,19 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   """Why updating chunks in two separate calls of `tx` differs from one call
   over all of them (a transformation that reads every gradient at once:
   `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
-  (x1000) so that clipping thresholds are crossed."""
+  (x1000) so that clipping thresholds are crossed. The whole run is the
+  small padded packing's run of `_chunked_mismatch` (the same program)."""
   _, surrogate, params, grads = _random_surrogate(
       abstract_params, trainable, grad_scale=1e3)
-  layout = ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
-                             trainable=trainable, labels=labels, stacked=stacked)
+  runs = _packings(surrogate, trainable, labels, stacked)
+  layout = runs[1][0]
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
-  chunks, chunk_grads = _packed(layout, params, grads)
   try:
-    whole = _chunk_updates(tx, layout, chunks, chunk_grads)
-    split = [_chunk_updates(tx, layout, chunks, chunk_grads, part)
-             for part in parts]
+    whole = _chunk_updates(tx, runs, params, grads)[1]
+    split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
+                           grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
     return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
   for part, outs in zip(parts, split):
