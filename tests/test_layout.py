@@ -85,6 +85,30 @@ def test_views_round_trip(tree, num_shards):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@settings(max_examples=50, deadline=None)
+@given(tree=trees, num_shards=st.integers(1, 8),
+       chunk_size=st.integers(1, 40), stacked=st.booleans())
+def test_host_packing_matches_the_device_and_cuts_leaves_back(
+    tree, num_shards, chunk_size, stacked):
+  """`pack_chunk(xp=numpy)` and `host_leaf` (the optimizer probes' packing
+  on the host) against the leaves themselves and the device packing."""
+  if stacked:   # a layer stack beside the drawn tree
+    tree = {"blocks": {"k": jnp.arange(3 * 4 * 5.0).reshape(3, 4, 5),
+                       "b": jnp.arange(3 * 5.0).reshape(3, 5)}, "t": tree}
+  layout = ChunkLayout.build(jax.eval_shape(lambda t: t, tree), num_shards,
+                             chunk_size=chunk_size,
+                             stacked=("blocks",) if stacked else ())
+  leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+  host = [layout.pack_chunk(c, leaves, xp=np) for c in range(len(layout.chunks))]
+  for arr, device in zip(host, layout.split(tree)[0]):
+    assert isinstance(arr, np.ndarray) and arr.dtype == device.dtype
+    np.testing.assert_array_equal(arr, np.asarray(device))
+  for i, info in enumerate(layout.leaves):
+    if info.chunk >= 0:
+      np.testing.assert_array_equal(layout.host_leaf(i, host[info.chunk]),
+                                    leaves[i])
+
+
 def test_large_leaf_gets_its_own_chunk_and_order_is_kept():
   tree = {"a": jnp.ones(3), "b": jnp.ones(50), "c": jnp.ones(4), "d": jnp.ones(5)}
   layout = ChunkLayout.build(tree, 4, chunk_size=10)

@@ -165,3 +165,42 @@ def test_factored_statistics_are_refused():
       apply_fn=model.apply, params=params, tx=optax.scale_by_factored_rms())
   with pytest.raises(ValueError, match="per-tensor statistics"):
     zerojax.shard(state, stage=3)
+
+
+@pytest.mark.parametrize("kind,offload,programs,runs", [
+    ("mlp", False, 2, 3), ("transformer", False, 2, 3),
+    ("transformer", True, 3, 5)])
+def test_probe_cost_is_a_few_programs_tracing_the_update_once(
+    monkeypatch, kind, offload, programs, runs):
+  """The first shard()'s probe cost is compiling the probe programs, which
+  grows with what they trace: a new tx costs two programs (its run on the
+  tree; on two packings), three with offload (on two halves of a packing),
+  whatever the number of leaves; each run of tx (the tree, each packing,
+  each half) traces tx.update once for all its steps, and no program packs
+  chunks (packing happens on the host). A second check of the same tx and
+  tree costs nothing."""
+  zerojax.compat.compiler_options(backend="cpu")  # its one-off checks
+  _, params, _, _ = make_problem(kind)
+  adam = optax.adam(1e-3)
+  updates_traced = []
+
+  def update(grads, state, params=None):
+    updates_traced.append(1)
+    return adam.update(grads, state, params)
+
+  tx = optax.GradientTransformation(adam.init, update)
+  compiled = []
+  compile = jax.stages.Lowered.compile
+
+  def counting_compile(lowered, *args, **kwargs):
+    compiled.append("concatenate" in lowered.as_text())
+    return compile(lowered, *args, **kwargs)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", counting_compile)
+  config = zerojax.ZeroConfig(stage=3, offload_optimizer=offload)
+  zerojax.state.check_tx(tx, params, config)
+  assert not any(compiled), "a probe program packs or unpacks chunks"
+  assert len(updates_traced) == runs, "tx.update traced once per step"
+  assert len(compiled) == programs
+  zerojax.state.check_tx(tx, params, config)
+  assert (len(compiled), len(updates_traced)) == (programs, runs)

@@ -375,16 +375,18 @@ class ChunkLayout:
     rest = tuple(leaves[i] for i in self.rest_indices)
     return chunks, rest
 
-  def pack_chunk(self, c: int, leaves: Sequence[Any], dtype: Any = None):
-    """Chunk `c` built from `leaves` (indexed like `self.leaves`)."""
+  def pack_chunk(self, c: int, leaves: Sequence[Any], dtype: Any = None,
+                 xp: Any = jnp):
+    """Chunk `c` built from `leaves` (indexed like `self.leaves`); with
+    `xp=numpy`, from host arrays on the host, without device work."""
     chunk = self.chunks[c]
     dt = chunk.dtype if dtype is None else dtype
     lead = (chunk.layers,) if chunk.layers else ()
-    parts = [jnp.reshape(leaves[i], lead + (-1,)).astype(dt)
+    parts = [xp.reshape(leaves[i], lead + (-1,)).astype(dt)
              for i in chunk.leaves]
     if chunk.padding:
-      parts.append(jnp.zeros(lead + (chunk.padding,), dt))
-    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+      parts.append(xp.zeros(lead + (chunk.padding,), dt))
+    return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
   def unpack_chunk(self, c: int, arr: Any, per_layer: bool = False) -> list:
     """The leaves of chunk `c` (in `chunks[c].leaves` order) cut from `arr`,
@@ -405,6 +407,13 @@ class ChunkLayout:
                           else sizes, axis=-1)
     return [jnp.reshape(part, info.shape[1:] if per_layer else info.shape)
             for part, info in zip(parts, infos)]
+
+  def host_leaf(self, i: int, chunk: np.ndarray) -> np.ndarray:
+    """Leaf `i` cut from a host copy of its chunk (shape
+    `chunks[leaves[i].chunk].shape`): `unpack_chunk` without device work."""
+    info = self.leaves[i]
+    return np.reshape(chunk[..., info.offset:info.offset + info.size],
+                      info.shape)
 
   def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
             dtype: Any = "leaf", skip: frozenset = frozenset(),

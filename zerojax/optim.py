@@ -14,6 +14,7 @@ silently wrong on chunks.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Optional, Sequence
 
@@ -26,6 +27,19 @@ from zerojax import compat
 from zerojax.layout import ChunkLayout
 
 _PROBE_STEPS = 3
+# compiled probe programs kept for reuse (least recently used dropped): one
+# `check_tx` compiles at most three (the tree, the two packings, two halves
+# of a packing); each holds its tx alive
+_PROGRAMS_KEPT = 8
+_programs: collections.OrderedDict = collections.OrderedDict()
+
+
+def _hashable(key) -> bool:
+  try:
+    hash(key)
+  except TypeError:  # a tx holding unhashable parts
+    return False
+  return True
 
 
 def _cached(probe):
@@ -39,9 +53,7 @@ def _cached(probe):
     leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
     key = (tx, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
            tuple(tuple(a) if isinstance(a, list) else a for a in args))
-    try:
-      hash(key)
-    except TypeError:  # a tx holding unhashable parts: probe every time
+    if not _hashable(key):  # probe every time
       return probe(tx, abstract_params, *args)
     if key not in answers:
       answers[key] = probe(tx, abstract_params, *args)
@@ -57,24 +69,94 @@ def _surrogate_shapes(abstract_params) -> list:
 
 
 def _run(tx, params, grads_seq):
-  """Updates of `tx` over a sequence of gradients (plain optax semantics)."""
+  """Updates of `tx` over a sequence of gradients (plain optax semantics).
+
+  A step is one jitted function inlined into the probe's program: traced
+  once for all steps of equal input types, not once per step (tracing is
+  a fifth to a third of a probe's cost); the compiled program is the same."""
+  @functools.partial(jax.jit, inline=True)
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return updates, state, optax.apply_updates(params, updates)
+
   state = tx.init(params)
   outs = []
   for grads in grads_seq:
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    updates, state, params = step(grads, state, params)
     outs.append(updates)
   return outs
 
 
-def _run_probe(probe, *args):
+def _run_probe(key, probe, *args):
   """`probe(*args)` on a few-element surrogate, fetched as numpy. It runs on
   the host CPU whatever the default backend, compiled as cheaply as XLA
-  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost)."""
+  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost).
+
+  `key` names what, beside the arguments' types, decides the program (the
+  tx, the tree or packings it runs on); a program is compiled once per key
+  and then run on other values: the tree's run serves `leaf_labels` (equal
+  values) and `check_elementwise` (random values), the packings' run
+  `check_elementwise` and `check_separable` (large gradients)."""
+  options = compat.compiler_options(backend="cpu")
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  key = (key, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
+         tuple(sorted(options.items())))
+  keep = _hashable(key)   # else compiled every time
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    compiled = jax.jit(probe).lower(*args).compile(
-        compiler_options=compat.compiler_options(backend="cpu"))
+    compiled = _programs.get(key) if keep else None
+    if compiled is None:
+      compiled = jax.jit(probe).lower(*args).compile(compiler_options=options)
+    if keep:
+      _programs[key] = compiled
+      _programs.move_to_end(key)
+      while len(_programs) > _PROGRAMS_KEPT:
+        _programs.popitem(last=False)
     return jax.device_get(compiled(*args))
+
+
+def _tree_updates(tx, treedef, params: list, grads: list) -> list:
+  """Per step, the update leaves of `tx` on the tree of `params` (leaves;
+  `grads`: per step, leaves)."""
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  return _run_probe(
+      ("tree", tx, treedef),
+      lambda p, gs: [treedef.flatten_up_to(u)
+                     for u in _run(tx, unflat(p), [unflat(g) for g in gs])],
+      params, grads)
+
+
+def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
+  """Per run `(layout, only)`: per step, the update chunks of `tx` on the
+  views of the chunks in `only` (None: all; None for the others) packed
+  from `params` (leaves; `grads`: per step, leaves). One program for all
+  runs: a program's fixed cost is a good part of a small tree's probe.
+
+  The packing happens on the host: the compiled program then holds `tx` and
+  the views alone, not a pack and unpack per leaf and step."""
+  def probe(packed):
+    outs = []
+    for (layout, only), (chunks, chunk_grads) in zip(runs, packed):
+      views = lambda cs, layout=layout, only=only: layout.views(cs, only=only)
+      outs.append([layout.from_views(u, only) for u in
+                   _run(tx, views(chunks), [views(g) for g in chunk_grads])])
+    return outs
+
+  pack = lambda layout, leaves: [layout.pack_chunk(c, leaves, xp=np)
+                                 for c in range(len(layout.chunks))]
+  packed = [(pack(layout, params), [pack(layout, g) for g in grads])
+            for layout, _ in runs]
+  return _run_probe(("chunks", tx, runs), probe, packed)
+
+
+def _packings(surrogate, trainable, labels, stacked) -> tuple:
+  """The runs (`_chunk_updates`) of `tx` on all chunks of two packings of
+  the surrogate: many leaves per chunk (exposes per-tensor reductions) and
+  small padded chunks (exposes updates that move zeros)."""
+  size = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(surrogate))
+  return tuple((ChunkLayout.build(surrogate, num_shards=2, chunk_size=chunk_size,
+                                  trainable=trainable, labels=labels,
+                                  stacked=stacked), None)
+               for chunk_size in (size + 1, 5))
 
 
 def _is_float(leaf) -> bool:
@@ -95,9 +177,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
   grads = [[np.full(s, v, x.dtype) if t else np.zeros(s, x.dtype)
             for s, x, t in zip(shapes, leaves, trainable)]
            for v in (0.3, -0.55, 0.9)]
-  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-  outs = _run_probe(lambda p, gs: _run(tx, unflat(p), [unflat(g) for g in gs]),
-                    params, grads)
+  outs = _tree_updates(tx, treedef, params, grads)
   signatures = {}
   labels = []
   for i, (x, t) in enumerate(zip(leaves, trainable)):
@@ -108,7 +188,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
         None if np.size(leaf) == 0 else
         float(np.format_float_positional(np.ravel(np.asarray(leaf, np.float32))[0],
                                          precision=6, unique=False, fractional=False))
-        for leaf in (jax.tree_util.tree_leaves(o)[i] for o in outs))
+        for leaf in (o[i] for o in outs))
     labels.append(signatures.setdefault(sig, len(signatures)))
   return tuple(labels)
 
@@ -172,39 +252,18 @@ def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
 def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
   """Why running `tx` on chunk views differs from running it on the tree.
 
-  One jitted probe runs `tx` on a small surrogate tree (random values, each
-  axis capped at 3) and on two packings of it: many leaves per chunk
-  (exposes per-tensor reductions) and small padded chunks (exposes updates
-  that move zeros).
+  Runs `tx` on a small surrogate tree (random values, each axis capped at
+  3) and on its two `_packings`.
   """
   treedef, surrogate, params, grads = _random_surrogate(abstract_params,
                                                        trainable)
-  shapes = [x.shape for x in jax.tree_util.tree_leaves(surrogate)]
-  layouts = [ChunkLayout.build(surrogate, num_shards=2, chunk_size=size,
-                               trainable=trainable, labels=labels,
-                               stacked=stacked)
-             for size in (sum(int(np.prod(s)) for s in shapes) + 1, 5)]
-  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-
-  def probe(p, gs):
-    reference = [treedef.flatten_up_to(u)
-                 for u in _run(tx, unflat(p), [unflat(g) for g in gs])]
-    chunked = []
-    for layout in layouts:
-      views = lambda ls: layout.views(layout.split(unflat(ls))[0])
-      outs = []
-      for out in _run(tx, views(p), [views(g) for g in gs]):
-        chunks = layout.from_views(out)
-        rest = [jnp.zeros(())] * len(layout.rest_indices)
-        outs.append((chunks, treedef.flatten_up_to(layout.merge(chunks, rest))))
-      chunked.append(outs)
-    return reference, chunked
-
+  runs = _packings(surrogate, trainable, labels, stacked)
   try:
-    reference, chunked = _run_probe(probe, params, grads)
+    reference = _tree_updates(tx, treedef, params, grads)
+    chunked = _chunk_updates(tx, runs, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
-  for layout, outs in zip(layouts, chunked):
+  for (layout, _), outs in zip(runs, chunked):
     why = _compare(layout, reference, outs)
     if why is not None:
       return why
@@ -213,15 +272,15 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
 
 def _compare(layout, reference, chunked) -> Optional[str]:
   """`reference`: per step, the tree's update leaves; `chunked`: per step,
-  (update chunks, update leaves read back from them); numpy arrays."""
-  for want, (out_chunks, got) in zip(reference, chunked):
+  the update chunks; numpy arrays."""
+  for want, out_chunks in zip(reference, chunked):
     for c, chunk in enumerate(layout.chunks):
       if chunk.padding and np.any(out_chunks[c][..., chunk.used:]):
         return "it moves zero padding (its update of a zero is not zero)"
     for i, info in enumerate(layout.leaves):
       if info.chunk >= 0 and not np.allclose(
-          np.asarray(got[i], np.float32), np.asarray(want[i], np.float32),
-          rtol=1e-4, atol=1e-6):
+          np.asarray(layout.host_leaf(i, out_chunks[info.chunk]), np.float32),
+          np.asarray(want[i], np.float32), rtol=1e-4, atol=1e-6):
         return (f"its update of {info.path} depends on how leaves are packed "
                 "(it reads whole tensors, e.g. per-tensor norms or factored "
                 "moments)")
@@ -255,35 +314,25 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   """Why updating chunks in two separate calls of `tx` differs from one call
   over all of them (a transformation that reads every gradient at once:
   `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
-  (x1000) so that clipping thresholds are crossed."""
-  treedef, surrogate, params, grads = _random_surrogate(
+  (x1000) so that clipping thresholds are crossed. The whole run is the
+  small padded packing's run of `_chunked_mismatch` (the same program)."""
+  _, surrogate, params, grads = _random_surrogate(
       abstract_params, trainable, grad_scale=1e3)
-  layout = ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
-                             trainable=trainable, labels=labels, stacked=stacked)
+  runs = _packings(surrogate, trainable, labels, stacked)
+  layout = runs[1][0]
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
-  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
-
-  def probe(p, gs):
-    views = lambda ls, only=None: layout.views(layout.split(unflat(ls))[0],
-                                               only=only)
-    whole = [layout.from_views(u) for u in
-             _run(tx, views(p), [views(g) for g in gs])]
-    split = [[treedef.flatten_up_to(u) for u in
-              _run(tx, views(p, part), [views(g, part) for g in gs])]
-             for part in parts]
-    return whole, split
-
   try:
-    whole, split = _run_probe(probe, params, grads)
+    whole = _chunk_updates(tx, runs, params, grads)[1]
+    split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
+                           grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
     return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
   for part, outs in zip(parts, split):
     for want, got in zip(whole, outs):
       for c in part:
-        mine = np.reshape(got[layout.representative(c)], layout.chunks[c].shape)
-        if not np.allclose(np.asarray(mine, np.float32),
+        if not np.allclose(np.asarray(got[c], np.float32),
                            np.asarray(want[c], np.float32), rtol=1e-4, atol=1e-6):
           return ("its update of one chunk depends on the other chunks' "
                   "gradients (e.g. clip_by_global_norm or apply_if_finite "

@@ -267,8 +267,9 @@ def _extra_fields(state) -> tuple:
 
 
 def check_tx(tx, params, config: ZeroConfig) -> tuple:
-  """The optimizer probes (`optim`, a compile each, cached per tx and tree):
-  the leaves' optimizer classes; raises when `tx` cannot run on chunks."""
+  """The optimizer probes (`optim`: two small compiled programs, three with
+  offload, cached per tx and tree): the leaves' optimizer classes; raises
+  when `tx` cannot run on chunks."""
   abstract = jax.eval_shape(lambda p: p, params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
