@@ -53,6 +53,7 @@ import numpy as np
 
 from zerojax import offload
 from zerojax.memory import compiled_footprint, per_device_bytes
+from zerojax.policy import policy
 from zerojax.state import ZeroTrainState, state_shardings
 from zerojax.step import train_step
 
@@ -99,7 +100,9 @@ def offload_ladder(state: ZeroTrainState) -> list:
   cfg, layout = state.config, state.layout
   none = {"offload_optimizer": False, "offload_params": False,
           "offload_fraction": 1.0}
-  if cfg.stage == 0 or not _has_host_memory(state.mesh):
+  pol = policy(cfg)
+  # replicated optimizer state (stage 0) has no shard to offload
+  if not pol.optimizer_sharded or not _has_host_memory(state.mesh):
     return [none]
   sizes = [int(np.prod(c.shape)) * c.dtype.itemsize for c in layout.chunks]
   total = sum(sizes)
@@ -110,7 +113,7 @@ def offload_ladder(state: ZeroTrainState) -> list:
     fraction = 1.0 if i == len(sizes) - 1 else cumulative / total
     candidates.append({"offload_optimizer": True, "offload_params": False,
                        "offload_fraction": fraction})
-  if cfg.stage == 3:
+  if pol.gathers_params:   # parameter shards exist only at stage 3
     candidates.append({"offload_optimizer": True, "offload_params": True,
                        "offload_fraction": 1.0})
   ladder, seen = [], set()
@@ -232,7 +235,7 @@ def _has_host_memory(mesh) -> bool:
 
 
 def _why_no_more(state) -> str:
-  if state.config.stage == 0:
+  if not policy(state.config).optimizer_sharded:
     return "Stage 0 cannot offload (use stage >= 1). "
   if not _has_host_memory(state.mesh):
     return (f"The devices have no {offload.HOST!r} memory, so nothing can be "

@@ -27,8 +27,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import memory, optim, precision, reshard
+from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, _config_and_mesh, chunk_spec,
-                           master_is_sharded, plan_layout, state_shardings)
+                           plan_layout, state_shardings)
 
 
 @dataclasses.dataclass
@@ -118,15 +119,16 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
                        mesh.shape[config.axis_name])
   rep = NamedSharding(mesh, P())
-  with_compute = config.stage in (1, 2) and config.mixed_precision
+  pol = policy(config)
 
   def leaves_of(rng):
     return layout.treedef.flatten_up_to(init_fn(rng))
 
   def chunk_programs(c):
     chunk = layout.chunks[c]
-    cast = reshard.cast_program(config.compute_dtype, rep) if with_compute else None
-    if not master_is_sharded(config):
+    cast = (reshard.cast_program(config.compute_dtype, rep)
+            if pol.compute_copy else None)
+    if not pol.master_sharded:
       return _ChunkPrograms(
           jax.jit(lambda rng: layout.pack_chunk(c, leaves_of(rng)),
                   out_shardings=rep), [], cast)

@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from zerojax import offload, optim, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.layout import ChunkLayout, repeated_blocks
+from zerojax.policy import policy
 
 _log = logging.getLogger("zerojax")
 _TRAIN_STATE_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
@@ -84,10 +85,6 @@ class ZeroTrainState(struct.PyTreeNode):
 
 
 # ---- placement ---------------------------------------------------------------
-def master_is_sharded(config: ZeroConfig) -> bool:
-  return config.stage == 3 or (config.stage in (1, 2) and config.mixed_precision)
-
-
 def chunk_spec(ndim: int, axis_name: str) -> P:
   """A chunk (or chunk view) sharded on its last axis."""
   return P(*([None] * (ndim - 1)), axis_name)
@@ -96,6 +93,7 @@ def chunk_spec(ndim: int, axis_name: str) -> P:
 def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   """The `NamedSharding` of every array of `state`, as a state-shaped tree."""
   cfg, mesh, layout = state.config, state.mesh, state.layout
+  pol = policy(cfg)
   rep = NamedSharding(mesh, P())
   split = lambda x: NamedSharding(mesh, chunk_spec(np.ndim(x), cfg.axis_name))
   lengths = {c.length for c in layout.chunks}
@@ -103,7 +101,7 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
 
   def opt_rule(x):
     shape = np.shape(x)
-    if (cfg.stage >= 1 and shape and np.prod(shape) > 0 and
+    if (pol.optimizer_sharded and shape and np.prod(shape) > 0 and
         shape[-1] in lengths and shape[-1] % n == 0):
       return split(x)
     return rep
@@ -111,11 +109,11 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   host_opt = (offload.offloaded_chunks(layout, cfg.offload_fraction)
               if cfg.offload_optimizer else frozenset())
   host_master = (frozenset(range(len(layout.chunks))) if cfg.offload_params
-                 else host_opt if master_is_sharded(cfg) else frozenset())
+                 else host_opt if pol.master_sharded else frozenset())
   kind = lambda s, host: s.with_memory_kind(offload.HOST if host else offload.DEVICE)
 
   def master_rule(c, x):
-    return kind(split(x) if master_is_sharded(cfg) else rep, c in host_master)
+    return kind(split(x) if pol.master_sharded else rep, c in host_master)
 
   reps = {layout.leaves[layout.representative(c)].path: c
           for c in range(len(layout.chunks))}
@@ -288,8 +286,8 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   if labels is None:
     labels = check_tx(tx, abstract, config)
   # stage 3 gathers an unrolled block's chunks alone (`zerojax.nn.layerwise`)
-  units = (repeated_blocks(abstract, config.stacked) if config.stage == 3
-           else ())
+  units = (repeated_blocks(abstract, config.stacked)
+           if policy(config).gathers_params else ())
   return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
@@ -302,7 +300,7 @@ def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
   content, computed from shapes only (`labels`: as in `plan_layout`)."""
   layout = plan_layout(tx, params, config, mesh.shape[config.axis_name], labels)
-  with_compute = config.stage in (1, 2) and config.mixed_precision
+  with_compute = policy(config).compute_copy
 
   def build(params, step, extras):
     master, rest = layout.split(params)
