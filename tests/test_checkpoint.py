@@ -133,7 +133,7 @@ def test_tree_form_checkpoints_still_restore(problem, saved, tmp_path):
   mgr.save(SPLIT, args=ocp.args.Composite(
       state=ocp.args.StandardSave(ckpt._export._tree_form(state)),
       meta=ocp.args.JsonSave({"format": "zerojax-1", "num_shards": 8,
-                              "config": ckpt._format._config_json(state.config)})))
+                              "config": ckpt._format.config_json(state.config)})))
   mgr.wait_until_finished()
   back = ckpt.restore(str(tmp_path), like=plain, mesh=_mesh(4))
   assert int(back.step) == SPLIT and back.num_shards == 4
@@ -155,10 +155,10 @@ def test_view_shaped_checkpoints_still_restore(problem, saved, tmp_path):
       jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(state.opt_state)))
   mgr = ocp.CheckpointManager(str(tmp_path))
   mgr.save(SPLIT, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(ckpt._format._chunk_form(state.replace(opt_state=views))),
+      state=ocp.args.StandardSave(ckpt._format.chunk_form(state.replace(opt_state=views))),
       meta=ocp.args.JsonSave({"format": "zerojax-2", "num_shards": 8,
-                              "config": ckpt._format._config_json(state.config),
-                              "layout": ckpt._format._layout_json(state.layout)})))
+                              "config": ckpt._format.config_json(state.config),
+                              "layout": ckpt._format.layout_json(state.layout)})))
   mgr.wait_until_finished()
   back = ckpt.restore(str(tmp_path), like=plain)
   assert int(back.step) == SPLIT and back.layout == state.layout

@@ -166,7 +166,10 @@ def _as_dict(node):
   return node
 
 
-def _path_names(path) -> tuple:
+def path_names(path) -> tuple:
+  """The names of a `jax.tree_util` key path (dict keys, attribute names,
+  sequence indices as strings): how leaves are named in a layout and in a
+  checkpoint's metadata."""
   names = []
   for k in path:
     for attr in ("key", "name", "idx"):
@@ -219,7 +222,7 @@ class ChunkLayout:
     infos, keys = [], []
     for (path, leaf), train, label in zip(flat, trainable, labels):
       shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
-      names = _path_names(path)
+      names = path_names(path)
       stack = next((s for s in stacked if s in names), None)
       if stack is not None and not shape:
         raise ValueError(f"leaf {jax.tree_util.keystr(path)} is under stacked "

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import memory, optim, precision, reshard
 from zerojax.policy import policy
-from zerojax.state import (ZeroTrainState, _config_and_mesh, chunk_spec,
+from zerojax.state import (ZeroTrainState, config_and_mesh, chunk_spec,
                            plan_layout, state_shardings)
 
 
@@ -115,7 +115,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     raise TypeError(f"init_fn={init_fn!r} must be a function rng -> params.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
-  config, mesh = _config_and_mesh(stage, mesh, config_fields)
+  config, mesh = config_and_mesh(stage, mesh, config_fields)
   layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
                        mesh.shape[config.axis_name])
   rep = NamedSharding(mesh, P())

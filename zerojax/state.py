@@ -212,9 +212,9 @@ def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
   Arguments as for `shard`."""
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
-  _, shapes, where = _plan(state.params, state.opt_state, state.step, extras,
-                           static_extras, tx=state.tx, apply_fn=state.apply_fn,
-                           config=config, mesh=mesh)
+  _, shapes, where = plan_state(state.params, state.opt_state, state.step, extras,
+                                static_extras, tx=state.tx, apply_fn=state.apply_fn,
+                                config=config, mesh=mesh)
   return jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       shapes, where)
@@ -230,11 +230,15 @@ def _check_train_state(state, stage, mesh, config_fields) -> tuple:
   if missing:
     raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
                     f"has no {', '.join(missing)}.")
-  config, mesh = _config_and_mesh(stage, mesh, config_fields)
+  config, mesh = config_and_mesh(stage, mesh, config_fields)
   return (config, mesh) + _extra_fields(state)
 
 
-def _config_and_mesh(stage, mesh, config_fields):
+def config_and_mesh(stage, mesh, config_fields) -> tuple:
+  """`(ZeroConfig, mesh)` of the stage, mesh and config fields a user passed
+  to `shard`, `create` or `checkpoint.restore`, checked where they enter:
+  unknown fields and a mesh without the data axis are refused, an Explicit
+  mesh is used through its Auto copy, offload needs host memory."""
   unknown = sorted(set(config_fields) - set(FIELDS))
   if unknown:
     raise TypeError(f"unknown ZeroConfig field(s) {unknown}; known: "
@@ -295,8 +299,8 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
       search_range=config.search_range, search_interval=config.search_interval)
 
 
-def _plan(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
-          config, mesh, labels: Optional[tuple] = None) -> tuple:
+def plan_state(params, opt_state, step, extras, static_extras, *, tx,
+               apply_fn, config, mesh, labels: Optional[tuple] = None) -> tuple:
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
   content, computed from shapes only (`labels`: as in `plan_layout`)."""
   layout = plan_layout(tx, params, config, mesh.shape[config.axis_name], labels)
@@ -326,9 +330,9 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
   more than its share plus one chunk. `release` deletes the chunked leaves
   of `params` and `opt_state` as they are packed (for a restore's own
   copy)."""
-  layout, shapes, where = _plan(params, opt_state, step, extras, static_extras,
-                                tx=tx, apply_fn=apply_fn, config=config,
-                                mesh=mesh)
+  layout, shapes, where = plan_state(params, opt_state, step, extras, static_extras,
+                                     tx=tx, apply_fn=apply_fn, config=config,
+                                     mesh=mesh)
   opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
                              where.opt_state, config.axis_name, release)
   master, rest = reshard.to_chunks(layout, params, where.master,

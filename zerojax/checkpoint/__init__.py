@@ -18,8 +18,8 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
           chunk views, `ChunkLayout.views`, each chunk's statistics in the
           chunk's shape: `optim.stored`);
   meta/   JSON: format, the ZeroConfig fields, the frozen leaves' names
-          (`_frozen_names`), the device count at save, the chunk layout
-          (`_layout_json`), a checksum per saved array and the SHA-256 of
+          (`frozen_names`), the device count at save, the chunk layout
+          (`layout_json`), a checksum per saved array and the SHA-256 of
           the metadata itself (`_integrity`).
 Formats "zerojax-2" (statistics in view shape, written before 2026-11-23:
 restored by repacking) and "zerojax-1" (the ordinary tree form, written

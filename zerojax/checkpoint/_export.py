@@ -9,9 +9,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from zerojax import reshard
-from zerojax.checkpoint._format import (CHUNK_FORMATS, _abstract_params, _cut,
-                                        _layout_from_json, _nested)
-from zerojax.checkpoint._restore import _open, _restore_to_host
+from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
+                                        layout_from_json, nest_by_names,
+                                        params_shapes)
+from zerojax.checkpoint._restore import open_step, restore_to_host
 from zerojax.state import ZeroTrainState
 
 
@@ -25,11 +26,11 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   if isinstance(directory_or_state, ZeroTrainState):
     tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
   else:
-    path, meta, _, saved = _open(directory_or_state, step)
-    tree = _restore_to_host(path, saved, meta and meta.get("checksums"))
+    path, meta, _, saved = open_step(directory_or_state, step)
+    tree = restore_to_host(path, saved, meta and meta.get("checksums"))
     if meta is not None and meta.get("format") in CHUNK_FORMATS:
-      params, opt = _cut(_layout_from_json(meta["layout"], None), tree)
-      tree = {"params": _nested(params), "opt_state": _nested(opt)}
+      params, opt = cut_chunks(layout_from_json(meta["layout"], None), tree)
+      tree = {"params": nest_by_names(params), "opt_state": nest_by_names(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
 
 
@@ -46,7 +47,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   chunk by chunk (`reshard`): no device holds more than its share plus one
   chunk."""
   layout, axis = state.layout, state.config.axis_name
-  abstract = _abstract_params(layout)
+  abstract = params_shapes(layout)
   params = reshard.to_tree(layout, state.master, state.rest, axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)

@@ -11,7 +11,7 @@ import numpy as np
 
 from zerojax import optim
 from zerojax.config import DynamicLossScale, ZeroConfig
-from zerojax.layout import Chunk, ChunkLayout, LeafInfo, _path_names
+from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
 from zerojax.state import ZeroTrainState
 
 FORMAT = "zerojax-3"   # chunk form (the package docstring)
@@ -19,16 +19,16 @@ VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
 CHUNK_FORMATS = (FORMAT, VIEW_FORMAT)
 
 
-def _abstract_params(layout) -> Any:
+def params_shapes(layout) -> Any:
   """The parameter tree of `layout` as ShapeDtypeStructs."""
   return jax.tree_util.tree_unflatten(
       layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in layout.leaves])
 
 
-def _chunk_form(state: ZeroTrainState) -> dict:
+def chunk_form(state: ZeroTrainState) -> dict:
   """What a save writes: the state's own arrays, as they are sharded."""
   out = {"step": state.step, "master": list(state.master),
-         "rest": list(state.rest), "opt_state": _non_empty(state.opt_state)}
+         "rest": list(state.rest), "opt_state": non_empty(state.opt_state)}
   if state.loss_scale is not None:
     out["loss_scale"] = {"scale": state.loss_scale.scale,
                          "good_steps": state.loss_scale.good_steps}
@@ -37,13 +37,13 @@ def _chunk_form(state: ZeroTrainState) -> dict:
   return out
 
 
-def _non_empty(tree):
+def non_empty(tree):
   """`tree` with its empty arrays as None (orbax refuses zero-size arrays;
   the chunk views of leaves other than a chunk's representative are)."""
   return jax.tree_util.tree_map(lambda x: x if np.prod(x.shape) else None, tree)
 
 
-def _layout_json(layout: ChunkLayout) -> dict:
+def layout_json(layout: ChunkLayout) -> dict:
   """The chunk layout as JSON: where each leaf lies in which chunk."""
   return {
       "num_shards": int(layout.num_shards), "chunk_size": int(layout.chunk_size),
@@ -57,8 +57,8 @@ def _layout_json(layout: ChunkLayout) -> dict:
                   "stack": c.stack} for c in layout.chunks]}
 
 
-def _layout_from_json(d: dict, treedef) -> ChunkLayout:
-  """Inverse of `_layout_json`; `treedef`: the parameter tree's, or None
+def layout_from_json(d: dict, treedef) -> ChunkLayout:
+  """Inverse of `layout_json`; `treedef`: the parameter tree's, or None
   where only the leaves' places in the chunks are read."""
   leaves = tuple(LeafInfo(i["path"], tuple(i["shape"]), jnp.dtype(i["dtype"]),
                           i["chunk"], i["offset"], i["stacked"], tuple(i["names"]))
@@ -69,7 +69,7 @@ def _layout_from_json(d: dict, treedef) -> ChunkLayout:
   return ChunkLayout(treedef, leaves, chunks, d["num_shards"], d["chunk_size"], 0.0)
 
 
-def _config_json(cfg: ZeroConfig) -> dict:
+def config_json(cfg: ZeroConfig) -> dict:
   out = {}
   for f in dataclasses.fields(cfg):
     v = getattr(cfg, f.name)
@@ -85,7 +85,7 @@ def _config_json(cfg: ZeroConfig) -> dict:
   return out
 
 
-def _config_from_json(d: dict) -> dict:
+def config_from_json(d: dict) -> dict:
   d = dict(d)
   if isinstance(d.get("loss_scale"), dict):
     d["loss_scale"] = DynamicLossScale(**d["loss_scale"]["dynamic"])
@@ -93,7 +93,7 @@ def _config_from_json(d: dict) -> dict:
   return d
 
 
-def _frozen_names(layout: dict) -> list:
+def frozen_names(layout: dict) -> list:
   """The leaves (names joined by "/") that `ZeroConfig.frozen` kept out of
   the chunks of a layout JSON: its floating-point leaves outside them.
   Integer and empty leaves stay outside whether frozen or not, and are never
@@ -103,28 +103,28 @@ def _frozen_names(layout: dict) -> list:
           and np.prod(i["shape"], dtype=np.int64) > 0]
 
 
-def _frozen_mask(meta: dict, abstract) -> Any:
+def frozen_mask(meta: dict, abstract) -> Any:
   """`ZeroConfig.frozen` of the saved state, as a tree of bools over the
   parameter tree `abstract`, or None where nothing was frozen. Metadata
   written before it named the frozen leaves has them in its layout; format
   "zerojax-1" has neither."""
   names = meta.get("frozen")
   if names is None and meta["format"] in CHUNK_FORMATS:
-    names = _frozen_names(meta["layout"])
+    names = frozen_names(meta["layout"])
   if not names:
     return None
   names = set(names)
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "/".join(_path_names(path)) in names, abstract)
+      lambda path, _: "/".join(path_names(path)) in names, abstract)
 
 
-def _signature(tree) -> dict:
+def shape_signature(tree) -> dict:
   """Leaf path (names only: orbax stores namedtuples as dicts) -> shape."""
-  return {k: tuple(x.shape) for k, x in _named(tree).items()}
+  return {k: tuple(x.shape) for k, x in by_path(tree).items()}
 
 
-def _describe_mismatch(s: dict, w: dict, what: str) -> str:
-  """`s`, `w`: signatures (`_signature`) of the checkpoint and of `like`."""
+def describe_mismatch(s: dict, w: dict, what: str) -> str:
+  """`s`, `w`: signatures (`shape_signature`) of the checkpoint and of `like`."""
   lines = [f"  only in the checkpoint: {k}" for k in sorted(set(s) - set(w))][:5]
   lines += [f"  only in `like`: {k}" for k in sorted(set(w) - set(s))][:5]
   lines += [f"  {k}: checkpoint {s[k]}, `like` {w[k]}"
@@ -132,13 +132,13 @@ def _describe_mismatch(s: dict, w: dict, what: str) -> str:
   return f"the checkpoint's {what} does not match `like`:\n" + "\n".join(lines)
 
 
-def _named(tree) -> dict:
-  """Leaf path (names only, as `_signature`) -> leaf."""
-  return {"/".join(_path_names(path)): x
+def by_path(tree) -> dict:
+  """Leaf path (names only, as `shape_signature`) -> leaf."""
+  return {"/".join(path_names(path)): x
           for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _seq(x) -> list:
+def saved_list(x) -> list:
   """A saved list as orbax may read it back: a list, or a dict keyed "0",
   "1", ..., "10" (whose sorted order is not the list's)."""
   if isinstance(x, dict):
@@ -146,7 +146,7 @@ def _seq(x) -> list:
   return list(x)
 
 
-def _nested(by_names: dict) -> Any:
+def nest_by_names(by_names: dict) -> Any:
   """{names: leaf} as nested dicts; a dict keyed 0..n-1 becomes a list."""
   root: dict = {}
   for names, x in by_names.items():
@@ -165,18 +165,18 @@ def _nested(by_names: dict) -> Any:
   return lists(root)
 
 
-def _as_dtype(x, dtype):
+def as_dtype(x, dtype):
   return x if x.dtype == dtype else x.astype(dtype)
 
 
-def _cut(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
+def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   """The ordinary parameter tree and optax state of a chunk-form
   checkpoint read as numpy (`loaded`, saved with `layout`), each as
   {leaf names: emit(array)}. The chunks are taken out of `loaded` and each
   is dropped once its leaves are emitted, so that with an `emit` that
   copies, the two forms are never both whole in memory."""
-  master = [np.asarray(x) for x in _seq(loaded.pop("master", []))]
-  rest = iter(_seq(loaded.pop("rest", [])))
+  master = [np.asarray(x) for x in saved_list(loaded.pop("master", []))]
+  rest = iter(saved_list(loaded.pop("rest", [])))
 
   def leaf(x, i):
     info = layout.leaves[i]
@@ -195,7 +195,7 @@ def _cut(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   opt, prefixes = {}, set()
   opt_state = loaded.pop("opt_state")
   owners = optim.view_chunks(layout, opt_state)
-  flat = [(_path_names(path), x) for path, x
+  flat = [(path_names(path), x) for path, x
           in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
   del opt_state
   for j, c in enumerate(owners):

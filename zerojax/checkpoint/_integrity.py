@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zerojax.checkpoint._format import CHUNK_FORMATS, _named, _seq
+from zerojax.checkpoint._format import CHUNK_FORMATS, by_path, saved_list
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
 
@@ -59,7 +59,7 @@ def checksums(tree) -> dict:
   are reduced there; arrays on CPU devices are summed with numpy over their
   distinct shards, in place (XLA's CPU integer reduction is about 25x
   slower than numpy's: 0.9 s against 0.05 s for GPT-2 small's state)."""
-  arrays = _named(tree)
+  arrays = by_path(tree)
   on_cpu = sorted(k for k, x in arrays.items()
                   if all(d.platform == "cpu" for d in x.sharding.device_set))
   out = {k: int(v) for k, v in jax.device_get(_device_sums(
@@ -86,7 +86,7 @@ def verify(path: str, saved_sums: dict, tree, on_host: bool) -> None:
   the saved one. `on_host`: `tree` holds numpy arrays."""
   if not saved_sums:
     return   # written before checksums (2026-11-23)
-  arrays = _named(tree)
+  arrays = by_path(tree)
   read = ({k: _host_sum(x) for k, x in arrays.items()} if on_host
           else checksums(arrays))
   bad = sorted(k for k in saved_sums if read.get(k) != saved_sums[k])
@@ -174,7 +174,7 @@ def check_arrays(path: str, layout: dict, saved_tree: dict) -> None:
   """The saved chunk arrays have the shapes the layout says (orbax
   metadata `saved_tree` of the state item at `path`)."""
   chunks = layout["chunks"]
-  shapes = [tuple(np.shape(x)) for x in _seq(saved_tree.get("master", []))]
+  shapes = [tuple(np.shape(x)) for x in saved_list(saved_tree.get("master", []))]
   want = [(c["layers"], c["length"]) if c["layers"] else (c["length"],)
           for c in chunks]
   if shapes != want:

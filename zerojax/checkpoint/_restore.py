@@ -15,22 +15,20 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import optim, precision, reshard
-from zerojax.checkpoint._format import (CHUNK_FORMATS, VIEW_FORMAT,
-                                        _abstract_params, _as_dtype, _config_from_json,
-                                        _cut, _describe_mismatch, _frozen_mask,
-                                        _layout_from_json,
-                                        _layout_json, _named, _non_empty, _seq,
-                                        _signature)
+from zerojax.checkpoint._format import (
+    CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
+    cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
+    non_empty, params_shapes, saved_list, shape_signature)
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, verify)
 from zerojax.checkpoint._save import wait
-from zerojax.layout import _path_names
+from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
-from zerojax.state import (ZeroTrainState, _config_and_mesh, _plan, check_tx,
-                           place)
+from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh, place,
+                           plan_state)
 
 
-def _open(directory: str, step: Optional[int]):
+def open_step(directory: str, step: Optional[int]):
   """(path of the state item, checked metadata or None, step, the item's
   orbax metadata tree) of the checkpoint to read: `step`, or the newest. A step that cannot be read
   raises, naming it, why, and the steps that can be restored: never a
@@ -116,7 +114,7 @@ def _check_opt_state(saved: dict, want: dict) -> None:
   if saved != want:
     raise ValueError("the checkpoint's optimizer state does not match "
                      "like.tx (a different optax transformation?):\n" +
-                     _describe_mismatch(saved, want, "").split("\n", 1)[1])
+                     describe_mismatch(saved, want, "").split("\n", 1)[1])
 
 
 def restore(directory: str, *, like: Any, step: Optional[int] = None,
@@ -140,11 +138,11 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
       unfrozen start with zero optimizer statistics, and the chunks are
       repacked.
   """
-  path, meta, step, saved = _open(directory, step)
+  path, meta, step, saved = open_step(directory, step)
   if isinstance(like, ZeroTrainState):
     fields = {f.name: getattr(like.config, f.name)
               for f in dataclasses.fields(like.config)}
-    abstract = _abstract_params(like.layout)
+    abstract = params_shapes(like.layout)
     static_extras = like.static_extras
   elif hasattr(like, "params") and hasattr(like, "tx"):
     fields = {}
@@ -154,12 +152,12 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     raise TypeError("restore() needs like= a ZeroTrainState or TrainState "
                     "(it supplies tx and apply_fn).")
   if meta is not None and not isinstance(like, ZeroTrainState):
-    fields.update(_config_from_json(meta["config"]))
-    fields["frozen"] = _frozen_mask(meta, abstract)
+    fields.update(config_from_json(meta["config"]))
+    fields["frozen"] = frozen_mask(meta, abstract)
   if stage is not None:
     fields["stage"] = stage
   fields.update(config_fields)
-  config, mesh = _config_and_mesh(fields.pop("stage", 3), mesh, fields)
+  config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
@@ -203,28 +201,28 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
   pool = concurrent.futures.ThreadPoolExecutor(1)
   try:
     probed = pool.submit(check_tx, like.tx, abstract, config)
-    want = _signature(abstract)
+    want = shape_signature(abstract)
     names = ["/".join(i["names"]) for i in saved_layout["leaves"]]
     have = {k: tuple(i["shape"]) for k, i in zip(names, saved_layout["leaves"])}
     if have != want:
-      raise ValueError(_describe_mismatch(have, want, "parameter tree"))
-    layout_saved = _layout_from_json(saved_layout,
+      raise ValueError(describe_mismatch(have, want, "parameter tree"))
+    layout_saved = layout_from_json(saved_layout,
                                      jax.tree_util.tree_structure(abstract))
     def saved_opt():
       views = like.tx.init(layout_saved.views(
           [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
       return views if in_views else optim.stored(layout_saved, views)
     views = jax.eval_shape(saved_opt)
-    _check_opt_state(_signature(saved["opt_state"]),
-                     _signature(_non_empty(views)))
+    _check_opt_state(shape_signature(saved["opt_state"]),
+                     shape_signature(non_empty(views)))
     tree_opt = jax.eval_shape(like.tx.init, abstract)
     extras = _replicated_like(saved.get("extras", {}), mesh)
-    layout, shapes, where = _plan(abstract, tree_opt, 0, extras, static_extras,
-                                  tx=like.tx, apply_fn=like.apply_fn,
-                                  config=config, mesh=mesh,
-                                  labels=layout_saved.labels)
+    layout, shapes, where = plan_state(abstract, tree_opt, 0, extras, static_extras,
+                                       tx=like.tx, apply_fn=like.apply_fn,
+                                       config=config, mesh=mesh,
+                                       labels=layout_saved.labels)
     loaded = (_read_chunks(path, saved, shapes, where, mesh, sums)
-              if _layout_json(layout) == saved_layout and not in_views
+              if layout_json(layout) == saved_layout and not in_views
               else None)
     labels = probed.result()   # raises if like.tx cannot run on chunks
   finally:
@@ -233,12 +231,12 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
     del loaded
     return _repack(path, saved, layout_saved, sums, abstract, tree_opt,
                    static_extras, like=like, config=config, mesh=mesh)
-  master = tuple(_seq(loaded.get("master", [])))
+  master = tuple(saved_list(loaded.get("master", [])))
   state = shapes.replace(
       step=loaded["step"], master=master,
       compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
                     for m, s in zip(master, where.compute)),
-      rest=tuple(_seq(loaded.get("rest", []))),
+      rest=tuple(saved_list(loaded.get("rest", []))),
       opt_state=loaded["opt_state"],
       loss_scale=jax.tree_util.tree_map(
           reshard.copy, precision.init(config.loss_scale), where.loss_scale),
@@ -253,23 +251,23 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
   leaf by leaf name: a `tx` whose state holds the same arrays in other
   containers (optax.masked's, namedtuples read back as dicts) fits."""
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  opt = _named(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
+  opt = by_path(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
   target = {"step": sds(shapes.step, where.step),
             "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
             "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
             "opt_state": jax.tree_util.tree_map_with_path(
-                lambda p, _: opt["/".join(_path_names(p))], saved["opt_state"])}
+                lambda p, _: opt["/".join(path_names(p))], saved["opt_state"])}
   target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
   for key in ("loss_scale", "extras"):
     if key in saved:
       target[key] = _replicated_like(saved[key], mesh)
   loaded = _read(path, ocp.StandardCheckpointer().restore, target)
   verify(path, sums, loaded, on_host=False)
-  got = _named(loaded["opt_state"])
+  got = by_path(loaded["opt_state"])
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes.opt_state)
-  # empty views are not written (`_non_empty`): made again here
+  # empty views are not written (`non_empty`): made again here
   loaded["opt_state"] = jax.tree_util.tree_unflatten(treedef, [
-      got["/".join(_path_names(p))] if np.prod(x.shape) else
+      got["/".join(path_names(p))] if np.prod(x.shape) else
       jax.device_put(jnp.zeros(x.shape, x.dtype), s)
       for (p, x), s in zip(flat, jax.tree_util.tree_leaves(where.opt_state))])
   return loaded
@@ -283,7 +281,7 @@ def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, 
   freed once cut), then packed chunk by chunk as `shard()` packs, each leaf
   deleted once packed. The host holds the read state once, shrinking as the
   device form grows: about twice the state at the peak, not three times."""
-  loaded = _restore_to_host(path, saved, sums)
+  loaded = restore_to_host(path, saved, sums)
   n = mesh.shape[config.axis_name]
 
   def sharded(x):
@@ -291,12 +289,12 @@ def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, 
     s = NamedSharding(mesh, leaf_spec(x.shape, n, config.axis_name))
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
-  params, opt = _cut(layout_saved, loaded, emit=sharded)
+  params, opt = cut_chunks(layout_saved, loaded, emit=sharded)
 
   def like_tree(tree, by_names):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [
-        _as_dtype(by_names.pop(_path_names(p)), x.dtype) for p, x in flat])
+        as_dtype(by_names.pop(path_names(p)), x.dtype) for p, x in flat])
 
   state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
                 loaded["step"], loaded.get("extras", {}), static_extras,
@@ -310,11 +308,11 @@ def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
   """A tree-form checkpoint (format "zerojax-1", or a plain orbax
   checkpoint of a flax TrainState): each leaf read sharded, then packed
   chunk by chunk."""
-  if _signature(saved["params"]) != _signature(abstract):
-    raise ValueError(_describe_mismatch(_signature(saved["params"]),
-                                        _signature(abstract), "parameter tree"))
+  if shape_signature(saved["params"]) != shape_signature(abstract):
+    raise ValueError(describe_mismatch(shape_signature(saved["params"]),
+                                        shape_signature(abstract), "parameter tree"))
   tree_opt = jax.eval_shape(like.tx.init, abstract)
-  _check_opt_state(_signature(saved["opt_state"]), _signature(tree_opt))
+  _check_opt_state(shape_signature(saved["opt_state"]), shape_signature(tree_opt))
   rep = NamedSharding(mesh, P())
   target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
             "params": jax.tree_util.tree_map(
@@ -334,7 +332,7 @@ def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
   return _loss_scale(state, loaded)
 
 
-def _restore_to_host(path: str, saved, sums: Optional[dict]) -> dict:
+def restore_to_host(path: str, saved, sums: Optional[dict]) -> dict:
   """A saved tree as numpy arrays, read straight from the files: no device
   mesh, so neither the device count nor the process count at save matters.
   `saved`: its orbax metadata tree; `sums`: the saved checksums, checked

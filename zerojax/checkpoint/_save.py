@@ -30,8 +30,8 @@ from typing import Optional
 
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint._format import (FORMAT, _chunk_form, _config_json,
-                                        _frozen_names, _layout_json)
+from zerojax.checkpoint._format import (FORMAT, chunk_form, config_json,
+                                        frozen_names, layout_json)
 from zerojax.checkpoint._integrity import check_step, checksums, seal
 from zerojax.state import ZeroTrainState, check_live
 
@@ -153,12 +153,12 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
     raise ValueError(f"step {step} is older than the newest checkpoint "
                      f"({latest}) in {directory}; pass a step= above {latest} "
                      "or another directory (nothing was written).")
-  tree = _chunk_form(state)
-  layout = _layout_json(state.layout)
+  tree = chunk_form(state)
+  layout = layout_json(state.layout)
   # `frozen` beside the config, not in it: a reader that predates it
   # ignores it instead of passing names to ZeroConfig(frozen=...).
-  meta = seal({"format": FORMAT, "config": _config_json(state.config),
-               "frozen": _frozen_names(layout),
+  meta = seal({"format": FORMAT, "config": config_json(state.config),
+               "frozen": frozen_names(layout),
                "num_shards": state.num_shards, "layout": layout,
                "checksums": checksums(tree)})
   _PENDING[directory] = step
