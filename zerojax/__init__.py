@@ -4,18 +4,24 @@
     step = zerojax.train_step(loss_fn)
     state, metrics = step(state, batch)
     params = zerojax.gather_params(state)
+
+The public surface is `__all__` (docs/design.md, "Public surface"); the
+modules `checkpoint` and `nn`, and `compat.with_gpu_overlap_flags`, are
+public too. Everything else (the chunk layout, the policy, collectives)
+is internal: importable, but free to change.
 """
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax import checkpoint, nn
-from zerojax.layout import ChunkLayout
-from zerojax.memory import MemoryReport, compiled_footprint, estimate_memory, memory_report
+from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
+from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
+                            memory_report)
 from zerojax.planner import OffloadPlan, plan_offload
 from zerojax.sharded_init import create
 from zerojax.state import ZeroTrainState, gather_params, shard, shard_shape
 from zerojax.step import train_step
 
-__all__ = ["ChunkLayout", "DynamicLossScale", "MemoryReport", "ZeroConfig",
-           "ZeroTrainState", "checkpoint", "compiled_footprint", "create", "estimate_memory",
-           "gather_params", "memory_report", "nn", "OffloadPlan", "plan_offload",
-           "shard", "shard_shape", "train_step"]
+__all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
+           "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
+           "estimate_memory", "gather_params", "memory_report", "nn",
+           "plan_offload", "shard", "shard_shape", "train_step"]
 __version__ = "0.1.0"
