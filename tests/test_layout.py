@@ -1,5 +1,5 @@
-"""ChunkLayout: packing rules, the chunk-size search, exact round trips, and
-the cost of unpacking's gradient."""
+"""ChunkLayout: packing rules, units never sharing a chunk, exact round
+trips, and the cost of unpacking's gradient."""
 import collections
 import re
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.layout import ChunkLayout, repeated_blocks, search_chunk_size
+from zerojax.chunking import repeated_blocks
+from zerojax.layout import ChunkLayout
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.bool_]
 
@@ -175,41 +176,10 @@ def test_repeated_blocks_are_found_and_never_share_a_chunk():
       np.shape, params["blocks_1"])
 
 
-def test_a_block_name_used_twice_is_not_a_unit():
-  params = {"a": {"blocks_0": _block(4), "blocks_1": _block(4)},
-            "b": {"blocks_0": _block(4), "blocks_1": _block(4)}}
-  assert repeated_blocks(params) == ()
-
-
 def test_stacked_leaves_must_agree_on_layers():
   tree = {"blocks": {"k": jnp.ones((3, 4)), "b": jnp.ones((2, 4))}}
   with pytest.raises(ValueError, match="layer count"):
     ChunkLayout.build(tree, 2, stacked=("blocks",))
-
-
-@settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=20))
-def test_search_minimises_waste(sizes):
-  size, frac = search_chunk_size([sizes], min_chunk_size=64, search_range=256,
-                                 search_interval=16)
-  candidates = range(64, 64 + 256 + 1, 16)
-  wastes = {c: _waste(sizes, c) for c in candidates}
-  assert wastes[size] == min(wastes.values())
-  assert size == max(c for c in candidates if wastes[c] == wastes[size])
-  assert frac == pytest.approx(wastes[size] / (sum(sizes) + wastes[size]))
-
-
-def _waste(sizes, capacity):
-  """Independent greedy packing: unused capacity, leaves too big alone."""
-  waste, used = 0, 0
-  for s in sizes:
-    if s > capacity:
-      continue
-    if used + s > capacity:
-      waste += capacity - used
-      used = 0
-    used += s
-  return waste + (capacity - used if used else 0)
 
 
 def test_search_reports_chosen_size_and_waste():

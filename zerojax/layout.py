@@ -2,7 +2,8 @@
 
 Pure metadata computed from shapes and dtypes only (no device work), plus the
 pack (`split`) and unpack (`merge`) functions that move between the ordinary
-parameter tree and the chunk arrays. Imports nothing else from the package.
+parameter tree and the chunk arrays. Imports nothing else from the package
+but `chunking` (the chunk-size search and the units, which it re-exports).
 
 Packing rules (ColossalAI Gemini's chunks, adapted to SPMD):
   * trainable floating-point leaves are packed in tree order into chunks;
@@ -26,6 +27,8 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from zerojax.chunking import repeated_blocks, search_chunk_size  # noqa: F401
 
 
 def _round_up(x: int, m: int) -> int:
@@ -80,90 +83,6 @@ class Chunk:
   def padding(self) -> int:
     """Padding elements (per layer when stacked)."""
     return self.length - self.used
-
-
-def _greedy_waste(groups: Sequence[Sequence[int]], sizes: np.ndarray) -> np.ndarray:
-  """Gemini's waste (unused chunk capacity) of greedy packing, per candidate."""
-  waste = np.zeros_like(sizes)
-  for group in groups:
-    used = np.zeros_like(sizes)
-    for s in group:
-      own = s > sizes              # too large: a chunk of its own, no waste
-      spill = ~own & (used + s > sizes)
-      waste += np.where(spill, sizes - used, 0)
-      used = np.where(own, used, np.where(spill, s, used + s))
-    waste += np.where(used > 0, sizes - used, 0)
-  return waste
-
-
-def search_chunk_size(groups: Sequence[Sequence[int]], *, min_chunk_size: int,
-                      search_range: int, search_interval: int) -> tuple:
-  """Chunk size with the least unused capacity (ColossalAI Gemini's search).
-
-  Args:
-    groups: per chunk group (leaves that may share chunks), the leaf sizes in
-      packing order.
-    min_chunk_size, search_range, search_interval: candidates are
-      `min_chunk_size + k * search_interval` up to `min_chunk_size +
-      search_range`.
-
-  Returns:
-    `(chunk_size, waste_fraction)`; ties go to the larger size (fewer chunks,
-    fewer collectives).
-  """
-  candidates = np.arange(min_chunk_size, min_chunk_size + search_range + 1,
-                         search_interval, dtype=np.int64)
-  waste = _greedy_waste(groups, candidates)
-  total = sum(sum(g) for g in groups)
-  best = len(candidates) - 1 - int(np.argmin(waste[::-1]))
-  frac = float(waste[best]) / max(total + float(waste[best]), 1.0)
-  return int(candidates[best]), frac
-
-
-def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
-  """Names of the unrolled blocks of a parameter tree: sibling submodules
-  named `<base>_<i>` (`blocks_0`, `Block_3`, Flax's automatic names) with
-  the same structure (relative paths, shapes, dtypes) as at least one
-  sibling, that themselves contain submodules (a block, not one `Dense`),
-  and whose name is used once in the tree. Subtrees under `stacked` are
-  skipped; blocks inside blocks are not looked for.
-  """
-  def signature(node):
-    if isinstance(node, dict):
-      return tuple((k, signature(v)) for k, v in sorted(node.items()))
-    return (tuple(np.shape(node)), str(getattr(node, "dtype", "")))
-
-  def is_block(node):
-    return isinstance(node, dict) and any(isinstance(v, dict)
-                                          for v in node.values())
-
-  found, names = [], []
-
-  def visit(node):
-    groups = {}
-    for k, v in node.items():
-      names.append(str(k))
-      base, _, index = str(k).rpartition("_")
-      if base and index.isdigit() and is_block(v) and str(k) not in stacked:
-        groups.setdefault((base, signature(v)), []).append(str(k))
-    units = {k for group in groups.values() if len(group) > 1 for k in group}
-    found.extend(k for k in node if str(k) in units)
-    for k, v in node.items():
-      if isinstance(v, dict) and str(k) not in units and str(k) not in stacked:
-        visit(v)
-
-  params = _as_dict(params)
-  if isinstance(params, dict):
-    visit(params)
-  counts = {n: names.count(n) for n in found}
-  return tuple(n for n in found if counts[n] == 1)
-
-
-def _as_dict(node):
-  """Nested dicts of a (possibly frozen) parameter mapping."""
-  if hasattr(node, "items"):
-    return {k: _as_dict(v) for k, v in node.items()}
-  return node
 
 
 def path_names(path) -> tuple:

@@ -18,7 +18,7 @@ why a scan needs nothing more.
 
 Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`) take
 the same one line: at stage 3 each repeated block gets chunks of its own
-(`layout.repeated_blocks`), and the wrapper gathers them when the block is
+(`chunking.repeated_blocks`), and the wrapper gathers them when the block is
 called. Without a loop, XLA sees L gathers that depend on nothing but the
 parameters: it merges each backward re-gather with the forward gather
 (CSE) and is free to schedule every gather first, so every gathered block
@@ -138,7 +138,7 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     block: a `flax.linen.Module` class, either scanned with `nn.scan`
       (`variable_axes={"params": 0}`) under a name listed in
       `ZeroConfig.stacked`, or called once per layer under names `<base>_<i>`
-      (unrolled; found by `zerojax.layout.repeated_blocks`).
+      (unrolled; found by `zerojax.chunking.repeated_blocks`).
     remat: rematerialise the block (and its gather) in the backward pass; this
       is what keeps gathered parameters from piling up over depth.
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).

@@ -27,7 +27,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload, optim, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
-from zerojax.layout import ChunkLayout, repeated_blocks
+from zerojax.chunking import repeated_blocks
+from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
 
 _log = logging.getLogger("zerojax")

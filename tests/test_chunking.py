@@ -1,0 +1,44 @@
+"""zerojax.chunking: the chunk-size search against an independent greedy
+packing, and which sibling submodules are units (repeated blocks)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from zerojax.chunking import repeated_blocks, search_chunk_size
+
+
+def _block(width, hidden=None):
+  hidden = hidden or 4 * width
+  return {"ln": {"scale": np.zeros(width), "bias": np.zeros(width)},
+          "fc": {"kernel": np.zeros((width, hidden)), "bias": np.zeros(hidden)}}
+
+
+def test_a_block_name_used_twice_is_not_a_unit():
+  params = {"a": {"blocks_0": _block(4), "blocks_1": _block(4)},
+            "b": {"blocks_0": _block(4), "blocks_1": _block(4)}}
+  assert repeated_blocks(params) == ()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=20))
+def test_search_minimises_waste(sizes):
+  size, frac = search_chunk_size([sizes], min_chunk_size=64, search_range=256,
+                                 search_interval=16)
+  candidates = range(64, 64 + 256 + 1, 16)
+  wastes = {c: _waste(sizes, c) for c in candidates}
+  assert wastes[size] == min(wastes.values())
+  assert size == max(c for c in candidates if wastes[c] == wastes[size])
+  assert frac == pytest.approx(wastes[size] / (sum(sizes) + wastes[size]))
+
+
+def _waste(sizes, capacity):
+  """Independent greedy packing: unused capacity, leaves too big alone."""
+  waste, used = 0, 0
+  for s in sizes:
+    if s > capacity:
+      continue
+    if used + s > capacity:
+      waste += capacity - used
+      used = 0
+    used += s
+  return waste + (capacity - used if used else 0)
