@@ -224,3 +224,14 @@ def test_statistics_of_a_path_that_ends_another_go_with_their_own_chunk():
            for x in jax.tree_util.tree_leaves(state.opt_state) if x.size}
   # the larger chunk alone is half the bytes: its statistics offloaded
   assert kinds == {(big, "pinned_host"), (small, "device"), (1, "device")}
+
+
+def test_a_state_with_every_leaf_frozen_shards():
+  """No chunk owns a statistic: the frozen leaves' statistics are still
+  recognised as theirs (not refused as per-tensor statistics)."""
+  plain = train_state.TrainState.create(
+      apply_fn=None, params={"a": jnp.ones((8, 8)), "b": jnp.ones(())},
+      tx=optax.adam(1e-2))
+  state = zerojax.shard_shape(plain, stage=3, frozen=lambda p: jax.tree_util.tree_map(
+      lambda _: True, p))
+  assert state.layout.chunks == () and len(state.rest) == 2

@@ -405,14 +405,23 @@ def _owners(layout: ChunkLayout, paths: tuple, shapes: tuple) -> Owners:
   chunk = tuple(next((c for rep, c in reps if key.endswith(rep.path) and
                       shape in (layout.view_shape(c), layout.chunks[c].shape)),
                      None) for key, shape in zip(keys, shapes))
-  # each statistic's subtree: the owners' paths less their representatives'
+  # Each statistic's subtree, by its path (head): an owner's path less its
+  # representative's; or a path under which the whole parameter tree lies
+  # (the statistics of leaves outside the chunks, when no chunk owns one).
+  index = {key: j for j, key in enumerate(keys)}
   heads = {}
   for j, c in enumerate(chunk):
     if c is not None:
       depth = len(layout.leaves[layout.representative(c)].names)
       prefix = paths[j][:len(paths[j]) - depth]
       heads[jax.tree_util.keystr(prefix)] = prefix
-  index = {key: j for j, key in enumerate(keys)}
+  if layout.leaves:
+    first = layout.leaves[0]
+    for path, key in zip(paths, keys):
+      head = key[:len(key) - len(first.path)]
+      if key.endswith(first.path) and all(
+          head + info.path in index for info in layout.leaves):
+        heads.setdefault(head, path[:len(path) - len(first.names)])
   at = {(head, i): index.get(head + info.path)
         for head in heads for i, info in enumerate(layout.leaves)}
   leaf, prefix = [None] * len(keys), [None] * len(keys)
