@@ -207,3 +207,31 @@ def test_any_linen_model(stage):
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
       zerojax.gather_params(z), ref_params)
+
+
+def test_statistics_of_a_path_that_ends_another_go_with_their_own_chunk():
+  """`['x']['a']['b']` ends with the path `['a']['b']` of another leaf: the
+  optimizer state of each leaf's chunk is placed (here: host or device
+  memory) by that chunk, not by the first path it ends with."""
+  params = {"a": {"b": jnp.ones((8, 8))}, "x": {"a": {"b": jnp.ones((64, 64))}}}
+  plain = train_state.TrainState.create(apply_fn=None, params=params,
+                                        tx=optax.adam(1e-2))
+  state = zerojax.shard_shape(plain, stage=3, chunk_size=64,
+                              offload_optimizer=True, offload_fraction=0.5)
+  big, small = (np.prod(c.shape) for c in sorted(
+      state.layout.chunks, key=lambda c: -np.prod(c.shape)))
+  kinds = {(int(np.prod(x.shape)), x.sharding.memory_kind)
+           for x in jax.tree_util.tree_leaves(state.opt_state) if x.size}
+  # the larger chunk alone is half the bytes: its statistics offloaded
+  assert kinds == {(big, "pinned_host"), (small, "device"), (1, "device")}
+
+
+def test_a_state_with_every_leaf_frozen_shards():
+  """No chunk owns a statistic: the frozen leaves' statistics are still
+  recognised as theirs (not refused as per-tensor statistics)."""
+  plain = train_state.TrainState.create(
+      apply_fn=None, params={"a": jnp.ones((8, 8)), "b": jnp.ones(())},
+      tx=optax.adam(1e-2))
+  state = zerojax.shard_shape(plain, stage=3, frozen=lambda p: jax.tree_util.tree_map(
+      lambda _: True, p))
+  assert state.layout.chunks == () and len(state.rest) == 2

@@ -249,23 +249,22 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
   """The optax state on the parameter tree, converted to the state over
   chunk views (`view_state`: its shapes, `shardings`: its shardings);
   `release` as for `chunk_from_leaves`."""
-  slots, keys = optim.statistic_slots(layout, opt_state, view_state)
+  table = optim.check_tree_state(layout, opt_state, view_state)
   flat = jax.tree_util.tree_leaves(opt_state)
   views, treedef = jax.tree_util.tree_flatten(view_state)
   places = jax.tree_util.tree_leaves(shardings)
-  index = {k: j for j, k in enumerate(keys)}
   out = []
-  for j, (slot, view, sharding) in enumerate(zip(slots, views, places)):
-    if slot is None:
-      out.append(copy(flat[j], sharding))
+  for j, (c, i, view, sharding) in enumerate(
+      zip(table.chunk, table.leaf, views, places)):
+    if c is None:
+      # counts and scalars as they are; a chunk's other leaves (their
+      # statistics are in the chunk's) and empty views zero
+      in_chunk = i is not None and layout.leaves[i].chunk >= 0
+      out.append(copy(flat[j], sharding)
+                 if not in_chunk and np.shape(flat[j]) == view.shape else
+                 jax.device_put(jnp.zeros(view.shape, view.dtype), sharding))
       continue
-    i, prefix = slot
-    c = layout.leaves[i].chunk
-    if c < 0 or layout.representative(c) != i:   # an empty view leaf
-      out.append(jax.device_put(jnp.zeros(view.shape, view.dtype), sharding))
-      continue
-    members = {m: flat[index[prefix + layout.leaves[m].path]]
-               for m in layout.chunks[c].leaves}
+    members = {m: flat[k] for m, k in zip(layout.chunks[c].leaves, table.members[j])}
     device = sharding.with_memory_kind("device")
     rank = len(layout.chunks[c].shape)
     spec = (P(*([None] * (rank - 1)), axis_name)
@@ -292,26 +291,23 @@ def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
                 axis_name: str) -> Any:
   """Inverse of `opt_to_views`: the optax state on the parameter tree
   (`tree_state`: its shapes), leaves sharded by `leaf_spec`."""
-  slots, keys = optim.statistic_slots(layout, tree_state, view_state)
+  table = optim.check_tree_state(layout, tree_state, view_state)
   views = jax.tree_util.tree_leaves(view_state)
   targets, treedef = jax.tree_util.tree_flatten(tree_state)
-  index = {k: j for j, k in enumerate(keys)}
   out = [None] * len(targets)
-  for j, slot in enumerate(slots):
-    if slot is None:
-      out[j] = copy(views[j])
-      continue
-    i, prefix = slot
-    c = layout.leaves[i].chunk
-    if c < 0:   # frozen / non-floating: the optimizer never saw it
+  for j, (c, i) in enumerate(zip(table.chunk, table.leaf)):
+    if c is not None:
+      members = table.members[j]
+      for k, leaf in zip(members, leaves_from_chunk(
+          layout, c, views[j], axis_name, [targets[k].dtype for k in members])):
+        out[k] = leaf
+    elif i is not None and layout.leaves[i].chunk >= 0:
+      continue   # placed with its chunk's statistic
+    elif views[j].shape == targets[j].shape:
+      out[j] = copy(views[j])   # counts, scalars
+    else:   # frozen / non-floating: the optimizer never saw it
       mesh = views[j].sharding.mesh
       spec = leaf_spec(targets[j].shape, mesh.shape[axis_name], axis_name)
       out[j] = jax.device_put(jnp.zeros(targets[j].shape, targets[j].dtype),
                               NamedSharding(mesh, spec))
-    elif layout.representative(c) == i:
-      members = [index[prefix + layout.leaves[m].path]
-                 for m in layout.chunks[c].leaves]
-      for m, leaf in zip(members, leaves_from_chunk(
-          layout, c, views[j], axis_name, [targets[m].dtype for m in members])):
-        out[m] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)

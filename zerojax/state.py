@@ -116,21 +116,16 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   def master_rule(c, x):
     return kind(split(x) if pol.master_sharded else rep, c in host_master)
 
-  reps = {layout.leaves[layout.representative(c)].path: c
-          for c in range(len(layout.chunks))}
-
-  def opt_path_rule(path, x):
-    key = jax.tree_util.keystr(path)
-    chunk = next((c for p, c in reps.items() if key.endswith(p)), None)
-    return kind(opt_rule(x), chunk in host_opt and np.ndim(x) > 0
-                and np.prod(np.shape(x)) > 0)
+  opt, opt_def = jax.tree_util.tree_flatten(state.opt_state)
+  opt_where = [kind(opt_rule(x), c in host_opt) for x, c in
+               zip(opt, optim.owners(layout, state.opt_state).chunk)]
 
   return state.replace(
       step=rep,
       master=tuple(master_rule(c, x) for c, x in enumerate(state.master)),
       compute=tuple(rep for _ in state.compute),
       rest=tuple(rep for _ in state.rest),
-      opt_state=jax.tree_util.tree_map_with_path(opt_path_rule, state.opt_state),
+      opt_state=jax.tree_util.tree_unflatten(opt_def, opt_where),
       loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
       extras=jax.tree_util.tree_map(lambda x: rep, state.extras))
 
@@ -320,7 +315,7 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
 
   shapes = jax.eval_shape(build, params, step, extras)
   # the user's optimizer state must match tx (raises naming what differs)
-  optim.statistic_slots(layout, opt_state, shapes.opt_state)
+  optim.check_tree_state(layout, opt_state, shapes.opt_state)
   return layout, shapes, state_shardings(shapes)
 
 

@@ -67,7 +67,7 @@ def _update(state, grads, master, shardings, finite):
   every = frozenset(range(len(layout.chunks)))
   groups = ([every - host] if every - host else []) + [
       frozenset([c]) for c in sorted(host)]
-  owners = optim.view_chunks(layout, state.opt_state)
+  owners = optim.owners(layout, state.opt_state).chunk
   old, treedef = jax.tree_util.tree_flatten(state.opt_state)
   where = jax.tree_util.tree_leaves(shardings.opt_state)
   keep = ((lambda new, old: new) if finite is None else

@@ -194,17 +194,18 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   # optax state over the views: chunk c's statistics at its representative
   opt, prefixes = {}, set()
   opt_state = loaded.pop("opt_state")
-  owners = optim.view_chunks(layout, opt_state)
+  table = optim.owners(layout, opt_state)
   flat = [(path_names(path), x) for path, x
           in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
   del opt_state
-  for j, c in enumerate(owners):
+  for j, (c, i) in enumerate(zip(table.chunk, table.leaf)):
     key, x = flat[j][0], np.asarray(flat[j][1])
     flat[j] = None
     if c is None:
-      opt[key] = x                             # counts, scalars
+      if i is None:
+        opt[key] = x                           # counts, scalars
       continue
-    prefix = key[:len(key) - len(layout.leaves[layout.representative(c)].names)]
+    prefix = path_names(table.prefix[j])
     prefixes.add((prefix, x.dtype))
     for m in layout.chunks[c].leaves:
       opt[prefix + layout.leaves[m].names] = emit(leaf(x, m))
