@@ -20,7 +20,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
-from zerojax import optim
+from zerojax import optstate
 from models import make_problem, zero_run as _train
 
 STEPS = 6
@@ -150,7 +150,7 @@ def test_view_shaped_checkpoints_still_restore(problem, saved, tmp_path):
   directory, _, _ = saved
   state = zerojax.checkpoint.restore(directory, like=plain)
   ckpt = zerojax.checkpoint
-  views = jax.jit(lambda o: optim.as_views(state.layout, o))(state.opt_state)
+  views = jax.jit(lambda o: optstate.as_views(state.layout, o))(state.opt_state)
   assert any(np.shape(v) != np.shape(o) for v, o in zip(
       jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(state.opt_state)))
   mgr = ocp.CheckpointManager(str(tmp_path))

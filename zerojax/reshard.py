@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optim
+from zerojax import optstate
 from zerojax.layout import ChunkLayout
 from zerojax.offload import HOST
 
@@ -249,7 +249,7 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
   """The optax state on the parameter tree, converted to the state over
   chunk views (`view_state`: its shapes, `shardings`: its shardings);
   `release` as for `chunk_from_leaves`."""
-  table = optim.check_tree_state(layout, opt_state, view_state)
+  table = optstate.check_tree_state(layout, opt_state, view_state)
   flat = jax.tree_util.tree_leaves(opt_state)
   views, treedef = jax.tree_util.tree_flatten(view_state)
   places = jax.tree_util.tree_leaves(shardings)
@@ -291,7 +291,7 @@ def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
                 axis_name: str) -> Any:
   """Inverse of `opt_to_views`: the optax state on the parameter tree
   (`tree_state`: its shapes), leaves sharded by `leaf_spec`."""
-  table = optim.check_tree_state(layout, tree_state, view_state)
+  table = optstate.check_tree_state(layout, tree_state, view_state)
   views = jax.tree_util.tree_leaves(view_state)
   targets, treedef = jax.tree_util.tree_flatten(tree_state)
   out = [None] * len(targets)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import memory, optim, precision, reshard
+from zerojax import memory, optstate, precision, reshard
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, config_and_mesh, chunk_spec,
                            plan_layout, state_shardings)
@@ -155,7 +155,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   def assemble(master, compute, rest):
     return ZeroTrainState(
         step=jnp.zeros((), jnp.int32), master=master, compute=compute,
-        rest=rest, opt_state=optim.stored(layout, tx.init(layout.views(master))),
+        rest=rest, opt_state=optstate.stored(layout, tx.init(layout.views(master))),
         loss_scale=precision.init(config.loss_scale), extras={},
         apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh)
 

@@ -25,7 +25,7 @@ import optax
 from flax import struct
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import offload, optim, precision, reshard
+from zerojax import offload, optim, optstate, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
@@ -45,7 +45,7 @@ class ZeroTrainState(struct.PyTreeNode):
       compute only), else `()`.
     rest: leaves kept outside the chunks (frozen, non-floating), replicated.
     opt_state: the optax state over the chunk views (`ChunkLayout.views`),
-      each chunk's statistics kept in the chunk's shape (`optim.stored`;
+      each chunk's statistics kept in the chunk's shape (`optstate.stored`;
       the step shows them to `tx` in view shape).
     loss_scale: `precision.LossScaleState` or None.
     extras: the pytree fields a `TrainState` subclass added, kept as they
@@ -118,7 +118,7 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
 
   opt, opt_def = jax.tree_util.tree_flatten(state.opt_state)
   opt_where = [kind(opt_rule(x), c in host_opt) for x, c in
-               zip(opt, optim.owners(layout, state.opt_state).chunk)]
+               zip(opt, optstate.owners(layout, state.opt_state).chunk)]
 
   return state.replace(
       step=rep,
@@ -308,14 +308,14 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
         step=jnp.asarray(step, jnp.int32), master=master,
         compute=tuple(c.astype(config.compute_dtype) for c in master)
         if with_compute else (), rest=rest,
-        opt_state=optim.stored(layout, tx.init(layout.views(master))),
+        opt_state=optstate.stored(layout, tx.init(layout.views(master))),
         loss_scale=precision.init(config.loss_scale), extras=extras,
         apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh,
         static_extras=static_extras)
 
   shapes = jax.eval_shape(build, params, step, extras)
   # the user's optimizer state must match tx (raises naming what differs)
-  optim.check_tree_state(layout, opt_state, shapes.opt_state)
+  optstate.check_tree_state(layout, opt_state, shapes.opt_state)
   return layout, shapes, state_shardings(shapes)
 
 

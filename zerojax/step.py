@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import collectives, offload, optim, precision
+from zerojax import collectives, offload, optim, optstate, precision
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
@@ -67,7 +67,7 @@ def _update(state, grads, master, shardings, finite):
   every = frozenset(range(len(layout.chunks)))
   groups = ([every - host] if every - host else []) + [
       frozenset([c]) for c in sorted(host)]
-  owners = optim.owners(layout, state.opt_state).chunk
+  owners = optstate.owners(layout, state.opt_state).chunk
   old, treedef = jax.tree_util.tree_flatten(state.opt_state)
   where = jax.tree_util.tree_leaves(shardings.opt_state)
   keep = ((lambda new, old: new) if finite is None else
@@ -88,7 +88,7 @@ def _update(state, grads, master, shardings, finite):
     for c, m in zip(chunks_in, offload.to_device(
         host_in[1], [shardings.master[c] for c in chunks_in])):
       master_in[c] = m
-    # the statistics are kept in chunk shape (`optim.stored`); tx sees views
+    # the statistics are kept in chunk shape (`optstate.stored`); tx sees views
     sub = [x if c is None else
            jnp.reshape(device_in[j], layout.view_shape(c)) if j in device_in
            else jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)

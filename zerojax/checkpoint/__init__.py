@@ -4,7 +4,7 @@ and stage, and that plain orbax reads without zerojax.
 A save writes the state as it is, chunk shards and all: every device writes
 its own shards, nothing is gathered or converted, so saving costs what a
 plain orbax save of the same bytes costs (the optimizer statistics are kept
-in chunk shape, `optim.stored`, since TensorStore copies arrays with a unit
+in chunk shape, `optstate.stored`, since TensorStore copies arrays with a unit
 axis). The chunk layout goes beside it as
 JSON, which is all a reader needs to cut the chunks back into leaves.
 A restore onto the same layout (same device count and chunking; any stage)
@@ -16,7 +16,7 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
   state/  {"step", "master", "rest", "opt_state", "loss_scale"?, "extras"?}:
           the ZeroTrainState's arrays (`opt_state` is optax's state over the
           chunk views, `ChunkLayout.views`, each chunk's statistics in the
-          chunk's shape: `optim.stored`);
+          chunk's shape: `optstate.stored`);
   meta/   JSON: format, the ZeroConfig fields, the frozen leaves' names
           (`frozen_names`), the device count at save, the chunk layout
           (`layout_json`), a checksum per saved array and the SHA-256 of

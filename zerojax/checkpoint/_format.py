@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import optim
+from zerojax import optstate
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
 from zerojax.state import ZeroTrainState
@@ -194,7 +194,7 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   # optax state over the views: chunk c's statistics at its representative
   opt, prefixes = {}, set()
   opt_state = loaded.pop("opt_state")
-  table = optim.owners(layout, opt_state)
+  table = optstate.owners(layout, opt_state)
   flat = [(path_names(path), x) for path, x
           in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
   del opt_state

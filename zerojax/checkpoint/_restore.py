@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optim, precision, reshard
+from zerojax import optstate, precision, reshard
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
@@ -211,7 +211,7 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
     def saved_opt():
       views = like.tx.init(layout_saved.views(
           [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
-      return views if in_views else optim.stored(layout_saved, views)
+      return views if in_views else optstate.stored(layout_saved, views)
     views = jax.eval_shape(saved_opt)
     _check_opt_state(shape_signature(saved["opt_state"]),
                      shape_signature(non_empty(views)))
