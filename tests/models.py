@@ -172,14 +172,16 @@ def _dtype(params):
 
 
 def reference_run(loss_fn, params, tx, batches, compute_dtype=jnp.float32,
-                  clip_norm=None):
+                  clip_norm=None, opt_state=None):
   """Plain optax on one device; 16-bit compute casts the fp32 params for the
-  forward/backward and keeps the update in fp32. Returns (losses, params)."""
+  forward/backward and keeps the update in fp32. Starts from `opt_state`
+  (default `tx.init(params)`). Returns (losses, params)."""
   if clip_norm is not None:
     tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
   device = jax.devices()[0]
   params = jax.device_put(params, device)
-  opt_state = tx.init(params)
+  opt_state = tx.init(params) if opt_state is None else jax.device_put(
+      opt_state, device)
 
   def cast_loss(p, b):
     cast = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), p)
@@ -200,12 +202,39 @@ def reference_run(loss_fn, params, tx, batches, compute_dtype=jnp.float32,
   return np.array(losses), params
 
 
-def zero_run(state, loss_fn, batches):
-  """Trains a ZeroTrainState on `batches`; returns (state, losses)."""
+def zero_run(state, loss_fn, batches, after_step=None):
+  """Trains a ZeroTrainState on `batches` with one `zerojax.train_step`;
+  returns (state, losses). `after_step(state)`, if given, sees the state
+  after each step."""
   import zerojax
   step = zerojax.train_step(loss_fn)
   losses = []
   for b in batches:
     state, m = step(state, b)
     losses.append(float(m["loss"]))
+    if after_step is not None:
+      after_step(state)
   return state, np.array(losses)
+
+
+# How close a zerojax run must come to `reference_run`, by compute dtype:
+# (loss tolerance, parameter tolerance). In float32 the two differ only in
+# the order of float32 sums (over devices, micro-batches and chunks). A
+# 16-bit run follows the same mixed-precision recipe as the reference; what
+# differs is only the order of 16-bit partial sums, so the bound is a few
+# bfloat16 ulps of the loss and of the parameters' moves.
+TOLERANCE = {
+    "float32": (dict(rtol=1e-5), dict(rtol=1e-5, atol=1e-6)),
+    "bfloat16": (dict(rtol=2e-2), dict(atol=2e-2)),
+}
+
+
+def assert_matches_reference(losses, params, ref_losses, ref_params,
+                             compute_dtype="float32"):
+  """A zerojax run's losses and gathered parameters against the reference's
+  (`reference_run`), within TOLERANCE[compute_dtype]."""
+  loss_tol, param_tol = TOLERANCE[jnp.dtype(compute_dtype).name]
+  np.testing.assert_allclose(losses, ref_losses, **loss_tol)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, **param_tol),
+      params, ref_params)

@@ -1,6 +1,7 @@
 """benchmarks/: the HLO collective counter on programs with known collectives,
 and a smoke run of the whole suite (tiny model, no timing assertions)."""
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,41 @@ from benchmarks import hlo
 
 N = 8
 F32 = 4
+MIB = 2 ** 20
+
+
+def _tables(text):
+  """Every markdown table in `text`, as (caption, rows): the caption is the
+  last non-blank line before the table, each row a dict from the header's
+  cells to its own (stripped of surrounding `**`)."""
+  cells = lambda line: [c.strip().strip("*") for c in line.strip()[1:-1].split("|")]
+  lines, tables, caption, i = text.splitlines(), [], "", 0
+  while i < len(lines):
+    if (lines[i].startswith("|") and i + 1 < len(lines)
+        and re.fullmatch(r"\|(:?-+:?\|)+", lines[i + 1].strip())):
+      head, rows, i = cells(lines[i]), [], i + 2
+      while i < len(lines) and lines[i].startswith("|"):
+        rows.append(dict(zip(head, cells(lines[i]))))
+        i += 1
+      tables.append((caption, rows))
+      continue
+    if lines[i].strip():
+      caption = lines[i].strip()
+    i += 1
+  return tables
+
+
+def _table(text, column, caption=""):
+  """The rows of the one table in `text` with `column` in its header and a
+  caption starting with `caption`."""
+  (rows,) = [rows for cap, rows in _tables(text)
+             if rows and column in rows[0] and cap.startswith(caption)]
+  return rows
+
+
+def _number(cell):
+  """The first number in a cell ("≤ 1,234.5" -> 1234.5)."""
+  return float(re.search(r"-?[\d,]*\.?\d+", cell).group().replace(",", ""))
 
 
 def _mesh():
@@ -145,7 +181,14 @@ def test_async_pairs_variadic_ops_and_unknown_loops():
       "collective-permute": {"ops": 1, "bytes_per_iteration": 8 * F32}}
   rs = next(op for op in report.ops if op.kind == "reduce-scatter")
   assert rs.dtypes == ("bf16",) and rs.group_size == 4
-  assert "in loop bodies" in hlo.markdown_table(report)
+  rows = {r["collective"]: r for r in _table(hlo.markdown_table(report),
+                                              "collective")}
+  for kind, row in report.summary().items():
+    assert _number(rows[kind]["count / step"]) == row["count"]
+    assert _number(rows[kind]["bytes / step"]) == row["bytes"]
+  (permute,) = [r for k, r in rows.items() if k.startswith("collective-permute")]
+  assert permute["count / step"] == "?"           # no known trip count
+  assert _number(permute["bytes / step"]) == 8 * F32
 
 
 @pytest.mark.parametrize("shape, expected", [
@@ -235,12 +278,34 @@ def test_smoke_suite_writes_results(tmp_path):
             "measured_over_theory"} <= set(r)
   assert {"chunk_size", "chunks", "leaves", "all_gather_ops",
           "reduce_scatter_ops"} <= set(comm["chunk_sweep"][0])
+  # the report shows each model's measured numbers, variant by variant
   readme = (tmp_path / "README.md").read_text()
-  for heading in ("## `--smoke`", "### Step time", "### Memory per device",
-                  "### Communication per step", "Chunk-size sweep",
-                  "**mlp-tiny** (ResidualMLP", "**transformer-tiny** "
-                  "(Transformer", "zero-1 step time / plain-dp (mlp-tiny)"):
-    assert heading in readme
+  for model in result["models"]:
+    rows = _table(readme, "median step (ms)",
+                  caption=f"**{model['setup']['config']}**")
+    assert [r["variant"] for r in rows] == list(model["ratio_vs_plain_dp"])
+    for r in rows:
+      name = r["variant"]
+      assert _number(r["median step (ms)"]) == pytest.approx(
+          1e3 * model["median_s"][name], abs=0.05)
+      assert _number(r["median × plain-dp"]) == pytest.approx(
+          model["ratio_vs_plain_dp"][name], abs=5e-4)
+  rows = _table(readme, "persistent MiB", caption="**tiny**")
+  assert {r["variant"]: _number(r["persistent MiB"]) for r in rows} == {
+      r["variant"]: pytest.approx(r["persistent_bytes"] / MIB, abs=0.005)
+      for r in memory["rows"]["tiny"]}
+  rows = _table(readme, "measured / theory")
+  assert {r["variant"].split(" (")[0]: _number(r["measured / theory"])
+          for r in rows} == {r["variant"]: pytest.approx(
+              r["measured_over_theory"], abs=5e-4) for r in comm["rows"]}
+  rows = _table(readme, "chunk_size")
+  assert [(_number(r["chunk_size"]), _number(r["chunks"])) for r in rows] == [
+      (c["chunk_size"], c["chunks"]) for c in comm["chunk_sweep"]]
+  goals = {r["goal"]: r for r in _table(readme, "goal")}
+  assert set(goals) == {g[0] for r in results for g in r["goals"]}
+  for what, value, _, met in (g for r in results for g in r["goals"]):
+    assert _number(goals[what]["measured"]) == pytest.approx(value, abs=5e-4)
+    assert goals[what]["met"] == ("yes" if met else "no")
 
 
 @pytest.mark.parametrize("config, leaves", [("mlp-tiny", 2 * 6 + 2),
@@ -318,11 +383,30 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
       {"meta": meta, "configs": [result],
        "goals": checkpoint.goal_checks([result])}))
   report.write(str(tmp_path), "smoke")
+  # the report's table holds the measurements above, one row each
   text = (tmp_path / "README.md").read_text()
-  assert "| tiny | 0.00 | first save | 8.00 | 2.00 | 4.00 |  | 9.50 |  |" in text
-  assert "| tiny | 0.00 | restore | 1.10 | 1.00 | 1.10 | 0.50–1.50 |" in text
-  assert "| tiny | 0.00 | first restore | 6.00 | 2.00 | 3.00 | 2.50–3.50 |" in text
-  assert "| zerojax first save time / plain orbax (tiny) | 4.000 | ≤ 1.20 | **no** |" in text
+  table = {r["measurement"]: r for r in _table(text, "measurement")}
+  assert set(table) == {"save", "first save", "restore", "first restore"}
+  assert {r["model"] for r in table.values()} == {"tiny"}
+  numbers = lambda what, *columns: [
+      _number(table[what][c]) if table[what][c] else None for c in columns]
+  columns = ("zerojax s", "orbax s", "zerojax / orbax", "zerojax CPU s",
+             "orbax CPU s", "zerojax blocking s")
+  assert numbers("save", *columns) == [2.2, 2.0, 1.1, None, None, 0.1]
+  assert numbers("first save", *columns) == [8.0, 2.0, 4.0, 9.5, None, 6.0]
+  assert numbers("restore", *columns) == [1.1, 1.0, 1.1, None, None, None]
+  assert numbers("first restore", *columns) == [6.0, 2.0, 3.0, None, None, None]
+  spread = lambda what: [float(x) for x in table[what]["rounds"].split("–")]
+  assert spread("restore") == [0.5, 1.5]
+  assert spread("first restore") == [2.5, 3.5]
+  assert table["save"]["rounds"] == table["first save"]["rounds"] == ""
+  assert [_number(r["state MiB"]) for r in table.values()] == [
+      pytest.approx(1000 / MIB, abs=0.005)] * 4
+  goals = {r["goal"]: r for r in _table(text, "goal")}
+  first_save = goals["zerojax first save time / plain orbax (tiny)"]
+  assert _number(first_save["measured"]) == 4.0
+  assert _number(first_save["bound"]) == 1.2
+  assert first_save["met"] == "no"
   assert (tmp_path / "smoke_checkpoint.png").stat().st_size > 0
 
 
@@ -336,9 +420,18 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   tokens = 8 * 16
   assert row["devices"] == 8 and row["step_s"] > 0
   assert row["tokens_per_s"] == pytest.approx(tokens / row["step_s"])
-  assert row["tflops_per_s"] == pytest.approx(
-      tokens * (6 * cfg.num_params + 12 * cfg.layers * cfg.width * 16)
-      / row["step_s"] / 1e12)
+  # the row's model FLOPs per token against XLA's count of a training
+  # step's gradient (the unrolled model: XLA counts a loop body once)
+  unrolled = cfg.replace(scan=False)
+  model = unrolled.make_model()
+  batch = unrolled.make_batch(8, 16)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             batch["tokens"][:1])["params"])
+  cost = jax.jit(jax.grad(unrolled.make_loss_fn(model))).lower(
+      params, batch).compile().cost_analysis()
+  xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"] / tokens
+  assert (row["tflops_per_s"] * 1e12 * row["step_s"] / tokens ==
+          pytest.approx(xla_flops, rel=0.05))
   assert row["mfu"] is None and gpu.goal_checks([row]) == []
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   h100 = dict(row, mfu=0.5)
@@ -347,5 +440,11 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
       {"setup": {"config": "tiny", "compute": "bf16", "optimizer": "AdamW",
                  "batch_per_device": 1, "seq": 16, "timed_steps": 1},
        "rows": [row, {"variant": "plain-dp", "error": "OOM"}]}, "gpu")
-  assert "| zero-3 | 8× cpu |" in "\n".join(table) and "| — |" in "\n".join(table)
-  assert "error: OOM" in "\n".join(table)
+  rows = {r["variant"]: r for r in _table("\n".join(table), "MFU")}
+  zero3 = rows["zero-3"]
+  assert re.fullmatch(r"8\W+cpu", zero3["device"])   # 8 devices of kind cpu
+  assert _number(zero3["step s"]) == pytest.approx(row["step_s"], abs=5e-5)
+  assert _number(zero3["tokens/s"]) == pytest.approx(row["tokens_per_s"], abs=0.5)
+  assert _number(zero3["TFLOP/s"]) == pytest.approx(row["tflops_per_s"], abs=0.005)
+  assert zero3["MFU"] == "—"                          # no known peak
+  assert "OOM" in rows["plain-dp"]["device"]

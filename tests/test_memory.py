@@ -1,5 +1,8 @@
-"""memory_report / estimate_memory against the DESIGN table, and the
-compiled-footprint helper on a program of known size."""
+"""memory_report / estimate_memory against ZeRO's memory table (docs/design.md)
+and against the state's own arrays, and the compiled-footprint helper on a
+program of known size."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,14 +42,30 @@ def test_persistent_bytes_match_the_design_table(stage, dtype, accum):
       make_problem("transformer")[1]))
   assert report.num_params == psi
   want = _design_table(psi, n, stage, dtype == "bfloat16")
-  chunk_bytes = report.persistent - sum(report.measured["other"].values())
+  # one device's bytes of the chunk arrays, read off the arrays themselves
+  chunk_bytes = sum(_on_one_device(x) for x in jax.tree_util.tree_leaves(
+      (state.master, state.compute, state.opt_state)) if x.ndim)
   # padding: at most N-1 elements per chunk, 12 bytes each at most
   assert want <= chunk_bytes <= want + 12 * (n - 1) * chunks
+  assert report.persistent == sum(_on_one_device(x)
+                                  for x in jax.tree_util.tree_leaves(state))
   assert report.estimate["persistent"] == pytest.approx(want, abs=1)
   assert report.by_kind().keys() == {"device"}
-  text = str(report)
-  assert f"ZeRO-{stage}, 8 devices" in text and "optimizer state" in text
-  assert ("+ accumulator (in step)" in text) == (accum > 1)
+  # the printed report: its stage and devices, then a row per category with
+  # its measured MiB, and the accumulator only when there is one
+  title, *lines = str(report).splitlines()
+  assert re.search(rf"ZeRO-{stage}\b", title) and re.search(r"\b8 devices", title)
+  rows = {re.split(r"\s{2,}", line)[0]: float(line.split()[-1].replace(",", ""))
+          for line in lines[2:]}
+  for category, kinds in report.measured.items():
+    assert rows[category] == pytest.approx(sum(kinds.values()) / 2 ** 20, abs=0.005)
+  accumulator = [v for k, v in rows.items() if "accumulator" in k]
+  assert accumulator == ([pytest.approx(psi * 4 / (n if stage >= 2 else 1) / 2 ** 20,
+                                        abs=0.005)] if accum > 1 else [])
+
+
+def _on_one_device(x):
+  return x.addressable_shards[0].data.nbytes
 
 
 def test_stage3_holds_at_most_a_sixth_of_stage0():

@@ -10,7 +10,8 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import ResidualMLP, ScannedLM, reference_run
+from models import (ResidualMLP, ScannedLM, assert_matches_reference,
+                    reference_run, zero_run)
 from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
 
@@ -34,16 +35,9 @@ def test_layerwise_matches_plain_optax(layerwise, scan):
   if not scan:   # every block has chunks of its own, opted in or not
     assert {c.stack for c in state.layout.chunks} == {
         None, "blocks_0", "blocks_1", "blocks_2"}
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  ref_losses, ref_params = reference_run(loss_fn, params, tx, batches)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-      zerojax.gather_params(state), ref_params)
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
 
 
 def _footprint(layers, width=512):

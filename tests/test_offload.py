@@ -25,13 +25,9 @@ def _run(stage, steps=5, **fields):
                                         tx=TX)
   state = zerojax.shard(plain, stage=stage, chunk_size=3000, **fields)
   kinds = [_kinds(state)]
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-    kinds.append(_kinds(state))
-  return state, np.array(losses), kinds, plain
+  state, losses = zero_run(state, loss_fn, batches,
+                           after_step=lambda s: kinds.append(_kinds(s)))
+  return state, losses, kinds, plain
 
 
 # the run without offload that each offloaded run is compared with

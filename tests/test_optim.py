@@ -9,7 +9,8 @@ from flax import traverse_util
 from flax.training import train_state
 
 import zerojax
-from models import MLP, make_problem, reference_run
+from models import (MLP, assert_matches_reference, make_problem, reference_run,
+                    zero_run)
 
 
 def _decay_mask(params):
@@ -25,21 +26,14 @@ def _run(kind, tx, stage=3, steps=5, state=None, **fields):
     state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                           tx=tx)
   state = zerojax.shard(state, stage=stage, chunk_size=512, **fields)
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  return np.array(losses), zerojax.gather_params(state), state
+  state, losses = zero_run(state, loss_fn, batches)
+  return losses, zerojax.gather_params(state), state
 
 
-def _assert_matches_reference(kind, tx, losses, params, **ref_kw):
+def _assert_matches_reference(kind, tx, losses, params):
   _, p0, loss_fn, batches = make_problem(kind, steps=len(losses))
-  ref_losses, ref_params = reference_run(loss_fn, p0, tx, batches, **ref_kw)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-      params, ref_params)
+  assert_matches_reference(losses, params,
+                           *reference_run(loss_fn, p0, tx, batches))
 
 
 def test_callable_mask_sees_original_shapes():
@@ -129,13 +123,11 @@ def test_trained_optimizer_state_is_carried_over():
     state = state.apply_gradients(grads=grad(state.params, b))
   zstate = zerojax.shard(state, stage=3, chunk_size=512)
   assert int(zstate.step) == 3
-  step = zerojax.train_step(loss_fn)
-  for b in batches[3:]:
-    zstate, _ = step(zstate, b)
-    state = state.apply_gradients(grads=grad(state.params, b))
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-      zerojax.gather_params(zstate), state.params)
+  zstate, losses = zero_run(zstate, loss_fn, batches[3:])
+  assert_matches_reference(
+      losses, zerojax.gather_params(zstate),
+      *reference_run(loss_fn, state.params, tx, batches[3:],
+                     opt_state=state.opt_state))
 
 
 def test_frozen_parameters_stay_untouched():

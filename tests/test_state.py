@@ -12,7 +12,8 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
-from models import make_problem, reference_run
+from models import (assert_matches_reference, make_problem, reference_run,
+                    zero_run)
 
 
 def _state(kind="mlp", tx=None):
@@ -197,16 +198,9 @@ def test_any_linen_model(stage):
   tx = optax.adamw(1e-2)
   z = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=stage, chunk_size=200)
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    z, m = step(z, b)
-    losses.append(float(m["loss"]))
-  ref_losses, ref_params = reference_run(loss_fn, params, tx, batches)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-      zerojax.gather_params(z), ref_params)
+  z, losses = zero_run(z, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(z),
+                           *reference_run(loss_fn, params, tx, batches))
 
 
 def test_statistics_of_a_path_that_ends_another_go_with_their_own_chunk():

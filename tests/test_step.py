@@ -10,15 +10,11 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
-from models import make_problem, reference_run
+from models import (assert_matches_reference, make_problem, reference_run,
+                    zero_run)
 
 LR = 1e-2
 CLIP = 0.5
-# 16-bit runs are compared with the same mixed-precision recipe on one
-# device; what differs is only the order of 16-bit partial sums, so the
-# tolerance is a few bfloat16 ulps of the loss and of the parameters' moves.
-BF16_LOSS_RTOL = 2e-2
-BF16_PARAM_ATOL = 2e-2
 
 
 # Momentum SGD with weight decay: linear in the gradients, so this matrix
@@ -45,26 +41,13 @@ def _zero_run(kind, mesh=None, **fields):
   stacked = ("blocks",) if kind == "scan_transformer" else ()
   state = zerojax.shard(state, mesh=mesh, stacked=stacked, chunk_size=2048,
                         **fields)
-  step = zerojax.train_step(loss_fn)
-  losses = []
-  for b in batches:
-    state, metrics = step(state, b)
-    losses.append(float(metrics["loss"]))
-  return np.array(losses), zerojax.gather_params(state), state
+  state, losses = zero_run(state, loss_fn, batches)
+  return losses, zerojax.gather_params(state), state
 
 
 def _assert_close(kind, dtype, clip, losses, params):
-  ref_losses, ref_params = _reference(kind, dtype, clip)
-  if dtype == "float32":
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        params, ref_params)
-  else:
-    np.testing.assert_allclose(losses, ref_losses, rtol=BF16_LOSS_RTOL)
-    jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=BF16_PARAM_ATOL),
-        params, ref_params)
+  assert_matches_reference(losses, params, *_reference(kind, dtype, clip),
+                           compute_dtype=dtype)
 
 
 # Every stage x precision x accumulation x model; clipping is on for half of
