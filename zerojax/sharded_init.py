@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import memory, optstate, precision, reshard
+from zerojax import memory, reshard
 from zerojax.policy import policy
-from zerojax.state import (ZeroTrainState, config_and_mesh, chunk_spec,
-                           plan_layout, state_shardings)
+from zerojax.state import (ZeroTrainState, chunk_spec, config_and_mesh,
+                           fresh_state, plan_layout, state_shardings)
 
 
 @dataclasses.dataclass
@@ -153,11 +153,9 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     return tuple(leaves[i] for i in layout.rest_indices)
 
   def assemble(master, compute, rest):
-    return ZeroTrainState(
-        step=jnp.zeros((), jnp.int32), master=master, compute=compute,
-        rest=rest, opt_state=optstate.stored(layout, tx.init(layout.views(master))),
-        loss_scale=precision.init(config.loss_scale), extras={},
-        apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh)
+    return fresh_state(master, compute, rest, step=0, extras={},
+                       static_extras=(), layout=layout, tx=tx,
+                       apply_fn=apply_fn, config=config, mesh=mesh)
 
   chunks = [chunk_programs(c) for c in range(len(layout.chunks))]
   rest_program = jax.jit(make_rest, out_shardings=rep)

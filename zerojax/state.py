@@ -295,6 +295,19 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
       search_range=config.search_range, search_interval=config.search_interval)
 
 
+def fresh_state(master, compute, rest, *, step, extras, static_extras, layout,
+                tx, apply_fn, config, mesh) -> ZeroTrainState:
+  """A ZeroTrainState around chunks, with fresh optimizer state (`tx.init`
+  on the chunk views, kept in chunk shape) and loss scale: what `shard`
+  plans and `create` fills in. Inside jit or eval_shape."""
+  return ZeroTrainState(
+      step=jnp.asarray(step, jnp.int32), master=master, compute=compute,
+      rest=rest, opt_state=optstate.stored(layout, tx.init(layout.views(master))),
+      loss_scale=precision.init(config.loss_scale), extras=extras,
+      apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh,
+      static_extras=static_extras)
+
+
 def plan_state(params, opt_state, step, extras, static_extras, *, tx,
                apply_fn, config, mesh, labels: Optional[tuple] = None) -> tuple:
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
@@ -304,14 +317,11 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
 
   def build(params, step, extras):
     master, rest = layout.split(params)
-    return ZeroTrainState(
-        step=jnp.asarray(step, jnp.int32), master=master,
-        compute=tuple(c.astype(config.compute_dtype) for c in master)
-        if with_compute else (), rest=rest,
-        opt_state=optstate.stored(layout, tx.init(layout.views(master))),
-        loss_scale=precision.init(config.loss_scale), extras=extras,
-        apply_fn=apply_fn, tx=tx, layout=layout, config=config, mesh=mesh,
-        static_extras=static_extras)
+    compute = (tuple(c.astype(config.compute_dtype) for c in master)
+               if with_compute else ())
+    return fresh_state(master, compute, rest, step=step, extras=extras,
+                       static_extras=static_extras, layout=layout, tx=tx,
+                       apply_fn=apply_fn, config=config, mesh=mesh)
 
   shapes = jax.eval_shape(build, params, step, extras)
   # the user's optimizer state must match tx (raises naming what differs)
