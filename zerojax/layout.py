@@ -1,4 +1,6 @@
 """ChunkLayout: where every parameter leaf lives inside the flat chunk arrays.
+(A little over 400 lines: the packing rules below and the pack / unpack code
+that follows them stay in one class, to be read side by side.)
 
 Pure metadata computed from shapes and dtypes only (no device work), plus the
 pack (`split`) and unpack (`merge`) functions that move between the ordinary

@@ -117,18 +117,31 @@ def add_leaf_window(layout, c, i, leaf, shard, mesh, axis_name):
 
 
 @functools.lru_cache(maxsize=256)
-def _pack_programs(layout, c, sharding, dtype, axis_name) -> tuple:
-  """(start, [fill per leaf group]) building chunk `c` in `dtype`."""
+def pack_programs(layout, c, sharding, axis_name, dtype=None,
+                  leaves_of=lambda source: source) -> tuple:
+  """`(start, fills)`: the jitted programs that build chunk `c` (in `dtype`,
+  by default the chunk's) in `sharding`, reading its leaves from a source
+  through `leaves_of(source)`, indexable by leaf number (by default the
+  source is that: a `{leaf index: array}` mapping). Replicated: `start(source)`
+  packs the whole chunk and `fills` is empty. Split on the last axis:
+  `start(source)` gives zeros, and each `(group, fill)` of `fills` maps
+  `(source, shard) -> shard` (shard donated), writing in the leaves of
+  `group` (`leaf_groups`): one program per group bounds the leaves alive at
+  once."""
   chunk = layout.chunks[c]
+  dtype = chunk.dtype if dtype is None else dtype
   if not _is_split(sharding, axis_name):
-    start = jax.jit(lambda leaves: layout.pack_chunk(c, leaves, dtype),
+    start = jax.jit(lambda source: layout.pack_chunk(c, leaves_of(source), dtype),
                     out_shardings=sharding)
     return start, []
-  start = jax.jit(lambda: jnp.zeros(chunk.shape, dtype), out_shardings=sharding)
+  start = jax.jit(lambda source: jnp.zeros(chunk.shape, dtype),
+                  out_shardings=sharding)
 
-  def fill(leaves, shard, group):
-    for i, leaf in zip(group, leaves):
-      shard = add_leaf_window(layout, c, i, leaf, shard, sharding.mesh, axis_name)
+  def fill(source, shard, group):
+    leaves = leaves_of(source)
+    for i in group:
+      shard = add_leaf_window(layout, c, i, leaves[i], shard, sharding.mesh,
+                              axis_name)
     return shard
 
   fills = [(group, jax.jit(functools.partial(fill, group=group),
@@ -146,14 +159,14 @@ def chunk_from_leaves(layout: ChunkLayout, c: int, leaves: Mapping[int, Any],
   the two forms of the state are then never both whole in memory)."""
   dtype = np.dtype(layout.chunks[c].dtype if dtype is None else dtype)
   device = sharding.with_memory_kind("device")
-  start, fills = _pack_programs(layout, c, device, dtype, axis_name)
+  start, fills = pack_programs(layout, c, device, axis_name, dtype)
   if not fills:
     out = start({i: _on_device(leaves[i]) for i in layout.chunks[c].leaves})
     _delete([leaves[i] for i in layout.chunks[c].leaves] if release else [])
   else:
-    out = start()
+    out = start({})
     for group, fill in fills:
-      out = _settled(fill([_on_device(leaves[i]) for i in group], out))
+      out = _settled(fill({i: _on_device(leaves[i]) for i in group}, out))
       _delete([leaves[i] for i in group] if release else [])
   return _placed(out, sharding)
 

@@ -22,7 +22,6 @@ import dataclasses
 from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -125,28 +124,14 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     return layout.treedef.flatten_up_to(init_fn(rng))
 
   def chunk_programs(c):
-    chunk = layout.chunks[c]
+    sharding = NamedSharding(
+        mesh, chunk_spec(len(layout.chunks[c].shape), config.axis_name)
+        if pol.master_sharded else P())
+    start, fills = reshard.pack_programs(layout, c, sharding, config.axis_name,
+                                         leaves_of=leaves_of)
     cast = (reshard.cast_program(config.compute_dtype, rep)
             if pol.compute_copy else None)
-    if not pol.master_sharded:
-      return _ChunkPrograms(
-          jax.jit(lambda rng: layout.pack_chunk(c, leaves_of(rng)),
-                  out_shardings=rep), [], cast)
-    sharding = NamedSharding(mesh, chunk_spec(len(chunk.shape), config.axis_name))
-    start = jax.jit(lambda rng: jnp.zeros(chunk.shape, chunk.dtype),
-                    out_shardings=sharding)
-
-    def add_leaves(rng, master, group):
-      leaves = leaves_of(rng)
-      for i in group:
-        master = reshard.add_leaf_window(layout, c, i, leaves[i], master, mesh,
-                                         config.axis_name)
-      return master
-
-    add = [jax.jit(lambda rng, master, group=group: add_leaves(rng, master, group),
-                   out_shardings=sharding, donate_argnums=1)
-           for group in reshard.leaf_groups(layout, chunk.leaves)]
-    return _ChunkPrograms(start, add, cast)
+    return _ChunkPrograms(start, [fill for _, fill in fills], cast)
 
   def make_rest(rng):
     leaves = leaves_of(rng)

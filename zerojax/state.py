@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any, Callable, Optional
 
 import jax
@@ -23,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import offload, optim, optstate, precision, reshard
+from zerojax import meshes, offload, optim, optstate, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
 
-_log = logging.getLogger("zerojax")
 _TRAIN_STATE_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
 
 
@@ -130,36 +128,6 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
       extras=jax.tree_util.tree_map(lambda x: rep, state.extras))
 
 
-def default_mesh(axis_name: str = "data") -> Mesh:
-  """All devices on one axis, with Auto axis types (shard_map friendly)."""
-  return jax.make_mesh((jax.device_count(),), (axis_name,),
-                       axis_types=(AxisType.Auto,))
-
-
-def _auto_mesh(mesh: Mesh) -> Mesh:
-  """`mesh` itself when its axes are Auto, else an Auto copy (same devices
-  and names), said once per mesh: the step's update runs outside
-  `shard_map` on sharded chunks, written for GSPMD's Auto propagation;
-  under Explicit axes (`jax.make_mesh`'s default) jax refuses its sharded
-  reductions ("Contracting dimensions are sharded")."""
-  if all(t == AxisType.Auto for t in mesh.axis_types):
-    return mesh
-  _say_auto_copy(mesh)
-  return Mesh(mesh.devices, mesh.axis_names,
-              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-@functools.cache
-def _say_auto_copy(mesh: Mesh) -> None:
-  _log.warning(
-      "zerojax: the mesh's axes %s are %s; the ZeRO state uses a copy of the "
-      "mesh with Auto axes (same devices and axis names; state.mesh), since "
-      "its update is written for Auto sharding. To keep your own mesh, build "
-      "it with Auto axes: jax.make_mesh(shape, names, axis_types=(AxisType."
-      "Auto,) * len(names)).", mesh.axis_names,
-      tuple(str(t) for t in mesh.axis_types))
-
-
 # ---- shard ---------------------------------------------------------------------
 def _trainable(config: ZeroConfig, params) -> list:
   flat = jax.tree_util.tree_leaves(params)
@@ -240,7 +208,8 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
     raise TypeError(f"unknown ZeroConfig field(s) {unknown}; known: "
                     f"{', '.join(FIELDS)}.")
   config = ZeroConfig(stage=stage, **config_fields)
-  mesh = _auto_mesh(mesh if mesh is not None else default_mesh(config.axis_name))
+  mesh = meshes.auto_mesh(mesh if mesh is not None
+                          else meshes.default_mesh(config.axis_name))
   if config.axis_name not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
                      f"{config.axis_name!r}; pass axis_name= one of them or "

@@ -46,76 +46,97 @@ def _gather_updated(state, shards):
                        check_vma=False)(shards)
 
 
+def _update_groups(layout, cfg) -> list:
+  """`(chunks, offloaded)` for each `tx.update` call, in order: every chunk
+  whose optimizer state is on the device in one call, then each chunk whose
+  optimizer state is offloaded alone."""
+  host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
+          if cfg.offload_optimizer else frozenset())
+  device = frozenset(range(len(layout.chunks))) - host
+  return ([(device, False)] if device else []) + [
+      (frozenset([c]), True) for c in sorted(host)]
+
+
+def _update_chunks(state, chunks, grads, master, opt, owners, keep):
+  """`tx.update` of the chunks in `chunks`, whose master shards and
+  optimizer-state leaves (`opt`, flat, chunk-shaped: `optstate.stored`) are
+  on the device. Returns their new master chunks (by chunk index) and the
+  new optimizer-state leaves (by leaf index): those of `chunks` and those
+  owned by no chunk (step counts, alike in every call)."""
+  cfg, layout, tx = state.config, state.layout, state.tx
+  treedef = jax.tree_util.tree_structure(state.opt_state)
+  # tx sees the statistics as views; other chunks' statistics are empty
+  views = [x if c is None else
+           jnp.reshape(x, layout.view_shape(c)) if c in chunks else
+           jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)
+           for x, c in zip(opt, owners)]
+  params = layout.views(master, only=chunks)
+  updates, new_opt = tx.update(
+      layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks),
+      jax.tree_util.tree_unflatten(treedef, views), params)
+  new_master = layout.from_views(optax.apply_updates(params, updates), chunks)
+  new_master = {c: keep(new_master[c], master[c]) for c in chunks}
+  new_opt = {j: keep(x if c is None else jnp.reshape(x, opt[j].shape), opt[j])
+             for j, (x, c) in enumerate(zip(jax.tree_util.tree_leaves(new_opt),
+                                            owners))
+             if c is None or c in chunks}
+  return new_master, new_opt
+
+
 def _update(state, grads, master, shardings, finite):
   """Step 2's optax update: `(new master chunks, new optimizer state)`.
 
   Chunks whose optimizer state is offloaded are updated one at a time, after
-  the device-resident ones: a chunk's state (and its master shard, where that
-  is offloaded too) comes to the device only once the previous chunk's new
-  state has gone back to host (an optimization barrier on the host arrays
-  orders the transfers), so one offloaded chunk's optimizer state is on the
-  device at once. `tx` must then be separable by chunk
-  (`optim.check_separable`, run by `shard`). Master shards in host memory
-  whose optimizer state is on the device (`offload_params`) come to the
-  device for the first update call. `finite`: when steps may be skipped
+  the device-resident ones (`_update_groups`): a chunk's state (and its
+  master shard, where that is offloaded too) comes to the device only once
+  the previous chunk's new state has gone back to host (an optimization
+  barrier on the host arrays orders the transfers), so one offloaded chunk's
+  optimizer state is on the device at once. `tx` must then be separable by
+  chunk (`optim.check_separable`, run by `shard`). Master shards in host
+  memory whose optimizer state is on the device (`offload_params`) come to
+  the device for the first update call. `finite`: when steps may be skipped
   (loss scaling, `skip_nonfinite`), whether to keep the update (else the
   old values).
   """
-  cfg, layout, tx = state.config, state.layout, state.tx
-  host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
-          if cfg.offload_optimizer else frozenset())
-  every = frozenset(range(len(layout.chunks)))
-  groups = ([every - host] if every - host else []) + [
-      frozenset([c]) for c in sorted(host)]
-  owners = optstate.owners(layout, state.opt_state).chunk
-  old, treedef = jax.tree_util.tree_flatten(state.opt_state)
-  where = jax.tree_util.tree_leaves(shardings.opt_state)
+  cfg, layout = state.config, state.layout
+  owners = optstate.owners(layout, state.opt_state).chunk  # per leaf: chunk or None
+  opt, treedef = jax.tree_util.tree_flatten(state.opt_state)
+  opt_at = jax.tree_util.tree_leaves(shardings.opt_state)
+  master_at = shardings.master
   keep = ((lambda new, old: new) if finite is None else
           (lambda new, old: jnp.where(finite, new, old)))
-  new_master, new_opt, previous = list(master), list(old), None
-  for g, only in enumerate(groups):
-    mine = [j for j, c in enumerate(owners) if c in only]
-    chunks_in = [c for c in sorted(only)
-                 if shardings.master[c].memory_kind == offload.HOST]
-    # a re-gathered master (stages 1-2) is read again after the update: it
-    # goes back to host at the step's end instead
-    back = [] if policy(cfg).regather else chunks_in
-    host_in = ([old[j] for j in mine], [master[c] for c in chunks_in])
-    if previous is not None:
-      host_in, _ = jax.lax.optimization_barrier((host_in, previous))
-    device_in = dict(zip(mine, offload.to_device(host_in[0], [where[j] for j in mine])))
-    master_in = list(master)
-    for c, m in zip(chunks_in, offload.to_device(
-        host_in[1], [shardings.master[c] for c in chunks_in])):
-      master_in[c] = m
-    # the statistics are kept in chunk shape (`optstate.stored`); tx sees views
-    sub = [x if c is None else
-           jnp.reshape(device_in[j], layout.view_shape(c)) if j in device_in
-           else jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)
-           for j, (x, c) in enumerate(zip(old, owners))]
-    params_view = layout.views(master_in, only=only)
-    updates, out = tx.update(
-        layout.views(grads, fill_dtype=cfg.reduce_dtype, only=only),
-        jax.tree_util.tree_unflatten(treedef, sub), params_view)
-    chunks = layout.from_views(optax.apply_updates(params_view, updates), only)
-    for c in only:
-      new_master[c] = keep(chunks[c], master_in[c])
-    out = jax.tree_util.tree_leaves(out)
-    for j in mine:
-      new_opt[j] = keep(jnp.reshape(out[j], device_in[j].shape), device_in[j])
-    if g == 0:   # counts and other scalars: alike in every group
-      for j, c in enumerate(owners):
-        if c is None:
-          new_opt[j] = keep(out[j], old[j])
-    if only <= host:
-      placed = offload.place(
-          ([new_opt[j] for j in mine], [new_master[c] for c in back]),
-          ([where[j] for j in mine], [shardings.master[c] for c in back]))
-      for j, x in zip(mine, placed[0]):
+  new_master, new_opt, sent_back = list(master), list(opt), None
+  for n, (chunks, offloaded) in enumerate(_update_groups(layout, cfg)):
+    stats = [j for j, c in enumerate(owners) if c in chunks]
+    masters_on_host = [c for c in sorted(chunks)
+                       if master_at[c].memory_kind == offload.HOST]
+    incoming = ([opt[j] for j in stats], [master[c] for c in masters_on_host])
+    if sent_back is not None:   # only after the previous chunk has left
+      incoming, _ = jax.lax.optimization_barrier((incoming, sent_back))
+    opt_here, master_here = list(opt), list(master)
+    for j, x in zip(stats, offload.to_device(incoming[0], [opt_at[j] for j in stats])):
+      opt_here[j] = x
+    for c, x in zip(masters_on_host, offload.to_device(
+        incoming[1], [master_at[c] for c in masters_on_host])):
+      master_here[c] = x
+    masters, leaves = _update_chunks(state, chunks, grads, master_here,
+                                     opt_here, owners, keep)
+    for c, x in masters.items():
+      new_master[c] = x
+    for j, x in leaves.items():
+      if owners[j] is not None or n == 0:   # step counts: from the first call
         new_opt[j] = x
-      for c, x in zip(back, placed[1]):
+    if offloaded:
+      # a re-gathered master (stages 1-2) is read again after the update: it
+      # goes back to host at the step's end instead
+      back = [] if policy(cfg).regather else masters_on_host
+      sent_back = offload.place(
+          ([new_opt[j] for j in stats], [new_master[c] for c in back]),
+          ([opt_at[j] for j in stats], [master_at[c] for c in back]))
+      for j, x in zip(stats, sent_back[0]):
+        new_opt[j] = x
+      for c, x in zip(back, sent_back[1]):
         new_master[c] = x
-      previous = placed
   return tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt)
 
 

@@ -1,0 +1,41 @@
+"""The device mesh a ZeRO state runs on: the default one, and the Auto-axes
+copy of a user's mesh that the step needs."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+_log = logging.getLogger("zerojax")
+
+
+def default_mesh(axis_name: str = "data") -> Mesh:
+  """All devices on one axis, with Auto axis types (shard_map friendly)."""
+  return jax.make_mesh((jax.device_count(),), (axis_name,),
+                       axis_types=(AxisType.Auto,))
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """`mesh` itself when its axes are Auto, else an Auto copy (same devices
+  and names), said once per mesh: the step's update runs outside
+  `shard_map` on sharded chunks, written for GSPMD's Auto propagation;
+  under Explicit axes (`jax.make_mesh`'s default) jax refuses its sharded
+  reductions ("Contracting dimensions are sharded")."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  _say_auto_copy(mesh)
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+@functools.cache
+def _say_auto_copy(mesh: Mesh) -> None:
+  _log.warning(
+      "zerojax: the mesh's axes %s are %s; the ZeRO state uses a copy of the "
+      "mesh with Auto axes (same devices and axis names; state.mesh), since "
+      "its update is written for Auto sharding. To keep your own mesh, build "
+      "it with Auto axes: jax.make_mesh(shape, names, axis_types=(AxisType."
+      "Auto,) * len(names)).", mesh.axis_names,
+      tuple(str(t) for t in mesh.axis_types))
