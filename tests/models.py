@@ -3,6 +3,7 @@ model trained with plain optax on one device."""
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -118,6 +119,43 @@ class ResidualMLP(nn.Module):
     for i in range(self.layers):
       x = block(self.width, name=f"blocks_{i}")(x)
     return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+class ResBlock(nn.Module):
+  channels: int
+  axis_name: Optional[str] = None
+  train: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train,
+                             momentum=0.9, axis_name=self.axis_name)
+    # no conv biases before BatchNorm (as ResNets write it): their gradient
+    # is exactly zero, and Adam would blow its float noise up to lr-sized
+    # steps that differ with any summation order
+    conv = functools.partial(nn.Conv, self.channels, (3, 3), use_bias=False)
+    h = nn.relu(norm()(conv()(x)))
+    h = norm()(conv()(h))
+    return nn.relu(x + h)
+
+
+class ResNet(nn.Module):
+  """A small ResNet: a stem, residual blocks with BatchNorm, a linear head;
+  `train=False` normalises with the running averages."""
+  channels: int = 8
+  blocks: int = 2
+  classes: int = 4
+  axis_name: Optional[str] = None
+  train: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(self.channels, (3, 3), use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not self.train, momentum=0.9,
+                             axis_name=self.axis_name)(x))
+    for _ in range(self.blocks):
+      x = ResBlock(self.channels, self.axis_name, self.train)(x)
+    return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
 
 
 def lm_batches(vocab, batch=16, seq=16, steps=4):

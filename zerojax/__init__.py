@@ -3,6 +3,7 @@
     state = zerojax.shard(train_state, stage=3)
     step = zerojax.train_step(loss_fn)
     state, metrics = step(state, batch)
+    outputs = zerojax.eval_step(eval_fn)(state, batch)
     params = zerojax.gather_params(state)
 
 The public surface is `__all__` (docs/design.md, "Public surface"); the
@@ -11,6 +12,7 @@ public too. Everything else (the chunk layout, the policy, collectives)
 is internal: importable, but free to change.
 """
 from zerojax.config import DynamicLossScale, ZeroConfig
+from zerojax.evaluation import eval_step
 from zerojax import checkpoint, nn
 from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
 from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
@@ -22,6 +24,6 @@ from zerojax.step import train_step
 
 __all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
-           "estimate_memory", "gather_params", "memory_report", "nn",
+           "estimate_memory", "eval_step", "gather_params", "memory_report", "nn",
            "plan_offload", "shard", "shard_shape", "train_step"]
 __version__ = "0.1.0"

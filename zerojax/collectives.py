@@ -52,6 +52,17 @@ def all_mean(x, axis_name):
   return x if _alone(axis_name) else jax.lax.pmean(x, axis_name)
 
 
+def from_first(x, axis_name):
+  """The first device's `x` on every device (values that must agree, such as
+  a non-floating mutable field): a sum with zeros from the others."""
+  if _alone(axis_name):
+    return x
+  first = jax.lax.axis_index(axis_name) == 0
+  wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+  out = jax.lax.psum(jnp.where(first, wide, jnp.zeros_like(wide)), axis_name)
+  return out.astype(x.dtype)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def gather(shard, axis_name, compute_dtype, reduce_dtype):
   """All-gathers a chunk shard, cast to `compute_dtype` before the wire.

@@ -17,12 +17,17 @@ reduced:
                      reduce-scatter (stage 1).
 
 The chunks are cut into the user's tree (`ChunkLayout.merge`) and the loss
-is checked (a floating scalar; aux scalars or per-example arrays).
+is checked (a floating scalar; aux scalars or per-example arrays). Mutable
+fields (`train_step(mutable=...)`, BatchNorm's `batch_stats`) go into the
+loss beside the batch; their new values come back after each micro-batch,
+floating ones averaged over the data axis (as Flax's examples `pmean`
+them), others taken from the axis's first device, and feed the next one.
 """
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +49,10 @@ _PER_STEP = {Reduction.ALL_REDUCE: collectives.all_reduce,
              Reduction.SCATTER_PER_STEP: collectives.reduce_scatter}
 
 
-def grads_and_metrics(loss_fn, has_aux, state, batch, rng, modes):
+def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   """Reduced gradient chunks (sharded, or replicated under ALL_REDUCE), the
-  mean loss and the aux values; fills `modes` with how each chunk is
-  gathered (`gather_modes`)."""
+  mean loss, the aux values and the new values of the `mutable` fields;
+  fills `modes` with how each chunk is gathered (`gather_modes`)."""
   cfg, layout, mesh = state.config, state.layout, state.mesh
   pol = policy(cfg)
   ax = cfg.axis_name
@@ -59,53 +64,77 @@ def grads_and_metrics(loss_fn, has_aux, state, batch, rng, modes):
   with_rng = rng is not None
   # Shards kept in host memory are moved to the device by their gather (per
   # layer for layer chunks); their gradients go to device-side slots.
-  host = (frozenset(c for c, s in enumerate(state_shardings(state).master)
-                    if s.memory_kind == offload.HOST)
-          if pol.gathers_params else frozenset())
+  host = host_chunks(state)
   scalar = []   # per aux value: a scalar (averaged) or per-example
 
-  def local(params_in, rest, batch, scale, *maybe_rng):
+  def local(params_in, rest, fields, batch, scale, *maybe_rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
                if with_rng else None)
-    forward = _Forward(loss_fn, has_aux, state, pol, params_in, rest, scale,
-                       host, with_rng)
+    forward = ModelCall(loss_fn, has_aux, mutable, state, pol, params_in, rest,
+                       scale, host, with_rng)
     diff = forward.differentiated()
-    layerwise = forward.opted_in(diff, batch, dev_rng)
+    k = cfg.accum_steps
+    first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
+    layerwise = forward.opted_in(diff, first, dev_rng, fields)
     modes.update(gather_modes(layout, pol, layerwise))
-    grads, loss, aux = _accumulate(
+    grads, loss, aux, fields = _accumulate(
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
-        diff, batch, dev_rng, cfg.accum_steps, cfg.reduce_dtype)
+        diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype, ax)
     if pol.reduction in _PER_STEP:
       grads = tuple(_PER_STEP[pol.reduction](g, ax) for g in grads)
     n = mesh.shape[ax]
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
     loss = collectives.all_mean(loss, ax)
-    # Every aux value leaves with a leading device axis: per-example values
-    # are concatenated over the global batch, scalars are averaged over the
-    # devices and taken once below.
-    scalar.append(jax.tree_util.tree_map(lambda a: a.ndim == 0, aux))
-    aux = jax.tree_util.tree_map(
-        lambda a: jnp.reshape(collectives.all_mean(jnp.asarray(a, jnp.float32), ax),
-                              (1,)) if a.ndim == 0 else a, aux)
-    return grads, loss, aux
+    return grads, loss, per_device(aux, ax, scalar), fields
 
-  args = (params_in, state.rest, batch, scale) + ((rng,) if with_rng else ())
+  fields = {name: state.extras[name] for name in mutable}
+  args = (params_in, state.rest, fields, batch, scale) + (
+      (rng,) if with_rng else ())
   in_specs = ((split if pol.forward is Forward.GATHERED else replicated),
-              P(), P(ax), P()) + ((P(),) if with_rng else ())
-  out_specs = (split if pol.grads_sharded else replicated, P(), P(ax))
-  grads, loss, aux = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                                   out_specs=out_specs, check_vma=False)(*args)
-  aux = jax.tree_util.tree_map(lambda a, one: a[0] if one else a, aux, scalar[-1])
-  return grads, loss, aux
+              P(), P(), P(ax), P()) + ((P(),) if with_rng else ())
+  out_specs = (split if pol.grads_sharded else replicated, P(), P(ax), P())
+  grads, loss, aux, fields = jax.shard_map(
+      local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+      check_vma=False)(*args)
+  return grads, loss, taken_once(aux, scalar), fields
 
 
-class _Forward:
-  """Inside `shard_map`: the scaled loss of one micro-batch as a function
-  of what is differentiated (`differentiated()`), and the model's opt-in."""
+def host_chunks(state) -> frozenset:
+  """Chunks whose master shards stay in host memory until their gather."""
+  if not policy(state.config).gathers_params:
+    return frozenset()
+  return frozenset(c for c, s in enumerate(state_shardings(state).master)
+                   if s.memory_kind == offload.HOST)
 
-  def __init__(self, loss_fn, has_aux, state, pol, params_in, rest, scale,
-               host, with_rng):
+
+def per_device(tree, axis_name, scalar: list):
+  """Inside `shard_map`: `tree`'s values (aux, evaluation outputs), each to
+  leave with a leading device axis: per-example values concatenated over
+  the global batch, scalars averaged over the devices (in float32), to be
+  taken once by `taken_once`. Appends which are scalars to `scalar`."""
+  scalar.append(jax.tree_util.tree_map(lambda a: a.ndim == 0, tree))
+  return jax.tree_util.tree_map(
+      lambda a: jnp.reshape(collectives.all_mean(jnp.asarray(a, jnp.float32),
+                                                 axis_name), (1,))
+      if a.ndim == 0 else a, tree)
+
+
+def taken_once(tree, scalar: list):
+  """Outside `shard_map`: `per_device`'s values, scalars taken once."""
+  return jax.tree_util.tree_map(lambda a, one: a[0] if one else a, tree,
+                                scalar[-1])
+
+
+class ModelCall:
+  """Inside `shard_map`: the user's function on the parameter tree built as
+  `StagePolicy.forward` says (`outputs`; `eval_step` uses it too), the
+  scaled loss of one micro-batch as a function of what is differentiated
+  (`differentiated()`, `__call__`), and the model's opt-in (`opted_in`)."""
+
+  def __init__(self, loss_fn, has_aux, mutable, state, pol, params_in, rest,
+               scale, host, with_rng):
     self.loss_fn, self.has_aux, self.pol = loss_fn, has_aux, pol
+    self.mutable = mutable
     self.cfg, self.layout = state.config, state.layout
     self.params_in, self.rest, self.scale = params_in, rest, scale
     self.host, self.with_rng = host, with_rng
@@ -122,7 +151,7 @@ class _Forward:
     return tuple(jnp.zeros(p.shape, p.dtype) if c in self.host else p
                  for c, p in enumerate(self.params_in))
 
-  def opted_in(self, diff, batch, dev_rng) -> frozenset:
+  def opted_in(self, diff, batch, dev_rng, fields) -> frozenset:
     """Chunks a `zerojax.nn.layerwise` block gathers itself (layer stacks,
     unrolled blocks): one abstract trace on the ordinary tree hears which
     blocks are wrapped, each saying its module path; an error in it is
@@ -132,24 +161,32 @@ class _Forward:
            if self.pol.gathers_params and ch.stack is not None}
     if not own:
       return frozenset()
-    k = self.cfg.accum_steps
-    first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
     called = set()
-    jax.eval_shape(lambda d: self(d, first, dev_rng, called=called), diff)
+    jax.eval_shape(lambda d: self.outputs(d, batch, dev_rng, fields,
+                                          called=called), diff)
     layerwise = frozenset(c for c, path in own.items() if path in called)
     _say_whole(layout, self.cfg, own, layerwise)
     return layerwise
 
-  def __call__(self, diff, micro_batch, micro_rng, layerwise=frozenset(),
-               called=None):
-    """`(loss * scale, (loss, aux))` of one micro-batch."""
+  def outputs(self, diff, batch, rng, fields, layerwise=frozenset(),
+              called=None):
+    """What the user's function returns on this device's `batch`."""
     params = self._tree(diff, layerwise)
     with zero_nn.active(self.layout, self.cfg, called):
-      out = (self.loss_fn(params, micro_batch, micro_rng) if self.with_rng
-             else self.loss_fn(params, micro_batch))
-    loss, aux = _loss_and_aux(out, self.has_aux, _batch_size(micro_batch))
+      return (self.loss_fn(params, batch, rng, **fields) if self.with_rng
+              else self.loss_fn(params, batch, **fields))
+
+  def __call__(self, diff, micro_batch, micro_rng, fields,
+               layerwise=frozenset(), called=None):
+    """`(loss * scale, (loss, aux, updates))` of one micro-batch."""
+    out = self.outputs(diff, micro_batch, micro_rng, fields, layerwise, called)
+    if self.mutable:
+      out, updates = _updates(out, self.has_aux, fields)
+    else:
+      updates = {}
+    loss, aux = _loss_and_aux(out, self.has_aux, batch_size(micro_batch))
     loss = jnp.asarray(loss, jnp.float32)
-    return loss * self.scale, (loss, aux)
+    return loss * self.scale, (loss, aux, updates)
 
   def _tree(self, diff, layerwise):
     """The user's parameter tree, as `StagePolicy.forward` says."""
@@ -175,30 +212,90 @@ class _Forward:
     return layout.merge(chunks, self.rest, dtype=None, leaves=leaves)
 
 
-def _accumulate(grad_fn, diff, batch, dev_rng, k: int, reduce_dtype):
-  """`(summed gradients in reduce_dtype, mean loss, aux)` over `k`
-  micro-batches of this device's batch; per-example aux values in batch
-  order, scalars averaged."""
+def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
+                axis_name):
+  """`(summed gradients in reduce_dtype, mean loss, aux, fields)` over `k`
+  micro-batches of this device's batch, in sequence: each reads the mutable
+  `fields` the previous one wrote (`_agreed`). Per-example aux values in
+  batch order, scalars averaged."""
   to_reduce = lambda g: tuple(x.astype(reduce_dtype) for x in g)
   if k == 1:
-    grads, (loss, aux) = grad_fn(diff, batch, dev_rng)
-    return to_reduce(grads), loss, aux
+    grads, (loss, aux, updates) = grad_fn(diff, batch, dev_rng, fields)
+    return to_reduce(grads), loss, aux, _agreed(fields, updates, axis_name)
   micro = jax.tree_util.tree_map(
       lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
 
-  def body(acc, xs):
+  def body(carry, xs):
+    acc, fields = carry
     i, micro_batch = xs
     micro_rng = jax.random.fold_in(dev_rng, i) if dev_rng is not None else None
-    g, (loss, aux) = grad_fn(diff, micro_batch, micro_rng)
-    return jax.tree_util.tree_map(jnp.add, acc, to_reduce(g)), (loss, aux)
+    g, (loss, aux, updates) = grad_fn(diff, micro_batch, micro_rng, fields)
+    acc = jax.tree_util.tree_map(jnp.add, acc, to_reduce(g))
+    return (acc, _agreed(fields, updates, axis_name)), (loss, aux)
 
   zeros = tuple(jnp.zeros(np.shape(d), reduce_dtype) for d in diff)
-  grads, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+  (grads, fields), (losses, auxes) = jax.lax.scan(
+      body, (zeros, fields), (jnp.arange(k), micro))
   # per-example values [k, micro, ...] in batch order; scalars averaged
   aux = jax.tree_util.tree_map(
       lambda a: jnp.reshape(a, (-1,) + a.shape[2:]) if a.ndim > 1
       else jnp.mean(a, axis=0), auxes)
-  return grads, jnp.mean(losses), aux
+  return grads, jnp.mean(losses), aux, fields
+
+
+def _agreed(fields, updates, axis_name) -> dict:
+  """The mutable fields after a micro-batch: `updates` over `fields`, alike
+  on every device: floating values averaged over the data axis, others the
+  axis's first device's (they should agree; `collectives.from_first`)."""
+  def one(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return collectives.all_mean(x, axis_name)
+    return collectives.from_first(x, axis_name)
+  return {**fields, **{name: jax.tree_util.tree_map(one, new)
+                       for name, new in updates.items()}}
+
+
+def _updates(out, has_aux: bool, fields: dict) -> tuple:
+  """`(what the loss returned without the updates, updates)` under
+  `train_step(mutable=...)`, checked: `(loss, updates)`, or `(loss, (aux,
+  updates))` with `has_aux`; `updates` a dict of declared fields, each like
+  the field's current value (cast to its dtypes)."""
+  shape = "(loss, (aux, updates))" if has_aux else "(loss, updates)"
+  pair = lambda x: isinstance(x, (tuple, list)) and len(x) == 2
+  if not pair(out) or (has_aux and not pair(out[1])):
+    raise TypeError(
+        f"train_step(mutable={tuple(fields)}): loss_fn must return {shape}, "
+        f"updates a dict {{field: new value}}; it returned {_describe(out)}.")
+  loss, rest = out
+  aux, updates = rest if has_aux else (None, rest)
+  if not isinstance(updates, Mapping):
+    raise TypeError(
+        f"train_step(mutable={tuple(fields)}): the updates loss_fn returns "
+        f"must be a dict {{field: new value}}, got {_describe(updates)}.")
+  undeclared = sorted(set(map(str, updates)) - set(fields))
+  if undeclared:
+    raise ValueError(
+        f"loss_fn returned updates for {undeclared}, not declared in "
+        f"train_step(mutable={tuple(fields)}); add them to mutable= (fields "
+        "of your TrainState subclass), or leave them out of the updates.")
+  checked = {}
+  for name, new in updates.items():
+    # compared by key paths and shapes: a FrozenDict update of a dict field
+    # (or the reverse) is the same tree
+    new_leaves = _keyed(new)
+    old_leaves = _keyed(fields[name])
+    if [(k, np.shape(a)) for k, a in new_leaves] != [
+        (k, np.shape(b)) for k, b in old_leaves]:
+      raise ValueError(
+          f"loss_fn's update for {name!r} does not match the state's "
+          f"{name!r} (the same keys and shapes are needed): got "
+          f"{ {k: np.shape(a) for k, a in new_leaves} }, the state holds "
+          f"{ {k: np.shape(b) for k, b in old_leaves} }.")
+    checked[name] = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(fields[name]),
+        [jnp.asarray(a).astype(b.dtype) for (_, a), (_, b) in
+         zip(new_leaves, old_leaves)])
+  return ((loss, aux) if has_aux else loss), checked
 
 
 def _shard_shape(shape, n):
@@ -237,7 +334,7 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
         ", ".join(map(repr, stacks)))
 
 
-def _batch_size(batch) -> int:
+def batch_size(batch) -> int:
   return np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
 
 
@@ -272,15 +369,26 @@ def _loss_and_aux(out, has_aux: bool, batch_size: int) -> tuple:
           f"aux key(s) {taken} would overwrite the step's own metric(s) of "
           f"that name (the step reports {', '.join(METRICS)}); rename them "
           "in loss_fn's aux dict.")
-  for path, a in jax.tree_util.tree_leaves_with_path(aux):
+  return loss, check_per_example(aux, batch_size, "aux")
+
+
+def check_per_example(tree, batch_size: int, what: str):
+  """`tree`'s values as arrays, each a scalar or per-example (leading axis
+  `batch_size`, this device's micro-batch); raises a TypeError otherwise."""
+  for path, a in jax.tree_util.tree_leaves_with_path(tree):
     shape = np.shape(a)
     if shape and shape[0] != batch_size:
       raise TypeError(
-          f"aux value {jax.tree_util.keystr(path) or 'aux'} has shape {shape}: "
-          "an aux value is a scalar (averaged over the batch) or has the "
-          f"per-example leading axis ({batch_size} on this device's "
+          f"{what} value {jax.tree_util.keystr(path) or what} has shape "
+          f"{shape}: each {what} value is a scalar (averaged over the batch) or "
+          f"has the per-example leading axis ({batch_size} on this device's "
           "micro-batch; concatenated over the global batch).")
-  return loss, jax.tree_util.tree_map(jnp.asarray, aux)
+  return jax.tree_util.tree_map(jnp.asarray, tree)
+
+
+def _keyed(tree) -> list:
+  return [(jax.tree_util.keystr(k), x)
+          for k, x in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _describe(x) -> str:

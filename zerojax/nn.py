@@ -23,8 +23,9 @@ called. Without a loop, XLA sees L gathers that depend on nothing but the
 parameters: it merges each backward re-gather with the forward gather
 (CSE) and is free to schedule every gather first, so every gathered block
 stays alive. The wrapper therefore ties each gather to data it must wait
-for (`tie`): the forward gather to the block's input, the backward
-re-gather to the cotangent of the block's output. A block call is a
+for (`tie`): the forward gather to the block's input (in a train step and
+in `eval_step`), the backward re-gather to the cotangent of the block's
+output. A block call is a
 `custom_vjp` whose residuals are the block's shards and inputs only.
 """
 from __future__ import annotations
@@ -170,6 +171,15 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
         return wrapped.__call__(module, *values[:count],
                                 **dict(zip(names, values[count:])))
 
+      def tied(module, *values):
+        """`call` with its gathers waiting for the block's input: the
+        primal (an evaluation, no backward pass) as the forward does."""
+        token = _AFTER.set(_anchor(values))
+        try:
+          return call(module, *values)
+        finally:
+          _AFTER.reset(token)
+
       def forward(module, *values):
         token = _AFTER.set(_anchor(values))
         try:
@@ -184,7 +194,7 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
               lambda r: r if _anchor(r) is None else tie(r, after), vjp_fn)
         return vjp_fn(cotangent)
 
-      return nn.custom_vjp(call, forward_fn=forward, backward_fn=backward)(
+      return nn.custom_vjp(tied, forward_fn=forward, backward_fn=backward)(
           self, *args, *kwargs.values())
 
     def _is_unit(self) -> bool:

@@ -162,15 +162,16 @@ def _clip(grads, norm, max_norm) -> tuple:
                for g in grads)
 
 
-def _step(loss_fn, has_aux, modes, state: ZeroTrainState, batch, rng):
+def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
+          rng):
   cfg = state.config
   pol = policy(cfg)
   shardings = state_shardings(state)
   # Master chunks in host memory stay there: at stage 3 their gathers move
   # them to the device (one layer at a time for layer chunks), and `_update`
   # moves them along with their optimizer state.
-  grads, loss, aux = grads_and_metrics(loss_fn, has_aux, state, batch, rng,
-                                       modes)
+  grads, loss, aux, fields = grads_and_metrics(loss_fn, has_aux, mutable,
+                                               state, batch, rng, modes)
 
   metrics = {"loss": loss}
   if state.loss_scale is not None:
@@ -214,13 +215,68 @@ def _step(loss_fn, has_aux, modes, state: ZeroTrainState, batch, rng):
   new_state = state.replace(
       step=state.step + (finite.astype(jnp.int32) if guard else 1),
       master=new_master, compute=compute, opt_state=opt_state,
-      loss_scale=loss_scale)
+      loss_scale=loss_scale, extras={**state.extras, **fields})
   new_state = offload.place(new_state, shardings)
   return new_state, metrics
 
 
+def check_state(state, caller: str, mutable: tuple = ()) -> None:
+  """A live ZeroTrainState that has the `mutable` fields, else a clear error."""
+  if not isinstance(state, ZeroTrainState):
+    raise TypeError(f"{caller} takes the ZeroTrainState from zerojax.shard(), "
+                    f"got {type(state).__name__}.")
+  check_live(state, caller)
+  missing = [m for m in mutable if m not in state.extras]
+  if missing:
+    static = [m for m in missing if m in dict(state.static_extras)]
+    where = (f"{static} are static (pytree_node=False) fields, which a step "
+             "cannot change" if static else
+             f"the state's own fields are {sorted(state.extras) or 'none'}")
+    raise ValueError(
+        f"mutable={mutable}: the state has no field {missing[0]!r} ({where}). "
+        "Keep it in a TrainState subclass before zerojax.shard, e.g. class "
+        "TrainState(train_state.TrainState): batch_stats: Any, created with "
+        "batch_stats=variables['batch_stats'].")
+
+
+def check_mutable(mutable, caller: str) -> tuple:
+  """`mutable` as a tuple of field names, else a TypeError."""
+  if isinstance(mutable, str):
+    mutable = (mutable,)
+  if not (isinstance(mutable, (tuple, list))
+          and all(isinstance(m, str) for m in mutable)):
+    raise TypeError(f"{caller}(mutable={mutable!r}) must be a tuple of field "
+                    "names of your TrainState, e.g. ('batch_stats',).")
+  return tuple(mutable)
+
+
+def shard_batch(state, batch, accum_steps: int = 1):
+  """`batch` split over the data axis, checked: every array with the same
+  leading (global batch) axis, a multiple of devices x `accum_steps`.
+  `ShapeDtypeStruct`s (an abstract batch, for `.lower`) get the sharding."""
+  per_step = state.num_shards * accum_steps
+  sizes = {np.shape(x)[0] if np.ndim(x) else None
+           for x in jax.tree_util.tree_leaves(batch)}
+  if not sizes:
+    raise ValueError("the batch has no arrays.")
+  if None in sizes or len(sizes) != 1:
+    raise ValueError(f"every batch array needs the same leading (global "
+                     f"batch) axis; got leading sizes {sorted(map(str, sizes))}.")
+  size = sizes.pop()
+  if size % per_step:
+    raise ValueError(
+        f"global batch {size} is not divisible by {state.num_shards} devices "
+        f"x accum_steps {accum_steps} = {per_step}; use a multiple of "
+        f"{per_step}.")
+  sharding = NamedSharding(state.mesh, P(state.config.axis_name))
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+      if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
+      batch)
+
+
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
-               donate: bool = True) -> Callable:
+               mutable: tuple = (), donate: bool = True) -> Callable:
   """Builds the jitted ZeRO training step.
 
   Args:
@@ -232,6 +288,22 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       arrays with the micro-batch's leading axis, concatenated in global
       batch order.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
+    mutable: names of fields of the user's `TrainState` subclass that the
+      loss updates, e.g. `("batch_stats",)` for BatchNorm. `loss_fn` gets
+      each as a keyword argument after `batch` (and `rng`) and returns
+      `(loss, updates)`, or `(loss, (aux, updates))` with `has_aux`;
+      `updates` is a dict `{field: new value}` (Flax's `apply(...,
+      mutable=["batch_stats"])` returns one), each value with the field's
+      keys and shapes (cast to its dtypes); a declared field left out keeps
+      its value. Floating values are averaged over the data axis, as
+      Flax's examples `pmean` them; other values must agree across devices
+      (the first device's are kept). Under `accum_steps=k` the
+      micro-batches update in sequence, each reading the previous one's
+      values, as k plain steps of the model would. The updates are kept
+      when a step is skipped (a non-finite gradient), as PyTorch keeps
+      BatchNorm's running statistics. BatchNorm with `axis_name=` the data
+      axis (synchronised batch norm) works as written: the loss runs inside
+      a `shard_map` over that axis.
     donate: the step donates the input state's buffers to the new state, so
       the state is held once. A step that fails at run time (a host callback
       raising, say) then leaves no usable input state: restore from a
@@ -258,36 +330,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   for name, value in (("has_aux", has_aux), ("donate", donate)):
     if not isinstance(value, bool):
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
+  mutable = check_mutable(mutable, "train_step")
   modes = {}   # filled when the step is traced (`step.gathering`)
-  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, modes),
+  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, modes),
                    donate_argnums=(0,) if donate else ())
 
   def prepare(state, batch):
-    if not isinstance(state, ZeroTrainState):
-      raise TypeError(f"step() takes the ZeroTrainState from zerojax.shard(), "
-                      f"got {type(state).__name__}.")
-    check_live(state, "step()")
-    cfg = state.config
-    per_step = state.num_shards * cfg.accum_steps
-    sizes = {np.shape(x)[0] if np.ndim(x) else None
-             for x in jax.tree_util.tree_leaves(batch)}
-    if not sizes:
-      raise ValueError("the batch has no arrays.")
-    if None in sizes or len(sizes) != 1:
-      raise ValueError(f"every batch array needs the same leading (global "
-                       f"batch) axis; got leading sizes {sorted(map(str, sizes))}.")
-    size = sizes.pop()
-    if size % per_step:
-      raise ValueError(
-          f"global batch {size} is not divisible by {state.num_shards} devices "
-          f"x accum_steps {cfg.accum_steps} = {per_step}; use a multiple of "
-          f"{per_step}.")
-    sharding = NamedSharding(state.mesh, P(cfg.axis_name))
-    # ShapeDtypeStructs (an abstract batch, for `step.lower`) get the sharding.
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
-        batch)
+    check_state(state, "step()", mutable)
+    return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
     return jitted(state, prepare(state, batch), rng)

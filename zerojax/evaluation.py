@@ -1,0 +1,90 @@
+"""eval_step(): the user's function on a sharded state, without gathering
+the whole model onto any device.
+
+One `shard_map` over the data axis, the forward half of a train step
+(`grads.ModelCall`): the parameters are read as the stage's forward pass
+reads them. At stage 3 the shards are gathered per chunk (each cut into
+leaf buffers of its own, `collectives.gather_leaves`), and per layer or per
+block for models opted in with `zerojax.nn.layerwise`; with no backward
+pass to keep them for, each gathered layer dies after its use. Stages 0-2
+read their replicated copy. `gather_params` stays for export.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zerojax import grads
+from zerojax.policy import Forward, policy
+from zerojax.state import chunk_spec
+from zerojax.step import check_mutable, check_state, shard_batch
+
+
+def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
+  """Builds a jitted evaluation of a ZeRO state.
+
+  Args:
+    fn: `fn(params, batch, **fields)` or `fn(params, batch, rng, **fields)`,
+      written on the full parameter tree and one device's slice of the
+      batch, like a loss function. It returns a pytree whose values are
+      scalars (averaged over the global batch) or per-example arrays (the
+      slice's leading axis; concatenated in global batch order).
+    mutable: names of fields of the user's `TrainState` subclass given to
+      `fn` as keyword arguments, e.g. `("batch_stats",)` for a BatchNorm
+      model evaluated with its running averages. Evaluation changes no
+      state: what `fn` returns is all that comes back.
+
+  Returns:
+    `evaluate(state, batch, rng=None) -> outputs`, jitted (the state is not
+    donated). `batch` has the global batch on its leading axis, a multiple
+    of the number of devices. `evaluate.lower(state, batch)` gives the
+    lowered program (for `memory_analysis()`).
+  """
+  if not callable(fn):
+    raise TypeError(f"eval_step() takes the evaluation function, got {fn!r}.")
+  mutable = check_mutable(mutable, "eval_step")
+  jitted = jax.jit(functools.partial(_evaluate, fn, mutable))
+
+  def prepare(state, batch):
+    check_state(state, "evaluate()", mutable)
+    return shard_batch(state, batch)
+
+  def evaluate(state, batch, rng=None):
+    return jitted(state, prepare(state, batch), rng)
+
+  evaluate.lower = lambda state, batch, rng=None: jitted.lower(
+      state, prepare(state, batch), rng)
+  return evaluate
+
+
+def _evaluate(fn, mutable, state, batch, rng):
+  cfg, layout = state.config, state.layout
+  pol = policy(cfg)
+  ax = cfg.axis_name
+  params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
+  host = grads.host_chunks(state)
+  with_rng = rng is not None
+  scalar = []   # per output value: a scalar (averaged) or per-example
+
+  def local(params_in, rest, fields, batch, *maybe_rng):
+    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
+               if with_rng else None)
+    call = grads.ModelCall(fn, False, (), state, pol, params_in, rest, None,
+                           host, with_rng)
+    diff = call.differentiated()
+    layerwise = call.opted_in(diff, batch, dev_rng, fields)
+    out = call.outputs(diff, batch, dev_rng, fields, layerwise)
+    out = grads.check_per_example(out, grads.batch_size(batch), "evaluation")
+    return grads.per_device(out, ax, scalar)
+
+  chunks = tuple(chunk_spec(len(c.shape), ax) if pol.forward is Forward.GATHERED
+                 else P() for c in layout.chunks)
+  fields = {name: state.extras[name] for name in mutable}
+  args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())
+  in_specs = (chunks, P(), P(), P(ax)) + ((P(),) if with_rng else ())
+  out = jax.shard_map(local, mesh=state.mesh, in_specs=in_specs,
+                      out_specs=P(ax), check_vma=False)(*args)
+  return grads.taken_once(out, scalar)
