@@ -276,3 +276,93 @@ def assert_matches_reference(losses, params, ref_losses, ref_params,
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, **param_tol),
       params, ref_params)
+
+
+# ---- Flax NNX --------------------------------------------------------------
+from flax import nnx  # noqa: E402
+
+
+class NnxMLP(nnx.Module):
+  def __init__(self, rngs, hidden=32):
+    self.hidden = nnx.Linear(8, hidden, rngs=rngs)
+    self.norm = nnx.LayerNorm(hidden, rngs=rngs)
+    self.out = nnx.Linear(hidden, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.gelu(self.norm(self.hidden(x))))
+
+
+class NnxBlock(nnx.Module):
+  """Pre-LayerNorm causal self-attention + MLP (no attention biases, as
+  `Block`)."""
+
+  def __init__(self, width, heads, rngs):
+    self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=width,
+                                       use_bias=False, decode=False, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x):
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + self.attn(self.norm1(x), mask=mask)
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class NnxTransformer(nnx.Module):
+  def __init__(self, rngs, vocab=64, width=32, layers=2, seq=8):
+    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, width)))
+    self.blocks = nnx.List([NnxBlock(width, 4, rngs) for _ in range(layers)])
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos[...]
+    for block in self.blocks:
+      x = block(x)
+    return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+def nnx_problem(kind: str, batch: int = 32, steps: int = 5, seed: int = 0):
+  """(model factory, loss_fn(model, batch), batches) for an NNX model kind."""
+  rng = np.random.default_rng(seed)
+  if kind == "mlp":
+    batches = [{"x": rng.normal(size=(batch, 8)).astype(np.float32),
+                "y": rng.normal(size=(batch, 4)).astype(np.float32)}
+               for _ in range(steps)]
+
+    def loss_fn(model, b):
+      return jnp.mean((model(b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+    return (lambda: NnxMLP(nnx.Rngs(seed))), loss_fn, batches
+  batches = []
+  for _ in range(steps):
+    t = rng.integers(0, 64, size=(batch, 9))
+    batches.append({"tokens": t[:, :-1].astype(np.int32),
+                    "targets": t[:, 1:].astype(np.int32)})
+
+  def loss_fn(model, b):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model(b["tokens"]), b["targets"]).mean()
+  return (lambda: NnxTransformer(nnx.Rngs(seed))), loss_fn, batches
+
+
+def nnx_reference_run(make, loss_fn, tx, batches, compute_dtype=jnp.float32):
+  """A plain `nnx.Optimizer(model, tx, wrt=nnx.Param)` loop on one device;
+  16-bit compute casts the parameters for the forward and backward and keeps
+  the update in fp32. Returns (losses, trained model)."""
+  model = make()
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, b):
+    def cast_loss(model):
+      graph, params, rest = nnx.split(model, nnx.Param, ...)
+      params = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), params)
+      return loss_fn(nnx.merge(graph, params, rest), b).astype(jnp.float32)
+    loss, grads = nnx.value_and_grad(cast_loss)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer, b)) for b in batches]
+  return np.array(losses), model

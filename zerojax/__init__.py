@@ -19,11 +19,13 @@ from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
                             memory_report)
 from zerojax.planner import OffloadPlan, plan_offload
 from zerojax.sharded_init import create
-from zerojax.state import ZeroTrainState, gather_params, shard, shard_shape
+from zerojax.gathered import gather_model, gather_params
+from zerojax.state import ZeroTrainState, shard, shard_shape
 from zerojax.step import train_step
 
 __all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
-           "estimate_memory", "eval_step", "gather_params", "memory_report", "nn",
-           "plan_offload", "shard", "shard_shape", "train_step"]
+           "estimate_memory", "eval_step", "gather_model", "gather_params",
+           "memory_report", "nn", "plan_offload", "shard", "shard_shape",
+           "train_step"]
 __version__ = "0.1.0"

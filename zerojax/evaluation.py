@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import grads
+from zerojax import grads, outputs
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
 from zerojax.step import check_mutable, check_state, shard_batch
@@ -61,6 +61,7 @@ def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
 
 
 def _evaluate(fn, mutable, state, batch, rng):
+  fn, mutable = state.frontend.evaluation(fn, mutable)
   cfg, layout = state.config, state.layout
   pol = policy(cfg)
   ax = cfg.axis_name
@@ -77,7 +78,8 @@ def _evaluate(fn, mutable, state, batch, rng):
     diff = call.differentiated()
     layerwise = call.opted_in(diff, batch, dev_rng, fields)
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)
-    out = grads.check_per_example(out, grads.batch_size(batch), "evaluation")
+    out = outputs.check_per_example(out, outputs.batch_size(batch),
+                                    "evaluation")
     return grads.per_device(out, ax, scalar)
 
   chunks = tuple(chunk_spec(len(c.shape), ax) if pol.forward is Forward.GATHERED

@@ -14,7 +14,6 @@ What each stage stores (N devices on the data axis, see docs/design.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -24,7 +23,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import meshes, offload, optim, optstate, precision, reshard
+from zerojax import frontend, meshes, offload, optim, optstate, precision, reshard
 from zerojax.config import FIELDS, ZeroConfig
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
@@ -81,6 +80,12 @@ class ZeroTrainState(struct.PyTreeNode):
   @property
   def num_shards(self) -> int:
     return self.mesh.shape[self.config.axis_name]
+
+  @property
+  def frontend(self):
+    """The Flax front end the state came from (`zerojax.frontend`): it adapts
+    the user's loss and evaluation functions."""
+    return dict(self.static_extras).get(frontend.FRONTEND_FIELD, frontend.LINEN)
 
 
 # ---- placement ---------------------------------------------------------------
@@ -142,24 +147,32 @@ def _trainable(config: ZeroConfig, params) -> list:
   return [not bool(f) for f in frozen]
 
 
-def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
+def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
+          tx: Optional[optax.GradientTransformation] = None, optimizer=None,
           **config_fields) -> ZeroTrainState:
-  """Turns a Flax `TrainState` into a ZeRO `ZeroTrainState`.
+  """Turns a Flax `TrainState`, or an NNX model, into a ZeRO `ZeroTrainState`.
 
   Args:
     state: a `flax.training.train_state.TrainState` (or subclass; extra fields
-      are kept as they are). Its optimizer state, trained or fresh, is kept.
+      are kept as they are; its optimizer state, trained or fresh, is kept),
+      or a `flax.nnx.Module` (its `nnx.Param` variables are trained, every
+      other variable is kept and updated by the step: `zerojax.frontend`).
     stage: ZeRO stage 0-3 (see `ZeroConfig`).
     mesh: device mesh; None puts every device on one axis named "data".
+    tx: for an NNX model, the optax optimizer (fresh state)...
+    optimizer: ...or an `nnx.Optimizer(model, tx, wrt=nnx.Param)`, whose
+      state and step count are kept.
     **config_fields: further `ZeroConfig` fields (`compute_dtype`,
       `accum_steps`, `clip_norm`, `chunk_size`, `frozen`, `stacked`, ...).
 
   Returns:
-    The sharded state; the input state is left untouched.
+    The sharded state; the input state (or model) is left untouched.
 
   Example:
     >>> state = zerojax.shard(state, stage=3, compute_dtype="bf16")
+    >>> state = zerojax.shard(nnx_model, stage=3, tx=optax.adamw(1e-3))
   """
+  state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
   return place(state.params, state.opt_state, state.step, extras,
@@ -184,6 +197,17 @@ def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
       shapes, where)
 
 
+def _from_front_end(state, tx, optimizer, config_fields):
+  """A `TrainState`: `state` itself, or the one an NNX model becomes."""
+  if frontend.is_nnx(state):
+    return frontend.from_nnx(state, tx=tx, optimizer=optimizer,
+                             axis_name=config_fields.get("axis_name", "data"))
+  if tx is not None or optimizer is not None:
+    raise TypeError("shard(tx=..., optimizer=...) is for NNX models; a "
+                    f"{type(state).__name__} carries its own tx.")
+  return state
+
+
 def _check_train_state(state, stage, mesh, config_fields) -> tuple:
   """(config, mesh, extras, static extras) of a `shard` call's arguments."""
   if isinstance(state, ZeroTrainState):
@@ -195,7 +219,7 @@ def _check_train_state(state, stage, mesh, config_fields) -> tuple:
     raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
                     f"has no {', '.join(missing)}.")
   config, mesh = config_and_mesh(stage, mesh, config_fields)
-  return (config, mesh) + _extra_fields(state)
+  return (config, mesh) + extra_fields(state)
 
 
 def config_and_mesh(stage, mesh, config_fields) -> tuple:
@@ -219,7 +243,7 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
   return config, mesh
 
 
-def _extra_fields(state) -> tuple:
+def extra_fields(state) -> tuple:
   """Fields a TrainState subclass adds: (pytree fields, static fields)."""
   extras, static_extras = {}, []
   if dataclasses.is_dataclass(state):
@@ -340,35 +364,3 @@ def check_live(state: ZeroTrainState, caller: str) -> None:
           "previous step call (or deleted): use the state that call returned, "
           "`state, metrics = step(state, batch)`, or build the step with "
           "train_step(..., donate=False) to keep the input.")
-
-
-def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
-  """The ordinary parameter tree of a sharded state, replicated.
-
-  Args:
-    state: a `ZeroTrainState`.
-    dtype: cast floating leaves to this dtype; None keeps each leaf's dtype.
-  """
-  if not isinstance(state, ZeroTrainState):
-    raise TypeError(f"gather_params() takes a ZeroTrainState, got "
-                    f"{type(state).__name__}.")
-  check_live(state, "gather_params()")
-  dtype = None if dtype is None else jnp.dtype(dtype)
-  return _gather_program(state.layout, state.mesh, dtype)(state.master,
-                                                           state.rest)
-
-
-@functools.lru_cache(maxsize=64)
-def _gather_program(layout: ChunkLayout, mesh: Mesh, dtype) -> Callable:
-  """`gather_params`' jitted program, one per layout, mesh and dtype (a new
-  jitted closure per call would trace and compile on every call)."""
-
-  def merge(master, rest):
-    tree = layout.merge(master, rest)
-    if dtype is None:
-      return tree
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-        else x, tree)
-
-  return jax.jit(merge, out_shardings=NamedSharding(mesh, P()))

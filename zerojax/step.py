@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import collectives, offload, optim, optstate, precision
+from zerojax import collectives, offload, optstate, precision
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
@@ -170,6 +170,7 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
   # Master chunks in host memory stay there: at stage 3 their gathers move
   # them to the device (one layer at a time for layer chunks), and `_update`
   # moves them along with their optimizer state.
+  loss_fn, mutable = state.frontend.loss(loss_fn, has_aux, mutable)
   grads, loss, aux, fields = grads_and_metrics(loss_fn, has_aux, mutable,
                                                state, batch, rng, modes)
 

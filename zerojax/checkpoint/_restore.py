@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optstate, precision, reshard
+from zerojax import frontend, optstate, precision, reshard
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
@@ -24,8 +24,8 @@ from zerojax.checkpoint._integrity import (check_arrays, check_step,
 from zerojax.checkpoint._save import wait
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
-from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh, place,
-                           plan_state)
+from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh,
+                           extra_fields, place, plan_state)
 
 
 def open_step(directory: str, step: Optional[int]):
@@ -119,7 +119,7 @@ def _check_opt_state(saved: dict, want: dict) -> None:
 
 def restore(directory: str, *, like: Any, step: Optional[int] = None,
             mesh: Optional[Mesh] = None, stage: Optional[int] = None,
-            **config_fields) -> ZeroTrainState:
+            tx: Any = None, **config_fields) -> ZeroTrainState:
   """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
   differ from those at save time (any device count, any stage).
 
@@ -127,17 +127,26 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     directory: a directory written by `save`, or a plain orbax checkpoint of
       a flax TrainState (`StandardCheckpointer().save(path, train_state)`).
     like: a ZeroTrainState or TrainState supplying `tx`, `apply_fn` and the
-      parameter structure (functions are not stored). A ZeroTrainState also
-      supplies the ZeroConfig (its `frozen` included); from a TrainState the
-      saved ZeroConfig is used, and the leaves frozen at save stay frozen.
+      parameter structure (functions are not stored), or an `nnx.Module`
+      (with `tx=`) of the saved model's structure. A ZeroTrainState also
+      supplies the ZeroConfig (its `frozen` included); from a TrainState or
+      model the saved ZeroConfig is used, and the leaves frozen at save stay
+      frozen.
     step: which checkpoint; default the newest.
     mesh: target mesh; default all devices on the data axis.
     stage: target stage; default the saved one (or `like`'s).
+    tx: the optax optimizer, when `like` is an NNX model.
     **config_fields: further ZeroConfig overrides. An explicit `frozen=`
       replaces the saved one (`frozen=None` trains every leaf): leaves
       unfrozen start with zero optimizer statistics, and the chunks are
       repacked.
   """
+  if frontend.is_nnx(like):
+    like = frontend.from_nnx(like, tx=tx, axis_name=config_fields.get(
+        "axis_name", "data"))
+  elif tx is not None:
+    raise TypeError("restore(tx=...) is for like= an NNX model; a "
+                    f"{type(like).__name__} carries its own tx.")
   path, meta, step, saved = open_step(directory, step)
   if isinstance(like, ZeroTrainState):
     fields = {f.name: getattr(like.config, f.name)
@@ -147,7 +156,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   elif hasattr(like, "params") and hasattr(like, "tx"):
     fields = {}
     abstract = jax.eval_shape(lambda p: p, like.params)
-    static_extras = ()
+    static_extras = extra_fields(like)[1]
   else:
     raise TypeError("restore() needs like= a ZeroTrainState or TrainState "
                     "(it supplies tx and apply_fn).")

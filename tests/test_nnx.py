@@ -1,0 +1,233 @@
+"""Flax NNX models through the NNX front end (`zerojax.frontend`): the same
+one-line adoption, checked against a plain `nnx.Optimizer` loop on one
+device, a data-parallel BatchNorm reference, per-device dropout, evaluation
+and the errors."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from models import TOLERANCE, nnx_problem, nnx_reference_run
+
+# SGD with momentum, as the linen comparisons use: Adam turns the float
+# noise of a near-zero gradient element (attention key kernels) into an
+# lr-sized move that depends on the summation order
+TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
+
+
+def _params(model):
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _close(a, b, compute_dtype):
+  jax.tree_util.tree_map(
+      lambda x, y: np.testing.assert_allclose(x, y, **TOLERANCE[compute_dtype][1]),
+      a, b)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_nnx_matches_a_plain_nnx_optimizer_loop(kind, compute_dtype):
+  make, loss_fn, batches = nnx_problem(kind)
+  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches,
+                                            jnp.dtype(compute_dtype))
+  step = zerojax.train_step(loss_fn)
+  for stage in (0, 1, 2, 3):
+    model = make()
+    before = _params(model)
+    state = zerojax.shard(model, stage=stage, tx=TX, compute_dtype=compute_dtype)
+    losses = []
+    for b in batches:
+      state, metrics = step(state, b)
+      losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, **TOLERANCE[compute_dtype][0])
+    trained = zerojax.gather_model(state)
+    assert type(trained) is type(model)
+    _close(_params(trained), _params(ref_model), compute_dtype)
+    # the user's model is left as it was
+    jax.tree_util.tree_map(np.testing.assert_array_equal, _params(model), before)
+
+
+def test_nnx_optimizer_state_and_step_count_are_kept():
+  make, loss_fn, batches = nnx_problem("mlp")
+  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
+  # two plain steps, then zerojax takes over the model and its optimizer
+  model = make()
+  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+  @nnx.jit
+  def plain_step(model, optimizer, b):
+    grads = nnx.grad(loss_fn)(model, b)
+    optimizer.update(model, grads)
+
+  for b in batches[:2]:
+    plain_step(model, optimizer, b)
+  state = zerojax.shard(model, optimizer=optimizer, stage=3)
+  assert int(state.step) == 2
+  step = zerojax.train_step(loss_fn)
+  for b in batches[2:]:
+    state, metrics = step(state, b)
+  np.testing.assert_allclose(float(metrics["loss"]), ref_losses[-1], rtol=1e-5)
+  _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+  assert int(state.step) == len(batches)
+
+
+class BatchNormNet(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+    self.out = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+def _bn_problem():
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(32, 8)).astype(np.float32),
+              "y": rng.normal(size=(32, 4)).astype(np.float32)}
+             for _ in range(5)]
+
+  def loss_fn(model, b):
+    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+  return (lambda: BatchNormNet(nnx.Rngs(0))), loss_fn, batches
+
+
+def _bn_reference(make, loss_fn, batches):
+  """Data parallel, written out: per device the loss on its slice, gradients
+  and batch statistics averaged over devices."""
+  mesh = jax.make_mesh((8,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  graph, params, rest = nnx.split(make(), nnx.Param, ...)
+
+  def local(params, rest, b):
+    def loss(params):
+      # fresh Variables in this trace (NNX refuses to mutate outer ones)
+      model = nnx.merge(graph, params, jax.tree_util.tree_map(lambda x: x, rest))
+      out = loss_fn(model, b)
+      return out, nnx.split(model, nnx.Param, ...)[2]
+    grads, new_rest = jax.grad(loss, has_aux=True)(params)
+    return jax.lax.pmean(grads, "data"), jax.lax.pmean(new_rest, "data")
+
+  @jax.jit
+  def step(params, opt_state, rest, b):
+    grads, rest = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                out_specs=(P(), P()), check_vma=False)(
+                                    params, rest, b)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, rest
+
+  opt_state = TX.init(params)
+  for b in batches:
+    params, opt_state, rest = step(params, opt_state, rest, b)
+  return nnx.merge(graph, params, rest)
+
+
+def test_nnx_batch_norm_statistics_match_data_parallel():
+  make, loss_fn, batches = _bn_problem()
+  ref = _bn_reference(make, loss_fn, batches)
+  step = zerojax.train_step(loss_fn)
+  for stage in (0, 3):
+    state = zerojax.shard(make(), stage=stage, tx=TX)
+    for b in batches:
+      state, _ = step(state, b)
+    trained = zerojax.gather_model(state)
+    _close(_params(trained), _params(ref), "float32")
+    _close(nnx.to_pure_dict(nnx.state(trained, nnx.BatchStat)),
+           nnx.to_pure_dict(nnx.state(ref, nnx.BatchStat)), "float32")
+    assert not np.allclose(trained.norm.mean[...], make().norm.mean[...])
+
+
+class DropoutNet(nnx.Module):
+  def __init__(self, rngs):
+    self.out = nnx.Linear(8, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(x), self.drop(jnp.ones_like(x))
+
+
+def test_nnx_dropout_draws_per_device_and_per_step():
+  def loss_fn(model, b):
+    out, mask = model(b["x"])
+    return jnp.mean(out ** 2), {"mask": mask}
+
+  state = zerojax.shard(DropoutNet(nnx.Rngs(0, dropout=1)), stage=3, tx=TX)
+  step = zerojax.train_step(loss_fn, has_aux=True)
+  batch = {"x": np.ones((16, 8), np.float32)}
+  state, first = step(state, batch)
+  state, second = step(state, batch)
+  masks = np.asarray(first["mask"]).reshape(8, 2 * 8)   # per device
+  assert len({row.tobytes() for row in masks}) == 8
+  assert not np.array_equal(first["mask"], second["mask"])
+  # the stored key is the model's own, unfolded; the count moved on
+  assert int(state.nnx_state["drop"]["rngs"]["count"]) == 2
+
+
+def test_nnx_eval_step_equals_the_gathered_model():
+  make, loss_fn, batches = nnx_problem("transformer")
+  state = zerojax.shard(make(), stage=3, tx=TX)
+  state, _ = zerojax.train_step(loss_fn)(state, batches[0])
+  evaluate = zerojax.eval_step(
+      lambda model, b: {"logits": model(b["tokens"]), "loss": loss_fn(model, b)})
+  out = evaluate(state, batches[1])
+  trained = zerojax.gather_model(state)
+  plain = trained(batches[1]["tokens"])
+  # the same arithmetic on a 4-row slice instead of 32 rows: XLA's CPU dots
+  # may block differently, so a few logits differ in the last float32 bits
+  # of the logits' scale (about 2)
+  np.testing.assert_allclose(out["logits"], plain, rtol=1e-5,
+                             atol=1e-6 * float(np.abs(plain).max()))
+  np.testing.assert_allclose(out["loss"], loss_fn(trained, batches[1]), rtol=1e-5)
+
+
+def test_nnx_bad_input():
+  make, loss_fn, _ = nnx_problem("mlp")
+  model = make()
+  with pytest.raises(TypeError, match="needs tx="):
+    zerojax.shard(model, stage=3)
+  with pytest.raises(TypeError, match="does not hold its model"):
+    zerojax.shard(nnx.Optimizer(model, TX, wrt=nnx.Param), stage=3)
+  with pytest.raises(TypeError, match="nnx.Module"):
+    zerojax.shard(nnx.Rngs(0), stage=3)
+  with pytest.raises(ValueError, match="wrt=nnx.Param"):
+    zerojax.shard(model, optimizer=nnx.Optimizer(model, TX, wrt=nnx.Variable))
+  with pytest.raises(TypeError, match="carries its own tx"):
+    zerojax.shard(train_state.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(3)}, tx=TX), tx=TX)
+  linen = zerojax.shard(train_state.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones(8)}, tx=TX))
+  with pytest.raises(TypeError, match="use zerojax.gather_params"):
+    zerojax.gather_model(linen)
+  # the model was not changed by any of these
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(model),
+                         _params(make()))
+
+
+def test_nnx_checkpoint_restores_on_another_stage_and_device_count(tmp_path):
+  make, loss_fn, batches = nnx_problem("mlp")
+  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
+  step = zerojax.train_step(loss_fn)
+  state = zerojax.shard(make(), stage=3, tx=TX)
+  for b in batches[:3]:
+    state, _ = step(state, b)
+  zerojax.checkpoint.save(tmp_path, state)
+  zerojax.checkpoint.wait(tmp_path)
+  exported = zerojax.checkpoint.export_params(tmp_path)
+  _close(exported, _params(zerojax.gather_model(state)), "float32")
+  # a fresh model of the same structure, another stage, 4 devices
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  restored = zerojax.checkpoint.restore(tmp_path, like=make(), tx=TX, stage=1,
+                                        mesh=mesh)
+  for b in batches[3:]:
+    restored, metrics = step(restored, b)
+  np.testing.assert_allclose(float(metrics["loss"]), ref_losses[-1], rtol=1e-5)
+  _close(_params(zerojax.gather_model(restored)), _params(ref_model), "float32")

@@ -1,0 +1,196 @@
+"""Flax front ends: how a user's model object becomes a ZeRO state, and how
+the user's loss sees the parameters. The step and the evaluation ask the
+state's front end (`ZeroTrainState.frontend`) to adapt the user's function,
+never which front end it is.
+
+  linen  a `TrainState`; the loss gets the parameter tree (`LINEN`, the
+         identity).
+  NNX    an `nnx.Module` (with `tx=`, or `optimizer=` an `nnx.Optimizer`
+         whose state and step count are kept) becomes a `TrainState` whose
+         params are the module's `wrt` variables (`nnx.Param`) as a plain
+         dict, and whose field `nnx_state` holds every other variable
+         (BatchStat, RngCount, RNG keys stored as key data). The loss gets an
+         `nnx.Module` rebuilt from the gathered parameters and that state;
+         whatever it changes in that state is written back as a mutable
+         field (`train_step(mutable=...)`: floating values averaged over the
+         data axis, others the first device's). RNG keys are folded with the
+         device index inside the step, so `nnx.Dropout` draws differently on
+         each device, and are stored back unfolded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from flax.training import train_state
+
+from zerojax import outputs
+
+NNX_FIELD = "nnx_state"          # the TrainState field of non-parameter state
+FRONTEND_FIELD = "zerojax_frontend"  # the static field holding an `Nnx`
+
+
+class Linen:
+  """The identity: a linen loss already takes the parameter tree."""
+
+  def loss(self, fn: Callable, has_aux: bool, mutable: tuple) -> tuple:
+    return fn, mutable
+
+  def evaluation(self, fn: Callable, mutable: tuple) -> tuple:
+    return fn, mutable
+
+
+LINEN = Linen()
+
+
+class NnxTrainState(train_state.TrainState):
+  """The `TrainState` an NNX model becomes (`from_nnx`)."""
+  nnx_state: Any
+  zerojax_frontend: Any = struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nnx:
+  """An NNX model's structure (static): its graph, the tree structures of
+  its parameter and other state, and which other-state leaves are RNG keys
+  (their key implementation; stored as key data)."""
+  graphdef: Any
+  params_def: Any
+  rest_def: Any
+  keys: tuple
+  axis_name: str
+
+  def module(self, params, rest, fold: Optional[jax.Array] = None) -> nnx.Module:
+    """The `nnx.Module` of a parameter dict and an `nnx_state` dict; with
+    `fold`, every RNG key folded with it."""
+    leaves = []
+    for x, impl in zip(jax.tree_util.tree_leaves(rest), self.keys):
+      if impl is not None:
+        x = jax.random.wrap_key_data(x, impl=impl)
+        x = x if fold is None else jax.random.fold_in(x, fold)
+      leaves.append(x)
+    return nnx.merge(self.graphdef,
+                     self.params_def.unflatten(jax.tree_util.tree_leaves(params)),
+                     self.rest_def.unflatten(leaves))
+
+  def rest_of(self, model: nnx.Module, keep_keys) -> dict:
+    """`model`'s non-parameter state as an `nnx_state` dict, the RNG keys
+    taken from `keep_keys` (the stored, unfolded ones)."""
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    leaves = [k if impl is not None else x for x, k, impl in zip(
+        jax.tree_util.tree_leaves(rest), jax.tree_util.tree_leaves(keep_keys),
+        self.keys)]
+    return nnx.to_pure_dict(self.rest_def.unflatten(leaves))
+
+  def loss(self, fn: Callable, has_aux: bool, mutable: tuple) -> tuple:
+    """`fn(model, batch[, rng])` as a linen-style loss over the parameter
+    dict, with `nnx_state` mutable: the model's other variables after the
+    loss are its update."""
+    def write_back(out, model, stored):
+      updates = {NNX_FIELD: self.rest_of(model, stored)}
+      if has_aux:
+        loss, aux = outputs.split_aux(out)
+        return loss, (aux, updates)
+      return out, updates
+    return self._adapted(fn, mutable, "train_step", write_back)
+
+  def evaluation(self, fn: Callable, mutable: tuple) -> tuple:
+    """`fn(model, batch[, rng])` over the parameter dict; state changes made
+    while evaluating are dropped."""
+    return self._adapted(fn, mutable, "eval_step", lambda out, *_: out)
+
+  def _adapted(self, fn, mutable, caller, finish) -> tuple:
+    if mutable:
+      raise ValueError(f"{caller}(mutable={mutable}): an NNX model carries "
+                       "its own state, written back by itself; leave "
+                       "mutable= out.")
+
+    def linen_fn(params, batch, *rng, nnx_state):
+      model = self.module(params, nnx_state,
+                          jax.lax.axis_index(self.axis_name))
+      return finish(fn(model, batch, *rng), model, nnx_state)
+
+    return linen_fn, (NNX_FIELD,)
+
+
+# every NNX object: Module, Optimizer, Rngs, Variable, State (the base
+# class is `nnx.Pytree` in flax 0.12, `nnx.Object` before)
+_NNX_TYPES = tuple(t for t in (getattr(nnx, "Pytree", None),
+                               getattr(nnx, "Object", None), nnx.Variable,
+                               nnx.State) if t is not None)
+
+
+def is_nnx(obj) -> bool:
+  return isinstance(obj, _NNX_TYPES)
+
+
+def from_nnx(obj, *, tx=None, optimizer=None, model=None,
+             axis_name: str = "data") -> NnxTrainState:
+  """The `NnxTrainState` of an `nnx.Module` and its optimizer: `tx`, or
+  `optimizer` (an `nnx.Optimizer` over `nnx.Param`, its state and step
+  count kept). An `nnx.Optimizer` passed as `obj` needs `model=` (flax's
+  Optimizer no longer holds its model)."""
+  if isinstance(obj, nnx.Optimizer):
+    if optimizer is not None:
+      raise TypeError("shard(optimizer, optimizer=...): pass the model first, "
+                      "zerojax.shard(model, optimizer=optimizer).")
+    optimizer, obj = obj, (model if model is not None else
+                           getattr(obj, "model", None))
+    if obj is None:
+      raise TypeError(
+          "shard(nnx.Optimizer): flax's nnx.Optimizer does not hold its model; "
+          "pass it: zerojax.shard(model, optimizer=optimizer, stage=...).")
+  if not isinstance(obj, nnx.Module):
+    raise TypeError(
+        f"zerojax.shard takes an nnx.Module (or a linen TrainState), got an "
+        f"nnx.{type(obj).__name__}: pass the model, with tx= or optimizer=.")
+  if optimizer is not None:
+    if tx is not None:
+      raise TypeError("shard(model, tx=..., optimizer=...): give one; the "
+                      "optimizer carries its tx.")
+    if not isinstance(optimizer, nnx.Optimizer):
+      raise TypeError(f"optimizer= must be an nnx.Optimizer, got "
+                      f"{type(optimizer).__name__}.")
+    if optimizer.wrt is not nnx.Param:
+      raise ValueError(f"nnx.Optimizer(wrt={optimizer.wrt!r}): zerojax trains "
+                       "nnx.Param; build the optimizer with wrt=nnx.Param.")
+    tx = optimizer.tx
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+        f"shard(nnx_model) needs tx= an optax GradientTransformation (got "
+        f"{tx!r}), or optimizer= an nnx.Optimizer(model, tx, wrt=nnx.Param).")
+  graphdef, params, rest = nnx.split(obj, nnx.Param, ...)
+  pure = nnx.to_pure_dict(params)
+  keys = tuple(str(jax.random.key_impl(x)) if _is_key(x) else None
+               for x in jax.tree_util.tree_leaves(rest))
+  stored = nnx.to_pure_dict(rest)
+  stored = jax.tree_util.tree_map(
+      lambda x: jax.random.key_data(x) if _is_key(x) else x, stored)
+  front = Nnx(graphdef, jax.tree_util.tree_structure(params),
+              jax.tree_util.tree_structure(rest), keys, axis_name)
+  if optimizer is None:
+    opt_state, step = tx.init(pure), 0
+  else:
+    opt_state = jax.tree_util.tree_map(
+        _plain, optimizer.opt_state,
+        is_leaf=lambda x: isinstance(x, (nnx.State, nnx.Variable)))
+    step = optimizer.step.get_value()
+  return NnxTrainState(step=step, apply_fn=None, params=pure, tx=tx,
+                       opt_state=opt_state, nnx_state=stored,
+                       zerojax_frontend=front)
+
+
+def _plain(x):
+  """An optimizer-state node of an `nnx.Optimizer` as plain arrays."""
+  if isinstance(x, nnx.State):
+    return nnx.to_pure_dict(x)
+  return x.get_value()
+
+
+def _is_key(x) -> bool:
+  return jnp.issubdtype(getattr(x, "dtype", None) or jnp.float32,
+                        jax.dtypes.prng_key)
