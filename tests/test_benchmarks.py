@@ -448,3 +448,27 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   assert _number(zero3["TFLOP/s"]) == pytest.approx(row["tflops_per_s"], abs=0.005)
   assert zero3["MFU"] == "—"                          # no known peak
   assert "OOM" in rows["plain-dp"]["device"]
+
+
+def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
+  """The NNX-vs-linen suite on the tiny user models: both paths train the
+  same problem with equal persistent bytes, and the report shows them."""
+  from benchmarks import frontends, report
+  result = frontends.run("smoke", log=lambda *_: None)
+  assert [(r["model"], r["stage"]) for r in result["rows"]] == [
+      (m, s) for m in ("mlp-tiny", "transformer-tiny") for s in frontends.STAGES]
+  for row in result["rows"]:
+    assert row["persistent_bytes"]["nnx"] == row["persistent_bytes"]["linen"] > 0
+    assert row["min_ratio"] > 0
+  goals = frontends.goal_checks(result)
+  assert len(goals) == 2 * len(result["rows"])
+  meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
+          "host_memory_bytes": 2 ** 34, "date": "today"}
+  result.update(meta=meta, goals=goals)
+  with open(tmp_path / "quick_frontends.json", "w") as f:
+    json.dump(result, f)
+  report.write(str(tmp_path), "quick")
+  text = (tmp_path / "README.md").read_text()
+  assert "NNX front end against linen" in text
+  assert "| transformer-tiny | 3 |" in text
+  assert (tmp_path / "quick_frontends.png").exists()

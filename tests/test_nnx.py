@@ -14,7 +14,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from models import TOLERANCE, nnx_problem, nnx_reference_run
+from models import NnxTransformer, TOLERANCE, nnx_problem, nnx_reference_run
 
 # SGD with momentum, as the linen comparisons use: Adam turns the float
 # noise of a near-zero gradient element (attention key kernels) into an
@@ -231,3 +231,38 @@ def test_nnx_checkpoint_restores_on_another_stage_and_device_count(tmp_path):
     restored, metrics = step(restored, b)
   np.testing.assert_allclose(float(metrics["loss"]), ref_losses[-1], rtol=1e-5)
   _close(_params(zerojax.gather_model(restored)), _params(ref_model), "float32")
+
+
+def _nnx_lm(rng):
+  return NnxTransformer(nnx.Rngs(rng), vocab=512, width=128, layers=4, seq=8)
+
+
+def test_nnx_create_equals_shard_of_the_built_model():
+  for stage, dtype in [(3, "float32"), (2, "bfloat16")]:
+    made = zerojax.create(_nnx_lm, jax.random.key(7), tx=TX, stage=stage,
+                          compute_dtype=dtype)
+    # built by one jitted program, as create's programs build it (eager
+    # op-by-op init may round a product differently from the fused one)
+    plain = zerojax.shard(nnx.jit(_nnx_lm)(jax.random.key(7)), tx=TX,
+                          stage=stage, compute_dtype=dtype)
+    assert made.frontend == plain.frontend
+    for a, b in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(plain)):
+      assert a.sharding == b.sharding
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # and it trains: the step sees a module
+  made, metrics = zerojax.train_step(
+      lambda m, b: m(b["tokens"]).mean() ** 2)(made, {"tokens": np.zeros((8, 8), np.int32)})
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_nnx_create_never_holds_the_whole_model():
+  fp = zerojax.sharded_init.create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
+                                             stage=3)
+  params = jax.eval_shape(lambda r: nnx.to_pure_dict(
+      nnx.state(_nnx_lm(r), nnx.Param)), jax.random.key(0))
+  leaves = jax.tree_util.tree_leaves(params)
+  psi = sum(x.size for x in leaves)
+  # momentum SGD: 8 bytes a parameter, sharded; one leaf gathered at a time
+  bound = 1.25 * 8 * psi / 8 + 4 * max(x.size for x in leaves)
+  assert 4 * psi > bound      # the whole fp32 model would not fit it
+  assert fp["peak"] <= bound

@@ -163,15 +163,7 @@ def from_nnx(obj, *, tx=None, optimizer=None, model=None,
     raise TypeError(
         f"shard(nnx_model) needs tx= an optax GradientTransformation (got "
         f"{tx!r}), or optimizer= an nnx.Optimizer(model, tx, wrt=nnx.Param).")
-  graphdef, params, rest = nnx.split(obj, nnx.Param, ...)
-  pure = nnx.to_pure_dict(params)
-  keys = tuple(str(jax.random.key_impl(x)) if _is_key(x) else None
-               for x in jax.tree_util.tree_leaves(rest))
-  stored = nnx.to_pure_dict(rest)
-  stored = jax.tree_util.tree_map(
-      lambda x: jax.random.key_data(x) if _is_key(x) else x, stored)
-  front = Nnx(graphdef, jax.tree_util.tree_structure(params),
-              jax.tree_util.tree_structure(rest), keys, axis_name)
+  pure, stored, front = _parts(obj, axis_name)
   if optimizer is None:
     opt_state, step = tx.init(pure), 0
   else:
@@ -182,6 +174,45 @@ def from_nnx(obj, *, tx=None, optimizer=None, model=None,
   return NnxTrainState(step=step, apply_fn=None, params=pure, tx=tx,
                        opt_state=opt_state, nnx_state=stored,
                        zerojax_frontend=front)
+
+
+def _parts(module: nnx.Module, axis_name: str) -> tuple:
+  """`(parameter dict, nnx_state dict, Nnx)` of a module (concrete or
+  traced): its `nnx.Param` values, its other variables with RNG keys as key
+  data, and its structure."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  keys = tuple(str(jax.random.key_impl(x)) if _is_key(x) else None
+               for x in jax.tree_util.tree_leaves(rest))
+  stored = jax.tree_util.tree_map(
+      lambda x: jax.random.key_data(x) if _is_key(x) else x,
+      nnx.to_pure_dict(rest))
+  front = Nnx(graphdef, jax.tree_util.tree_structure(params),
+              jax.tree_util.tree_structure(rest), keys, axis_name)
+  return nnx.to_pure_dict(params), stored, front
+
+
+def initialiser(init_fn: Callable, rng, axis_name: str) -> tuple:
+  """`(params_fn, extras_fn, static_extras)` of a sharded-init function
+  (`zerojax.create`): a linen `init_fn(rng) -> params` as it is (no
+  extras); an `init_fn(rng) -> nnx.Module` as its parameter dict, its
+  other variables (`{"nnx_state": ...}`) and the NNX front end. One
+  abstract trace tells which."""
+  found = []
+
+  def probe(r):
+    out = init_fn(r)
+    if not isinstance(out, nnx.Module):
+      return out
+    params, _, front = _parts(out, axis_name)
+    found.append(front)
+    return params
+
+  jax.eval_shape(probe, rng)
+  if not found:
+    return init_fn, None, ()
+  return ((lambda r: _parts(init_fn(r), axis_name)[0]),
+          (lambda r: {NNX_FIELD: _parts(init_fn(r), axis_name)[1]}),
+          ((FRONTEND_FIELD, found[0]),))
 
 
 def _plain(x):

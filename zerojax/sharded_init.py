@@ -25,7 +25,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import memory, reshard
+from zerojax import frontend, memory, reshard
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, chunk_spec, config_and_mesh,
                            fresh_state, plan_layout, state_shardings)
@@ -48,16 +48,20 @@ class _ChunkPrograms:
     return master, (self.cast(master) if self.cast else None)
 
 
-def create(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
+def create(init_fn: Callable, rng: jax.Array, *,
+           apply_fn: Optional[Callable] = None,
            tx: optax.GradientTransformation, stage: int = 3,
            mesh: Optional[Mesh] = None, **config_fields) -> ZeroTrainState:
   """Builds a ZeroTrainState without ever materialising the full parameters
   or optimizer state on one device (see the module docstring).
 
   Args:
-    init_fn: `init_fn(rng) -> params` (e.g. `lambda r: model.init(r, x)["params"]`).
+    init_fn: `init_fn(rng) -> params` (e.g. `lambda r: model.init(r, x)["params"]`),
+      or `init_fn(rng) -> nnx.Module` (e.g. `lambda r: Model(rngs=nnx.Rngs(r))`):
+      a state as `zerojax.shard(module, tx=tx)` makes, its other variables
+      made replicated beside the chunks.
     rng: the PRNG key handed to `init_fn`.
-    apply_fn, tx: as for `TrainState.create`.
+    apply_fn, tx: as for `TrainState.create` (no `apply_fn` for NNX).
     stage, mesh, **config_fields: as for `zerojax.shard`.
   """
   chunks, rest_program, assemble = _create_programs(
@@ -68,7 +72,8 @@ def create(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
   return assemble(master, compute, rest_program(rng))
 
 
-def create_footprint(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
+def create_footprint(init_fn: Callable, rng: jax.Array, *,
+                     apply_fn: Optional[Callable] = None,
                      tx: optax.GradientTransformation, stage: int = 3,
                      mesh: Optional[Mesh] = None, **config_fields) -> dict:
   """Per-device bytes `create` needs at its peak, from the compiled programs:
@@ -111,10 +116,13 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *, apply_fn: Callable,
 
 def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   if not callable(init_fn):
-    raise TypeError(f"init_fn={init_fn!r} must be a function rng -> params.")
+    raise TypeError(f"init_fn={init_fn!r} must be a function rng -> params "
+                    "(linen) or rng -> nnx.Module.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
   config, mesh = config_and_mesh(stage, mesh, config_fields)
+  init_fn, extras_fn, static_extras = frontend.initialiser(
+      init_fn, rng, config.axis_name)
   layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
                        mesh.shape[config.axis_name])
   rep = NamedSharding(mesh, P())
@@ -134,12 +142,16 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     return _ChunkPrograms(start, [fill for _, fill in fills], cast)
 
   def make_rest(rng):
+    """The leaves outside the chunks, and the extras (NNX's other
+    variables), replicated."""
     leaves = leaves_of(rng)
-    return tuple(leaves[i] for i in layout.rest_indices)
+    return (tuple(leaves[i] for i in layout.rest_indices),
+            extras_fn(rng) if extras_fn else {})
 
-  def assemble(master, compute, rest):
-    return fresh_state(master, compute, rest, step=0, extras={},
-                       static_extras=(), layout=layout, tx=tx,
+  def assemble(master, compute, rest_and_extras):
+    rest, extras = rest_and_extras
+    return fresh_state(master, compute, rest, step=0, extras=extras,
+                       static_extras=static_extras, layout=layout, tx=tx,
                        apply_fn=apply_fn, config=config, mesh=mesh)
 
   chunks = [chunk_programs(c) for c in range(len(layout.chunks))]

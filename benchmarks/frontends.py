@@ -1,0 +1,162 @@
+"""The NNX front end against the linen one, on the same models.
+
+The two models of `benchmarks.user_models` (an unrolled residual MLP and an
+unrolled transformer) are written a second time in Flax NNX, layer for
+layer, and each is trained with zerojax through its front end: the linen
+`TrainState` and the NNX module (`zerojax.shard(model, tx=...)`, the loss
+taking the module). Per model and stage: the step time of the NNX path over
+the linen path (interleaved rounds, `benchmarks.speed.time_variants`; ratios
+of medians and of minima), and the persistent bytes per device of both
+states (`zerojax.memory_report`), which must be equal: the front end adds
+no state. Neither model is opted in to per-layer gathering (NNX has no
+`layerwise` yet), so stage 3 gathers each chunk for the whole step in both.
+
+    python -m benchmarks.run --quick --suites frontends
+"""
+from __future__ import annotations
+
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+import zerojax
+from benchmarks import speed
+from benchmarks.user_models import CONFIGS
+
+STAGES = (1, 3)
+GOAL = 1.05     # NNX step time / linen step time
+
+
+class _NnxResidualMLP(nnx.Module):
+  def __init__(self, cfg, rngs):
+    w, h = cfg.width, cfg.hidden
+    self.blocks = nnx.List([
+        nnx.Dict(norm=nnx.LayerNorm(w, rngs=rngs), up=nnx.Linear(w, h, rngs=rngs),
+                 down=nnx.Linear(h, w, rngs=rngs)) for _ in range(cfg.layers)])
+    self.head = nnx.Linear(w, cfg.classes, rngs=rngs)
+
+  def __call__(self, x):
+    for b in self.blocks:
+      x = x + b["down"](nnx.gelu(b["up"](b["norm"](x))))
+    return self.head(x)
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, d, heads, rngs):
+    self.heads = heads
+    self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+    self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+    self.out = nnx.Linear(d, d, rngs=rngs)
+    self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    # the same arithmetic as `user_models.TransformerBlock`
+    b, t, d = x.shape
+    hd = d // self.heads
+    q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(b, t, 3 * self.heads, hd),
+                        3, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores,
+                       jnp.finfo(scores.dtype).min)
+    h = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    x = x + self.out(h.reshape(b, t, d))
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class _NnxTransformer(nnx.Module):
+  def __init__(self, cfg, rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.width, rngs=rngs)
+    self.blocks = nnx.List([_NnxBlock(cfg.width, cfg.heads, rngs)
+                            for _ in range(cfg.layers)])
+    self.norm = nnx.LayerNorm(cfg.width, rngs=rngs)
+    self.head = nnx.Linear(cfg.width, cfg.vocab_size, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
+NNX_MODELS = {"mlp": _NnxResidualMLP, "transformer": _NnxTransformer}
+
+
+class _Run:
+  """A zerojax state and its step, for `speed.time_variants`."""
+
+  def __init__(self, state, loss_fn, batch):
+    self.state, self.batch = state, batch
+    self.step = zerojax.train_step(loss_fn)
+    self.persistent = zerojax.memory_report(state).persistent
+
+  def run_once(self):
+    self.state, metrics = self.step(self.state, self.batch)
+    jax.block_until_ready((self.state, metrics))
+
+
+def _runs(name: str, stage: int, batch_size: int, seq: int) -> dict:
+  cfg = CONFIGS[name]
+  batch = cfg.make_batch(batch_size, seq)
+  tx = optax.adamw(1e-4)
+  model = cfg.make_model()
+  params = model.init(jax.random.key(0), cfg.example_input())["params"]
+  linen_loss = cfg.make_loss_fn(model)
+  key = "mlp" if name.startswith("mlp") else "transformer"
+
+  def nnx_loss(module, b):
+    if key == "mlp":
+      logits, labels = module(b["inputs"]), b["labels"]
+    else:
+      logits, labels = module(b["tokens"]), b["targets"]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels).mean()
+
+  return {
+      "linen": _Run(zerojax.shard(train_state.TrainState.create(
+          apply_fn=model.apply, params=params, tx=tx), stage=stage),
+          linen_loss, batch),
+      "nnx": _Run(zerojax.shard(NNX_MODELS[key](cfg, nnx.Rngs(0)), stage=stage,
+                                tx=tx), nnx_loss, batch),
+  }
+
+
+def run(mode: str, log=print) -> dict:
+  """{"rows": per model and stage, the step-time ratio NNX / linen and the
+  persistent bytes of both; "rounds"}."""
+  models = ("mlp-tiny", "transformer-tiny") if mode == "smoke" else (
+      "mlp-3m", "transformer-6m")
+  rounds = {"smoke": 2, "quick": 7, "full": 15}[mode]
+  rows = []
+  for name in models:
+    for stage in STAGES:
+      log(f"frontends: {name} stage {stage}")
+      runs = _runs(name, stage, batch_size=64, seq=64)
+      times = speed.time_variants(runs, rounds)
+      median = {k: statistics.median(v) for k, v in times.items()}
+      fastest = {k: min(v) for k, v in times.items()}
+      rows.append({
+          "model": name, "stage": stage,
+          "median_s": median, "min_s": fastest,
+          "ratio": median["nnx"] / median["linen"],
+          "min_ratio": fastest["nnx"] / fastest["linen"],
+          "persistent_bytes": {k: r.persistent for k, r in runs.items()}})
+  return {"rows": rows, "rounds": rounds}
+
+
+def goal_checks(result: dict) -> list:
+  """[(what, measured, bound, met)]: NNX within 1.05x of linen (minima),
+  and the same persistent bytes."""
+  out = []
+  for r in result["rows"]:
+    out.append((f"NNX / linen step time, zero-{r['stage']} ({r['model']})",
+                r["min_ratio"], GOAL, r["min_ratio"] <= GOAL))
+    b = r["persistent_bytes"]
+    out.append((f"NNX / linen persistent bytes, zero-{r['stage']} "
+                f"({r['model']})", b["nnx"] / b["linen"], 1.0,
+                b["nnx"] == b["linen"]))
+  return out
