@@ -366,3 +366,35 @@ def nnx_reference_run(make, loss_fn, tx, batches, compute_dtype=jnp.float32):
 
   losses = [float(step(model, optimizer, b)) for b in batches]
   return np.array(losses), model
+
+
+class NnxResidualBlock(nnx.Module):
+  def __init__(self, rngs, width=32):
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+def nnx_scanned(block: type, layers: int = 4, width: int = 32) -> type:
+  """An NNX model whose blocks are made with `nnx.vmap` and run with
+  `nnx.scan`, as Flax's guide writes a layer stack (`stacked=("blocks",)`)."""
+
+  class ScannedNet(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return block(rngs, width)
+      self.blocks = make(rngs)
+      self.head = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return block(x)
+      return self.head(body(x, self.blocks))
+
+  return ScannedNet

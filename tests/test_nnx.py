@@ -14,7 +14,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from models import NnxTransformer, TOLERANCE, nnx_problem, nnx_reference_run
+from models import (NnxResidualBlock, NnxTransformer, TOLERANCE, nnx_problem,
+                    nnx_reference_run, nnx_scanned)
 
 # SGD with momentum, as the linen comparisons use: Adam turns the float
 # noise of a near-zero gradient element (attention key kernels) into an
@@ -266,3 +267,50 @@ def test_nnx_create_never_holds_the_whole_model():
   bound = 1.25 * 8 * psi / 8 + 4 * max(x.size for x in leaves)
   assert 4 * psi > bound      # the whole fp32 model would not fit it
   assert fp["peak"] <= bound
+
+
+def _scanned_problem(layerwise, layers=4, width=32):
+  block = zerojax.nn.layerwise(NnxResidualBlock) if layerwise else NnxResidualBlock
+  net = nnx_scanned(block, layers, width)
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(32, width)).astype(np.float32),
+              "y": rng.normal(size=(32, 4)).astype(np.float32)} for _ in range(4)]
+  loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  return (lambda: net(nnx.Rngs(0))), loss_fn, batches
+
+
+def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx():
+  make, loss_fn, batches = _scanned_problem(layerwise=True)
+  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
+  state = zerojax.shard(make(), stage=3, tx=TX, stacked=("blocks",))
+  step = zerojax.train_step(loss_fn)
+  assert step.gathering(state, batches[0])["blocks"] == "per layer"
+  losses = []
+  for b in batches:
+    state, metrics = step(state, b)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+
+
+def _scanned_footprint(layers, width=256):
+  _, loss_fn, _ = _scanned_problem(True, layers, width)
+  net = nnx_scanned(zerojax.nn.layerwise(NnxResidualBlock), layers, width)
+  state = zerojax.create(lambda r: net(nnx.Rngs(r)), jax.random.key(0),
+                         tx=optax.adam(1e-3), stage=3, stacked=("blocks",))
+  batch = {"x": np.zeros((64, width), np.float32), "y": np.zeros((64, 4), np.float32)}
+  compiled = zerojax.train_step(loss_fn).lower(state, batch).compile()
+  per_layer = sum(c.used for c in state.layout.chunks if c.layers)
+  return zerojax.compiled_footprint(compiled)["footprint"], per_layer
+
+
+def test_nnx_scanned_stage3_footprint_does_not_grow_with_gathered_layers():
+  width = 256
+  (fp4, per_layer), (fp16, _) = (_scanned_footprint(n, width) for n in (4, 16))
+  per_layer_state = 12 * per_layer / 8           # Adam, sharded, persistent
+  per_layer_grads = 4 * per_layer / 8            # the gradient shard
+  per_layer_acts = 4 * 8 * width                 # the saved layer input
+  growth = fp16 - fp4
+  assert growth <= 1.1 * 12 * (per_layer_state + per_layer_grads + per_layer_acts)
+  # the 12 more gathered layers alone would add 12 x 4 x per_layer bytes
+  assert growth < 12 * 4 * per_layer

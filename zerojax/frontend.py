@@ -25,9 +25,10 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx, struct, traverse_util
 from flax.training import train_state
 
+from zerojax import nn as zero_nn
 from zerojax import outputs
 
 NNX_FIELD = "nnx_state"          # the TrainState field of non-parameter state
@@ -63,6 +64,7 @@ class Nnx:
   rest_def: Any
   keys: tuple
   axis_name: str
+  param_paths: tuple = ()   # each parameter's pure-dict key path, in order
 
   def module(self, params, rest, fold: Optional[jax.Array] = None) -> nnx.Module:
     """The `nnx.Module` of a parameter dict and an `nnx_state` dict; with
@@ -73,14 +75,48 @@ class Nnx:
         x = jax.random.wrap_key_data(x, impl=impl)
         x = x if fold is None else jax.random.fold_in(x, fold)
       leaves.append(x)
-    return nnx.merge(self.graphdef,
-                     self.params_def.unflatten(jax.tree_util.tree_leaves(params)),
-                     self.rest_def.unflatten(leaves))
+    flat = traverse_util.flatten_dict(params)
+    shards = {path: x for path, x in flat.items()
+              if str(path[-1]).startswith(zero_nn.CHUNK_KEY)}
+    model = nnx.merge(self.graphdef,
+                      self.params_def.unflatten(self._param_leaves(flat, shards)),
+                      self.rest_def.unflatten(leaves))
+    self._mark_stacks(model, shards)
+    return model
+
+  def _param_leaves(self, flat: dict, shards: dict) -> list:
+    """The parameter leaves in order; a leaf of a stack gathered per layer
+    (`zerojax.nn.layerwise`) is an empty `[layers, 0]` placeholder, its
+    values being in the stack's chunk shards."""
+    stacks = {tuple(map(str, path[:-1])): x.shape[0] for path, x in shards.items()}
+    out = []
+    for path in self.param_paths:
+      names = tuple(map(str, path))
+      layers = next((n for prefix, n in stacks.items()
+                     if names[:len(prefix)] == prefix), None)
+      out.append(flat[path] if layers is None else jnp.zeros((layers, 0)))
+    return out
+
+  def _mark_stacks(self, model, shards: dict) -> None:
+    """Inside a step: each stacked module says its path (`STACK_ATTR`, how
+    the step hears which stacks opted in), and holds its chunk shards."""
+    active = zero_nn.active_layout()
+    if active is None:
+      return
+    layout = active[0]
+    for c, chunk in enumerate(layout.chunks):
+      if chunk.layers:
+        prefix = layout.stack_prefix(c)
+        stack = _node(model, prefix)
+        if stack is not None:
+          setattr(stack, zero_nn.STACK_ATTR, prefix)
+    for path, x in shards.items():
+      setattr(_node(model, path[:-1]), str(path[-1]), zero_nn.Shard(x))
 
   def rest_of(self, model: nnx.Module, keep_keys) -> dict:
     """`model`'s non-parameter state as an `nnx_state` dict, the RNG keys
     taken from `keep_keys` (the stored, unfolded ones)."""
-    _, _, rest = nnx.split(model, nnx.Param, ...)
+    _, _, _, rest = nnx.split(model, nnx.Param, zero_nn.Shard, ...)
     leaves = [k if impl is not None else x for x, k, impl in zip(
         jax.tree_util.tree_leaves(rest), jax.tree_util.tree_leaves(keep_keys),
         self.keys)]
@@ -176,6 +212,21 @@ def from_nnx(obj, *, tx=None, optimizer=None, model=None,
                        zerojax_frontend=front)
 
 
+def _node(model, names):
+  """The submodule of `model` at `names` (layout names: list indices as
+  strings), or None."""
+  node = model
+  for name in map(str, names):
+    if hasattr(node, name):
+      node = getattr(node, name)
+    elif name.isdigit() and isinstance(node, (list, tuple, nnx.List)) \
+        and int(name) < len(node):
+      node = node[int(name)]
+    else:
+      return None
+  return node
+
+
 def _parts(module: nnx.Module, axis_name: str) -> tuple:
   """`(parameter dict, nnx_state dict, Nnx)` of a module (concrete or
   traced): its `nnx.Param` values, its other variables with RNG keys as key
@@ -186,9 +237,12 @@ def _parts(module: nnx.Module, axis_name: str) -> tuple:
   stored = jax.tree_util.tree_map(
       lambda x: jax.random.key_data(x) if _is_key(x) else x,
       nnx.to_pure_dict(rest))
+  pure = nnx.to_pure_dict(params)
+  paths = tuple(tuple(k.key for k in path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(pure)[0])
   front = Nnx(graphdef, jax.tree_util.tree_structure(params),
-              jax.tree_util.tree_structure(rest), keys, axis_name)
-  return nnx.to_pure_dict(params), stored, front
+              jax.tree_util.tree_structure(rest), keys, axis_name, paths)
+  return pure, stored, front
 
 
 def initialiser(init_fn: Callable, rng, axis_name: str) -> tuple:

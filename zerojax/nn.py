@@ -37,6 +37,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from zerojax import collectives
 
@@ -132,6 +133,75 @@ def _gather_layer(variables: Any) -> Any:
   return {**variables, "params": tree}
 
 
+def active_layout():
+  """`(layout, config)` while a zerojax step traces the user's function,
+  else None."""
+  context = _ACTIVE.get()
+  return None if context is None else context[:2]
+
+
+# ---- NNX ---------------------------------------------------------------------
+STACK_ATTR = "zerojax_stack"   # on a stacked NNX module: its path (static)
+
+
+class Shard(nnx.Variable):
+  """One layer stack's chunk shard `[layers, length / N]`, put beside the
+  stack's own variables in an NNX model inside a zerojax step; `nnx.scan`
+  hands each layer its row, which the layerwise block gathers."""
+
+
+def _nnx_layerwise(block: type, remat: bool) -> type:
+  """`layerwise` for an `nnx.Module` block class, scanned with `nnx.scan`
+  over a stack made with `nnx.vmap` and listed in `ZeroConfig.stacked`.
+  The stack's parameters are placeholders inside a step; each layer's
+  `Shard` is gathered in the block's call, cut into a clone of the block
+  holding this layer's parameters, and the block runs on the clone (its
+  other variables written back). `nnx.remat` re-gathers in the backward."""
+
+  def run(module, *args):
+    layout, config = active_layout()
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    values = nnx.to_pure_dict(params)
+    for name, shard in vars(module).items():
+      if name.startswith(CHUNK_KEY):
+        full = collectives.gather(shard[...], config.axis_name,
+                                  config.compute_dtype, config.reduce_dtype)
+        _write(values, layout.layer_tree(int(name[len(CHUNK_KEY):]), full))
+    nnx.replace_by_pure_dict(params, values)
+    clone = nnx.merge(graphdef, params, rest)
+    out = block.__call__(clone, *args)
+    nnx.update(module, nnx.state(clone, nnx.Not(nnx.Param)))
+    return out
+
+  class Layerwise(block):
+    def __call__(self, *args, **kwargs):
+      context = _ACTIVE.get()
+      stack = getattr(self, STACK_ATTR, None)
+      if context is None or stack is None:
+        return super().__call__(*args, **kwargs)
+      context[2].add(stack)
+      if not any(name.startswith(CHUNK_KEY) for name in vars(self)):
+        return super().__call__(*args, **kwargs)   # gathered for the step
+      if kwargs:
+        raise TypeError("a zerojax.nn.layerwise NNX block takes positional "
+                        f"arguments only inside a step; got {sorted(kwargs)}.")
+      return (nnx.remat(run) if remat else run)(self, *args)
+
+  Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
+  return Layerwise
+
+
+def _write(values: dict, tree: dict) -> None:
+  """`tree`'s leaves written over `values` (an NNX pure dict: list indices
+  are ints there, strings in a layout's names)."""
+  for key, sub in tree.items():
+    k = key if key in values else int(key)
+    if isinstance(sub, dict):
+      _write(values[k], sub)
+    else:
+      values[k] = sub
+
+
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """Wraps a Flax block class so zerojax gathers its parameters per layer.
 
@@ -147,6 +217,11 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   Returns:
     A module class with the block's constructor and call signature.
   """
+  if isinstance(block, type) and issubclass(block, nnx.Module):
+    if remat_kwargs:
+      raise TypeError(f"layerwise(NNX block, {sorted(remat_kwargs)}): NNX "
+                      "blocks take remat= only.")
+    return _nnx_layerwise(block, remat)
   wrapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
                              init=True)
   if remat:
