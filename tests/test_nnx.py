@@ -291,6 +291,8 @@ def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx():
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+  # asked again after the step has run (its trace is cached by then)
+  assert step.gathering(state, batches[0])["blocks"] == "per layer"
 
 
 def _scanned_footprint(layers, width=256):

@@ -332,8 +332,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     if not isinstance(value, bool):
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
   mutable = check_mutable(mutable, "train_step")
-  modes = {}   # filled when the step is traced (`step.gathering`)
-  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, modes),
+  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, {}),
                    donate_argnums=(0,) if donate else ())
 
   def prepare(state, batch):
@@ -350,9 +349,12 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       state, prepare(state, batch), rng)
 
   def gathering(state, batch, rng=None) -> dict:
-    modes.clear()
-    step.trace(state, batch, rng)
-    return dict(modes)
+    # a trace of its own, filling its own dict: the step's trace is cached
+    # after its first call, and a cached trace runs no Python
+    modes = {}
+    jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, modes)).trace(
+        state, prepare(state, batch), rng)
+    return modes
 
   step.gathering = gathering
   return step
