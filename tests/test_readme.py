@@ -114,3 +114,11 @@ def test_checkpoint_blocks_save_restore_and_read_without_zerojax(quick_start,
   assert set(read) == set(flat)
   for name, x in read.items():
     np.testing.assert_array_equal(x, flat[name])
+
+
+def test_hybrid_block_shards_within_a_node(quick_start):
+  model, params = quick_start["model"], quick_start["params"]
+  ns = _run(_block("mesh = jax.make_mesh((num_nodes, gpus_per_node)"),
+            num_nodes=2, gpus_per_node=4, state=train_state.TrainState.create(
+                apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)))
+  assert ns["state"].num_shards == 4 and ns["state"].num_replicas == 2

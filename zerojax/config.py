@@ -73,7 +73,14 @@ class ZeroConfig:
       gradients all-reduced); 1 = optimizer state and fp32 master sharded;
       2 = also gradients (reduce-scattered per micro-batch); 3 = also
       parameters (gathered per chunk right before use).
-    axis_name: the mesh axis that carries data parallelism.
+    axis_name: the mesh axis that carries data parallelism; the stage
+      shards over it (N = its size).
+    replica_axis: hybrid sharding (FSDP2's HSDP, MaxText's FSDP within a
+      slice and data parallelism across): a second mesh axis holding
+      replicas of the sharded state, typically the nodes, with `axis_name`
+      the devices of one node. The batch is split over both axes; each
+      step reduces gradients over `axis_name` as the stage says, then
+      all-reduces them over the replicas once. None: one mesh axis.
     chunk_size: elements per chunk; None searches the size that wastes least.
     min_chunk_size, search_range, search_interval: the chunk-size search
       (ColossalAI Gemini's `search_chunk_configuration`): candidates from
@@ -107,6 +114,7 @@ class ZeroConfig:
   """
   stage: int = 3
   axis_name: str = "data"
+  replica_axis: Optional[str] = None
   chunk_size: Optional[int] = None
   min_chunk_size: int = 2 ** 20
   search_range: int = 2 ** 22
@@ -135,6 +143,15 @@ class ZeroConfig:
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise TypeError(f"axis_name={self.axis_name!r} must be a mesh axis "
                       "name (a non-empty str).")
+    if self.replica_axis is not None:
+      if not isinstance(self.replica_axis, str) or not self.replica_axis:
+        raise TypeError(f"replica_axis={self.replica_axis!r} must be a mesh "
+                        "axis name (a non-empty str) or None.")
+      if self.replica_axis == self.axis_name:
+        raise ValueError(
+            f"replica_axis={self.replica_axis!r} is the data axis itself; "
+            "name the mesh axis that holds the replicas (e.g. 'replica' of "
+            "Mesh(devices.reshape(R, D), ('replica', 'data'))).")
     for name in ("chunk_size", "min_chunk_size", "search_range",
                  "search_interval", "accum_steps"):
       value = getattr(self, name)
@@ -216,3 +233,11 @@ class _FrozenMask:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+def batch_axes(config: ZeroConfig):
+  """The mesh axes the global batch is split over: the data axis, and the
+  replica axis first under hybrid sharding."""
+  if config.replica_axis is None:
+    return config.axis_name
+  return (config.replica_axis, config.axis_name)

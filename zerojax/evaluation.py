@@ -18,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zerojax import grads, outputs
+from zerojax.config import batch_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
 from zerojax.step import check_mutable, check_state, shard_batch
@@ -65,13 +66,14 @@ def _evaluate(fn, mutable, state, batch, rng):
   cfg, layout = state.config, state.layout
   pol = policy(cfg)
   ax = cfg.axis_name
+  batch_ax = batch_axes(cfg)
   params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
   host = grads.host_chunks(state)
   with_rng = rng is not None
   scalar = []   # per output value: a scalar (averaged) or per-example
 
   def local(params_in, rest, fields, batch, *maybe_rng):
-    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
+    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
     call = grads.ModelCall(fn, False, (), state, pol, params_in, rest, None,
                            host, with_rng)
@@ -80,13 +82,13 @@ def _evaluate(fn, mutable, state, batch, rng):
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)
     out = outputs.check_per_example(out, outputs.batch_size(batch),
                                     "evaluation")
-    return grads.per_device(out, ax, scalar)
+    return grads.per_device(out, batch_ax, scalar)
 
   chunks = tuple(chunk_spec(len(c.shape), ax) if pol.forward is Forward.GATHERED
                  else P() for c in layout.chunks)
   fields = {name: state.extras[name] for name in mutable}
   args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())
-  in_specs = (chunks, P(), P(), P(ax)) + ((P(),) if with_rng else ())
+  in_specs = (chunks, P(), P(), P(batch_ax)) + ((P(),) if with_rng else ())
   out = jax.shard_map(local, mesh=state.mesh, in_specs=in_specs,
-                      out_specs=P(ax), check_vma=False)(*args)
+                      out_specs=P(batch_ax), check_vma=False)(*args)
   return grads.taken_once(out, scalar)

@@ -29,6 +29,7 @@ from flax import nnx, struct, traverse_util
 from flax.training import train_state
 
 from zerojax import nn as zero_nn
+from zerojax.config import batch_axes
 from zerojax import outputs
 
 NNX_FIELD = "nnx_state"          # the TrainState field of non-parameter state
@@ -63,7 +64,6 @@ class Nnx:
   params_def: Any
   rest_def: Any
   keys: tuple
-  axis_name: str
   param_paths: tuple = ()   # each parameter's pure-dict key path, in order
 
   def module(self, params, rest, fold: Optional[jax.Array] = None) -> nnx.Module:
@@ -146,8 +146,10 @@ class Nnx:
                        "mutable= out.")
 
     def linen_fn(params, batch, *rng, nnx_state):
+      # inside the step: every device draws its own (data and replica axes)
+      _, config = zero_nn.active_layout()
       model = self.module(params, nnx_state,
-                          jax.lax.axis_index(self.axis_name))
+                          jax.lax.axis_index(batch_axes(config)))
       return finish(fn(model, batch, *rng), model, nnx_state)
 
     return linen_fn, (NNX_FIELD,)
@@ -164,8 +166,7 @@ def is_nnx(obj) -> bool:
   return isinstance(obj, _NNX_TYPES)
 
 
-def from_nnx(obj, *, tx=None, optimizer=None, model=None,
-             axis_name: str = "data") -> NnxTrainState:
+def from_nnx(obj, *, tx=None, optimizer=None, model=None) -> NnxTrainState:
   """The `NnxTrainState` of an `nnx.Module` and its optimizer: `tx`, or
   `optimizer` (an `nnx.Optimizer` over `nnx.Param`, its state and step
   count kept). An `nnx.Optimizer` passed as `obj` needs `model=` (flax's
@@ -199,7 +200,7 @@ def from_nnx(obj, *, tx=None, optimizer=None, model=None,
     raise TypeError(
         f"shard(nnx_model) needs tx= an optax GradientTransformation (got "
         f"{tx!r}), or optimizer= an nnx.Optimizer(model, tx, wrt=nnx.Param).")
-  pure, stored, front = _parts(obj, axis_name)
+  pure, stored, front = _parts(obj)
   if optimizer is None:
     opt_state, step = tx.init(pure), 0
   else:
@@ -227,7 +228,7 @@ def _node(model, names):
   return node
 
 
-def _parts(module: nnx.Module, axis_name: str) -> tuple:
+def _parts(module: nnx.Module) -> tuple:
   """`(parameter dict, nnx_state dict, Nnx)` of a module (concrete or
   traced): its `nnx.Param` values, its other variables with RNG keys as key
   data, and its structure."""
@@ -241,11 +242,11 @@ def _parts(module: nnx.Module, axis_name: str) -> tuple:
   paths = tuple(tuple(k.key for k in path)
                 for path, _ in jax.tree_util.tree_flatten_with_path(pure)[0])
   front = Nnx(graphdef, jax.tree_util.tree_structure(params),
-              jax.tree_util.tree_structure(rest), keys, axis_name, paths)
+              jax.tree_util.tree_structure(rest), keys, paths)
   return pure, stored, front
 
 
-def initialiser(init_fn: Callable, rng, axis_name: str) -> tuple:
+def initialiser(init_fn: Callable, rng) -> tuple:
   """`(params_fn, extras_fn, static_extras)` of a sharded-init function
   (`zerojax.create`): a linen `init_fn(rng) -> params` as it is (no
   extras); an `init_fn(rng) -> nnx.Module` as its parameter dict, its
@@ -257,15 +258,15 @@ def initialiser(init_fn: Callable, rng, axis_name: str) -> tuple:
     out = init_fn(r)
     if not isinstance(out, nnx.Module):
       return out
-    params, _, front = _parts(out, axis_name)
+    params, _, front = _parts(out)
     found.append(front)
     return params
 
   jax.eval_shape(probe, rng)
   if not found:
     return init_fn, None, ()
-  return ((lambda r: _parts(init_fn(r), axis_name)[0]),
-          (lambda r: {NNX_FIELD: _parts(init_fn(r), axis_name)[1]}),
+  return ((lambda r: _parts(init_fn(r))[0]),
+          (lambda r: {NNX_FIELD: _parts(init_fn(r))[1]}),
           ((FRONTEND_FIELD, found[0]),))
 
 

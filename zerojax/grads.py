@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import collectives, offload, outputs
 from zerojax import nn as zero_nn
+from zerojax.config import batch_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
@@ -53,6 +54,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   cfg, layout, mesh = state.config, state.layout, state.mesh
   pol = policy(cfg)
   ax = cfg.axis_name
+  batch_ax = batch_axes(cfg)   # the data axis, and the replica axis (HSDP)
   split = tuple(chunk_spec(len(c.shape), ax) for c in layout.chunks)
   replicated = tuple(P() for _ in layout.chunks)
   params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
@@ -65,7 +67,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   scalar = []   # per aux value: a scalar (averaged) or per-example
 
   def local(params_in, rest, fields, batch, scale, *maybe_rng):
-    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(ax))
+    dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
     forward = ModelCall(loss_fn, has_aux, mutable, state, pol, params_in, rest,
                        scale, host, with_rng)
@@ -76,20 +78,23 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
     modes.update(gather_modes(layout, pol, layerwise))
     grads, loss, aux, fields = _accumulate(
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
-        diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype, ax)
+        diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
+        batch_ax)
     if pol.reduction in _PER_STEP:
       grads = tuple(_PER_STEP[pol.reduction](g, ax) for g in grads)
-    n = mesh.shape[ax]
+    if cfg.replica_axis is not None:   # once per step, all chunks together
+      grads = collectives.all_reduce(grads, cfg.replica_axis)
+    n = state.num_shards * state.num_replicas
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
-    loss = collectives.all_mean(loss, ax)
-    return grads, loss, per_device(aux, ax, scalar), fields
+    loss = collectives.all_mean(loss, batch_ax)
+    return grads, loss, per_device(aux, batch_ax, scalar), fields
 
   fields = {name: state.extras[name] for name in mutable}
   args = (params_in, state.rest, fields, batch, scale) + (
       (rng,) if with_rng else ())
   in_specs = ((split if pol.forward is Forward.GATHERED else replicated),
-              P(), P(), P(ax), P()) + ((P(),) if with_rng else ())
-  out_specs = (split if pol.grads_sharded else replicated, P(), P(ax), P())
+              P(), P(), P(batch_ax), P()) + ((P(),) if with_rng else ())
+  out_specs = (split if pol.grads_sharded else replicated, P(), P(batch_ax), P())
   grads, loss, aux, fields = jax.shard_map(
       local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
       check_vma=False)(*args)

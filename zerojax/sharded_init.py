@@ -121,8 +121,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
   config, mesh = config_and_mesh(stage, mesh, config_fields)
-  init_fn, extras_fn, static_extras = frontend.initialiser(
-      init_fn, rng, config.axis_name)
+  init_fn, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
   layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
                        mesh.shape[config.axis_name])
   rep = NamedSharding(mesh, P())

@@ -82,6 +82,12 @@ class ZeroTrainState(struct.PyTreeNode):
     return self.mesh.shape[self.config.axis_name]
 
   @property
+  def num_replicas(self) -> int:
+    """Replicas of the sharded state (hybrid sharding), else 1."""
+    axis = self.config.replica_axis
+    return 1 if axis is None else self.mesh.shape[axis]
+
+  @property
   def frontend(self):
     """The Flax front end the state came from (`zerojax.frontend`): it adapts
     the user's loss and evaluation functions."""
@@ -200,8 +206,7 @@ def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
 def _from_front_end(state, tx, optimizer, config_fields):
   """A `TrainState`: `state` itself, or the one an NNX model becomes."""
   if frontend.is_nnx(state):
-    return frontend.from_nnx(state, tx=tx, optimizer=optimizer,
-                             axis_name=config_fields.get("axis_name", "data"))
+    return frontend.from_nnx(state, tx=tx, optimizer=optimizer)
   if tx is not None or optimizer is not None:
     raise TypeError("shard(tx=..., optimizer=...) is for NNX models; a "
                     f"{type(state).__name__} carries its own tx.")
@@ -234,10 +239,12 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
   config = ZeroConfig(stage=stage, **config_fields)
   mesh = meshes.auto_mesh(mesh if mesh is not None
                           else meshes.default_mesh(config.axis_name))
-  if config.axis_name not in mesh.axis_names:
-    raise ValueError(f"mesh axes {mesh.axis_names} have no axis "
-                     f"{config.axis_name!r}; pass axis_name= one of them or "
-                     "build the mesh with that axis.")
+  for field in ("axis_name", "replica_axis"):
+    name = getattr(config, field)
+    if name is not None and name not in mesh.axis_names:
+      raise ValueError(f"mesh axes {mesh.axis_names} have no axis {name!r}; "
+                       f"pass {field}= one of them or build the mesh with "
+                       "that axis.")
   if config.offload_optimizer or config.offload_params:
     offload.check_backend(mesh)
   return config, mesh

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives, offload, optstate, precision
+from zerojax.config import batch_axes
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
@@ -252,10 +253,12 @@ def check_mutable(mutable, caller: str) -> tuple:
 
 
 def shard_batch(state, batch, accum_steps: int = 1):
-  """`batch` split over the data axis, checked: every array with the same
-  leading (global batch) axis, a multiple of devices x `accum_steps`.
-  `ShapeDtypeStruct`s (an abstract batch, for `.lower`) get the sharding."""
-  per_step = state.num_shards * accum_steps
+  """`batch` split over the data axis (and the replica axis: `batch_axes`),
+  checked: every array with the same leading (global batch) axis, a
+  multiple of devices x `accum_steps`. `ShapeDtypeStruct`s (an abstract
+  batch, for `.lower`) get the sharding."""
+  devices = state.num_shards * state.num_replicas
+  per_step = devices * accum_steps
   sizes = {np.shape(x)[0] if np.ndim(x) else None
            for x in jax.tree_util.tree_leaves(batch)}
   if not sizes:
@@ -266,10 +269,10 @@ def shard_batch(state, batch, accum_steps: int = 1):
   size = sizes.pop()
   if size % per_step:
     raise ValueError(
-        f"global batch {size} is not divisible by {state.num_shards} devices "
+        f"global batch {size} is not divisible by {devices} devices "
         f"x accum_steps {accum_steps} = {per_step}; use a multiple of "
         f"{per_step}.")
-  sharding = NamedSharding(state.mesh, P(state.config.axis_name))
+  sharding = NamedSharding(state.mesh, P(batch_axes(state.config)))
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
       if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),

@@ -142,8 +142,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
       repacked.
   """
   if frontend.is_nnx(like):
-    like = frontend.from_nnx(like, tx=tx, axis_name=config_fields.get(
-        "axis_name", "data"))
+    like = frontend.from_nnx(like, tx=tx)
   elif tx is not None:
     raise TypeError("restore(tx=...) is for like= an NNX model; a "
                     f"{type(like).__name__} carries its own tx.")
