@@ -118,6 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="multi-host: address of process 0")
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
+  p.add_argument("--mesh", metavar="replica=R,data=D",
+                 help="hybrid sharding for multi-node runs: the stage shards "
+                 "over data (the GPUs of a node) and replicates over replica "
+                 "(the nodes); R x D must be the device count (default: every "
+                 "device on data)")
   p.add_argument("--offload", action="store_true",
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
                  "state in pinned host memory between steps (stage >= 1)")
@@ -357,6 +362,23 @@ def init_distributed(args) -> None:
     jax.distributed.initialize()  # reads SLURM / Open MPI variables
 
 
+def make_mesh(spec, devices):
+  """`(mesh, replica axis)` of a `--mesh replica=R,data=D` flag, or
+  `(None, None)`: every device on the data axis."""
+  if not spec:
+    return None, None
+  try:
+    dims = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
+  except ValueError:
+    raise SystemExit(f"--mesh {spec!r}: write it as replica=R,data=D.") from None
+  if set(dims) != {"replica", "data"} or dims["replica"] * dims["data"] != len(devices):
+    raise SystemExit(f"--mesh {spec!r}: needs replica=R,data=D with R x D = "
+                     f"{len(devices)} devices.")
+  mesh = jax.make_mesh((dims["replica"], dims["data"]), ("replica", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return mesh, "replica"
+
+
 def resolve(args, backend: str, n_devices: int) -> tuple:
   """(GPTConfig, run settings) from the preset and the flags."""
   accel = backend != "cpu"
@@ -410,14 +432,17 @@ def main(argv=None) -> dict:
 
   # Sharded initialisation: every device makes only its own chunk shards
   # (the same values as model.init followed by zerojax.shard on a TrainState).
+  mesh, replica_axis = make_mesh(args.mesh, devices)
   state = zerojax.create(init_fn, jax.random.key(args.seed),
                          apply_fn=model.apply, tx=tx, stage=args.stage,
+                         mesh=mesh, replica_axis=replica_axis,
                          compute_dtype=run["precision"], accum_steps=args.accum,
                          clip_norm=args.clip or None, stacked=("blocks",),
                          offload_optimizer=args.offload)
   num_params = state.layout.num_chunked_elements
   if args.resume:
-    state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state)
+    state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state,
+                                       mesh=state.mesh)
     log(f"resumed from {args.checkpoint_dir} at step {int(state.step)}")
 
   def loss_fn(params, batch):
@@ -437,11 +462,13 @@ def main(argv=None) -> dict:
             "num_params": num_params, "devices": len(devices),
             "processes": jax.process_count(), "backend": backend,
             "device_kind": kind, "data": data.description,
-            "chunks": chunks}
+            "chunks": chunks, "mesh_shape": dict(state.mesh.shape)}
   log(f"GPT-2 '{run['preset']}': {num_params:,} params, {cfg.layers} layers x "
       f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
+  hybrid = (f" (hybrid: sharded over data {state.num_shards}, replicated "
+            f"over replica {state.num_replicas})" if replica_axis else "")
   log(f"ZeRO stage {args.stage} over {len(devices)} {backend} devices "
-      f"({kind}), {run['precision']} compute, batch {run['batch']} x "
+      f"({kind}){hybrid}, {run['precision']} compute, batch {run['batch']} x "
       f"{run['seq']} tokens, accum {args.accum}, lr {run['lr']:g}")
   log(f"data: {data.description}")
   log(f"chunks: {chunks}")

@@ -93,3 +93,13 @@ def test_text_loss_falls(runs):
   first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
   assert last < first - 1.5, losses
   assert last < 3.5, losses
+
+
+def test_hybrid_mesh_flag_trains(tmp_path):
+  """`--mesh replica=2,data=4`: stage 3 shards over 4 devices, replicated
+  twice (the layout of two 4-GPU nodes)."""
+  out = _run(["--mesh", "replica=2,data=4", "--steps", "3"],
+             tmp_path / "hybrid.json", tmp_path / "cache")
+  assert out["config"]["mesh_shape"] == {"replica": 2, "data": 4}
+  losses = [s["loss"] for s in out["steps"]]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -100,3 +100,28 @@ def test_hybrid_bad_input():
   # the state is intact
   state, _ = zerojax.train_step(loss_fn)(state, batches[0])
   assert int(state.step) == 1
+
+
+def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path):
+  _, _, loss_fn, batches = _problem()
+  step = zerojax.train_step(loss_fn)
+  state = _state(3)
+  for b in batches[:2]:
+    state, _ = step(state, b)
+  zerojax.checkpoint.save(tmp_path, state)
+  zerojax.checkpoint.wait(tmp_path)
+  expected = jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
+  targets = [
+      (dict(mesh=_mesh((8,), ("data",)), replica_axis=None), 8, 1),
+      (dict(mesh=_mesh((4, 2)), replica_axis="replica"), 2, 4),
+      (dict(mesh=jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                               axis_types=(jax.sharding.AxisType.Auto,)),
+            replica_axis=None), 4, 1),
+  ]
+  for fields, shards, replicas in targets:
+    restored = zerojax.checkpoint.restore(tmp_path, like=state, **fields)
+    assert (restored.num_shards, restored.num_replicas) == (shards, replicas)
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           zerojax.gather_params(restored), expected)
+    restored, metrics = step(restored, batches[2])
+    assert np.isfinite(float(metrics["loss"]))
