@@ -48,10 +48,10 @@ import jax  # noqa: E402
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
-from benchmarks import checkpoint, frontends, gpu  # noqa: E402
+from benchmarks import checkpoint, frontends, gpu, hybrid  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
-EXTRA_SUITES = ("offload", "checkpoint", "frontends")  # run when named
+EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid")  # when named
 CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
 # The user-written models against plain DP, not GSPMD FSDP: the comparison
 # the issue sets goals for, at half the time.
@@ -312,6 +312,12 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
               "goals": checkpoint.goal_checks(rows)}
     _write(out, f"{mode}_checkpoint.json", result)
     written["checkpoint"] = result
+
+  if "hybrid" in suites:
+    result = hybrid.run(mode, log=_log)
+    result.update(meta=meta, goals=hybrid.goal_checks(result))
+    _write(out, f"{mode}_hybrid.json", result)
+    written["hybrid"] = result
 
   if "frontends" in suites:
     result = frontends.run(mode, log=_log)

@@ -153,7 +153,7 @@ def _optax_step(loss_fn):
 def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           num_devices: int, materialize: bool = True, seed: int = 0,
           options: Optional[dict] = None, compute_dtype=None,
-          **zero_fields) -> Variant:
+          replicas: int = 1, **zero_fields) -> Variant:
   """Builds variant `name` (see the module docstring) of a model config.
 
   Args:
@@ -167,6 +167,8 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
     options: XLA compiler options for the step.
     compute_dtype: e.g. jnp.bfloat16: every variant computes in it and keeps
       its fp32 parameters and optimizer state (None: float32 throughout).
+    replicas: hybrid sharding (zero-* only): a (replicas, num_devices /
+      replicas) mesh ("replica", "data"), the batch split over both.
     **zero_fields: extra `ZeroConfig` fields for zero-* variants.
   """
   if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
@@ -176,8 +178,14 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
   n = 1 if one_device else num_devices
   if one_device:
     global_batch = max(global_batch // num_devices, 1)
-  mesh = make_mesh(n)
-  data = NamedSharding(mesh, P("data"))
+  if replicas > 1:
+    mesh = jax.make_mesh((replicas, n // replicas), ("replica", "data"),
+                         axis_types=(AxisType.Auto,) * 2)
+    data = NamedSharding(mesh, P(("replica", "data")))
+    zero_fields = {**zero_fields, "replica_axis": "replica"}
+  else:
+    mesh = make_mesh(n)
+    data = NamedSharding(mesh, P("data"))
   cfg = cfg.for_variant(name, data)
   make, model = _make_train_state(cfg, seed)
   loss_fn = cfg.make_loss_fn(model)

@@ -472,3 +472,28 @@ def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
   assert "NNX front end against linen" in text
   assert "| transformer-tiny | 3 |" in text
   assert (tmp_path / "quick_frontends.png").exists()
+
+
+def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
+  """The HSDP suite on the tiny GPT: 1-D ZeRO-3 sends everything across
+  the two simulated nodes; HSDP keeps gathers and reduce-scatters within a
+  node and sends only the gradient shards' all-reduce (4Ψ/D) across."""
+  from benchmarks import hybrid, report
+  result = hybrid.run("smoke", log=lambda *_: None)
+  one_d, hsdp = result["rows"]["zero-3 1-D"], result["rows"]["zero-3 HSDP"]
+  assert one_d["within"] == {}
+  assert hsdp["within"]["all-gather"] == one_d["across"]["all-gather"]
+  assert hsdp["within"]["reduce-scatter"] == one_d["across"]["reduce-scatter"]
+  across = hybrid.total(hsdp, "across")
+  # the gradient shards (4 bytes x Ψ / D) and a few scalars (loss, norm)
+  assert 0 <= across - 4 * result["num_params"] / 4 < 64
+  goals = hybrid.goal_checks(result)
+  assert [g[3] for g in goals[:2]] == [True, True]
+  meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
+          "host_memory_bytes": 2 ** 34, "date": "today"}
+  result.update(meta=meta, goals=goals)
+  with open(tmp_path / "quick_hybrid.json", "w") as f:
+    json.dump(result, f)
+  report.write(str(tmp_path), "quick")
+  assert "Hybrid sharding: bytes per mesh axis" in (tmp_path / "README.md").read_text()
+  assert (tmp_path / "quick_hybrid.png").exists()
