@@ -1,13 +1,15 @@
 """One process of the two-process run in test_multihost.py (not a test).
 
-`python multihost_worker.py RANK PORT CKPT_DIR OUT`: joins a 2-process
+`python multihost_worker.py RANK PORT CKPT_DIR OUT [hybrid]`: joins a 2-process
 jax.distributed run on 127.0.0.1:PORT with 4 simulated CPU devices (the parent
 sets XLA_FLAGS), trains SPLIT steps at stage 3, saves, restores from the
 checkpoint, trains the remaining steps, saves again and restores that onto
 another chunk size (a repack); rank 0 writes the losses, the final parameters
 (from export_params of the live state and of the checkpoint directory) and
 the parameters and optimizer state of the live and of the repacked state to
-OUT (.npz).
+OUT (.npz). With `hybrid`: the layout of a 2-node cluster, a (replica 2,
+data 4) mesh whose rows are the two processes (`replica_axis`), trained,
+saved and restored on that mesh; rank 0 writes the losses and parameters.
 """
 import os
 import sys
@@ -32,13 +34,41 @@ def problem():
   return plain, loss_fn, batches
 
 
-def main(rank: int, port: int, directory: str, out: str) -> None:
+def hybrid(directory: str, out: str, rank: int) -> None:
+  import zerojax
+  from jax.sharding import AxisType, Mesh
+  devices = np.array(sorted(jax.devices(), key=lambda d: d.id)).reshape(2, 4)
+  # each row (data axis) is one process's devices: replicas are the nodes
+  assert all(len({d.process_index for d in row}) == 1 for row in devices)
+  mesh = Mesh(devices, ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
+  plain, loss_fn, batches = problem()
+  fields = dict(stage=3, chunk_size=CHUNK, mesh=mesh, replica_axis="replica")
+  state = zerojax.shard(plain, **fields)
+  state, first = train(state, loss_fn, batches[:SPLIT])
+  zerojax.checkpoint.save(directory, state, wait=True)
+  del state
+  state = zerojax.checkpoint.restore(directory, like=plain, **fields)
+  assert int(state.step) == SPLIT and state.num_replicas == 2
+  state, rest = train(state, loss_fn, batches[SPLIT:])
+  params = zerojax.checkpoint.export_params(state)
+  if rank == 0:
+    np.savez(out, losses=np.concatenate([first, rest]),
+             **{f"params/{jax.tree_util.keystr(k)}": v for k, v in
+                jax.tree_util.tree_leaves_with_path(params)})
+
+
+def main(rank: int, port: int, directory: str, out: str,
+         mode: str = "") -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
                              process_id=rank, initialization_timeout=60)
   import zerojax
   assert jax.process_count() == 2 and jax.local_device_count() == 4, (
       jax.process_count(), jax.local_device_count())
+  if mode == "hybrid":
+    hybrid(directory, out, rank)
+    jax.distributed.shutdown()
+    return
   plain, loss_fn, batches = problem()
   state = zerojax.shard(plain, stage=3, chunk_size=CHUNK)
   assert not state.master[0].is_fully_addressable  # really spread over hosts
@@ -72,4 +102,5 @@ def main(rank: int, port: int, directory: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+       *sys.argv[5:])
