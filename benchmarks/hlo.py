@@ -38,6 +38,7 @@ runs 16-bit all-gathers and reduce-scatters in float32.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -213,6 +214,16 @@ def _group_size(attrs: str, devices: int) -> int:
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)   # iota form
   if m:
     return int(m.group(2))
+  # mesh-axes form (newer XLA): replica_groups=mesh['replica'=2,'data'=4]
+  # {'data'}: one group per value of the other axes, over the named ones
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = {}
+    for item in m.group(1).split(","):
+      name, size = item.rsplit("=", 1)
+      sizes[name.strip().strip("'\"")] = int(size)
+    axes = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+    return math.prod(sizes[a] for a in axes)
   m = re.search(r"replica_groups=\{", attrs)
   if m:
     groups = attrs[m.end() - 1:_match(attrs, m.end() - 1) + 1]

@@ -497,3 +497,17 @@ def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
   report.write(str(tmp_path), "quick")
   assert "Hybrid sharding: bytes per mesh axis" in (tmp_path / "README.md").read_text()
   assert (tmp_path / "quick_hybrid.png").exists()
+
+
+@pytest.mark.parametrize("groups,size", [
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
+    ("replica_groups=[2,4]<=[8]", 4),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'data'}", 4),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'replica'}", 2),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'replica','data'}", 8),
+])
+def test_group_sizes_in_every_replica_group_form(groups, size):
+  """The forms XLA prints replica groups in: explicit, iota, and (newer
+  XLA) named mesh axes."""
+  assert hlo._group_size(f"channel_id=1, {groups}, use_global_device_ids=true",
+                         8) == size
