@@ -103,3 +103,18 @@ def test_hybrid_mesh_flag_trains(tmp_path):
   assert out["config"]["mesh_shape"] == {"replica": 2, "data": 4}
   losses = [s["loss"] for s in out["steps"]]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("replica=2", "needs replica=R,data=D with R x D = 8"),
+    ("replica=3,data=4", "needs replica=R,data=D with R x D = 8"),
+    ("replica=two,data=4", "write it as replica=R,data=D"),
+])
+def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps", "1",
+       "--mesh", flag], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

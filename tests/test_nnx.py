@@ -316,3 +316,27 @@ def test_nnx_scanned_stage3_footprint_does_not_grow_with_gathered_layers():
   assert growth <= 1.1 * 12 * (per_layer_state + per_layer_grads + per_layer_acts)
   # the 12 more gathered layers alone would add 12 x 4 x per_layer bytes
   assert growth < 12 * 4 * per_layer
+
+
+def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):
+  make, loss_fn, batches = nnx_problem("mlp")
+  state = zerojax.shard(make(), stage=3, tx=TX)
+  # an NNX model writes its own state back: mutable= is refused, and the
+  # state is still usable
+  with pytest.raises(ValueError, match="carries its own state"):
+    zerojax.train_step(loss_fn, mutable=("nnx_state",))(state, batches[0])
+  with pytest.raises(ValueError, match="carries its own state"):
+    zerojax.eval_step(loss_fn, mutable=("nnx_state",))(state, batches[0])
+  state, _ = zerojax.train_step(loss_fn)(state, batches[0])
+  with pytest.raises(TypeError, match="loss_fn must return \\(loss, aux\\)"):
+    zerojax.train_step(loss_fn, has_aux=True)(state, batches[0])
+  # the NNX layerwise wrapper takes remat= only
+  with pytest.raises(TypeError, match="NNX blocks take remat= only"):
+    zerojax.nn.layerwise(NnxResidualBlock, prevent_cse=False)
+  # restore(tx=) is for NNX models; a TrainState carries its own
+  zerojax.checkpoint.save(tmp_path, state, wait=True)
+  with pytest.raises(TypeError, match="carries its own tx"):
+    zerojax.checkpoint.restore(tmp_path, like=train_state.TrainState.create(
+        apply_fn=None, params=_params(make()), tx=TX), tx=TX)
+  with pytest.raises(TypeError, match="rng -> nnx.Module"):
+    zerojax.create(7, jax.random.key(0), tx=TX)
