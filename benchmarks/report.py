@@ -344,21 +344,34 @@ def _hybrid_md(r: dict, mode: str) -> list:
   lines = ["### Hybrid sharding: bytes per mesh axis", "",
            f"Stage 3 on {r['devices']} devices laid out as {r['nodes']} nodes "
            f"({r['config']}, Ψ = {r['num_params']:,}): 1-D ZeRO-3 against HSDP "
-           "(`replica_axis`), collectives read from the compiled HLO and "
-           "classed by their replica groups (`benchmarks/hybrid.py`). Bytes "
-           "per device per step. Run: "
+           "(`replica_axis`) and hpZ (`hpz=True`), collectives read from the "
+           "compiled HLO and classed by their replica groups "
+           "(`benchmarks/hybrid.py`). Bytes per device per step; \"sent "
+           "across\" is what a device sends over the nodes' links with ring "
+           "algorithms. Run: "
            f"`python -m benchmarks.run --{mode} --suites hybrid`.", "",
            "| variant | within a node | across nodes | theory within | "
-           "theory across |", "|---|---:|---:|---:|---:|"]
+           "theory across | sent across | theory sent |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
   for label, row in r["rows"].items():
     th = r["theory"][label]
+    wire = row.get("wire", {})
     lines.append(f"| {label} | {_mib(sum(row['within'].values()))} | "
                  f"{_mib(sum(row['across'].values()))} | {_mib(th['within'])} | "
-                 f"{_mib(th['across'])} |")
+                 f"{_mib(th['across'])} | {_mib(wire.get('across', 0))} | "
+                 f"{_mib(th.get('wire_across', 0))} |")
+  if "memory" in r:
+    lines += ["", "| variant | persistent per device | theory | compiled "
+              "step footprint |", "|---|---:|---:|---:|"]
+    for label, m in r["memory"].items():
+      lines.append(f"| {label} | {_mib(m['persistent'])} | {_mib(m['theory'])} "
+                   f"| {_mib(m['compiled'])} |")
   lines += ["", f"Step time, HSDP / 1-D ({r['rounds']} interleaved rounds): "
-            f"{r['ratio']:.3f} (medians), {r['min_ratio']:.3f} (minima).", "",
-            f"![hybrid]({mode}_hybrid.png)", ""]
-  return lines
+            f"{r['ratio']:.3f} (medians), {r['min_ratio']:.3f} (minima)."]
+  if "hpz_ratio" in r:
+    lines += ["", f"Step time, hpZ / 1-D: {r['hpz_ratio']:.3f} (medians), "
+              f"{r['hpz_min_ratio']:.3f} (minima)."]
+  return lines + ["", f"![hybrid]({mode}_hybrid.png)", ""]
 
 
 def markdown(out: str) -> str:
@@ -631,7 +644,8 @@ def plot_frontends(r: dict, path: str):
 
 
 def plot_hybrid(r: dict, path: str):
-  fig, ax = plt.subplots(figsize=(6.4, 3.6))
+  from benchmarks.hybrid import inter_node_wire
+  fig, (ax, curve) = plt.subplots(1, 2, figsize=(11, 3.8))
   labels = list(r["rows"])
   within = [sum(r["rows"][k]["within"].values()) / 2 ** 20 for k in labels]
   across = [sum(r["rows"][k]["across"].values()) / 2 ** 20 for k in labels]
@@ -641,10 +655,34 @@ def plot_hybrid(r: dict, path: str):
   ax.bar([i + 0.2 for i in x], across, width=0.4, label="across nodes",
          color="#e6550d")
   ax.set_xticks(list(x), labels)
-  ax.set_ylabel("MiB per device per step")
+  ax.set_ylabel("MiB per device per step (collective sizes)")
   ax.set_title(f"stage 3, {r['devices']} devices as {r['nodes']} nodes "
                f"({r['config']})", fontsize=10)
   ax.legend(fontsize=8)
+  # inter-node bytes a device sends per step, per parameter, against N
+  colors = {"zero-3 1-D": "#636363", "zero-3 HSDP": "#3182bd",
+            "zero-3 hpZ": "#31a354"}
+  node = r["devices"] // r["nodes"]
+  for label in labels:
+    if label not in colors:
+      continue
+    gpu = [2 ** k for k in range(4, 11)]      # from 2 nodes of 8
+    curve.plot(gpu, [inter_node_wire(label, 1, n, 8, b=2) for n in gpu],
+               color=colors[label], label=f"{label[7:]}: GPU nodes of 8, bf16")
+    ours = [n for n in range(2 * node, 2 ** 10 + 1, node)]
+    curve.plot(ours, [inter_node_wire(label, 1, n, node, b=4) for n in ours],
+               color=colors[label], linestyle=":", linewidth=1)
+    wire = r["rows"][label].get("wire", {}).get("across")
+    if wire is not None:
+      curve.plot([r["devices"]], [wire / r["num_params"]], "o",
+                 color=colors[label])
+  curve.set_xscale("log", base=2)
+  curve.set_yscale("log")
+  curve.set_xlabel("devices N")
+  curve.set_ylabel("bytes sent across nodes per device\nper step, per parameter")
+  curve.set_title(f"formulas; dotted: nodes of {node}, fp32 (HSDP = hpZ "
+                  "there), dots: measured", fontsize=9)
+  curve.legend(fontsize=7)
   _save(fig, path)
 
 

@@ -123,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "over data (the GPUs of a node) and replicates over replica "
                  "(the nodes); R x D must be the device count (default: every "
                  "device on data)")
+  p.add_argument("--hpz", action="store_true",
+                 help="with --mesh: ZeRO++ hpZ, the fp32 master and optimizer "
+                 "state sharded over replica x data too; each step gathers "
+                 "the parameters over replica once, then only within data")
   p.add_argument("--offload", action="store_true",
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
                  "state in pinned host memory between steps (stage >= 1)")
@@ -433,9 +437,12 @@ def main(argv=None) -> dict:
   # Sharded initialisation: every device makes only its own chunk shards
   # (the same values as model.init followed by zerojax.shard on a TrainState).
   mesh, replica_axis = make_mesh(args.mesh, devices)
+  if args.hpz and replica_axis is None:
+    raise SystemExit("--hpz shards the state over the replica axis too: "
+                     "give --mesh replica=R,data=D as well.")
   state = zerojax.create(init_fn, jax.random.key(args.seed),
                          apply_fn=model.apply, tx=tx, stage=args.stage,
-                         mesh=mesh, replica_axis=replica_axis,
+                         mesh=mesh, replica_axis=replica_axis, hpz=args.hpz,
                          compute_dtype=run["precision"], accum_steps=args.accum,
                          clip_norm=args.clip or None, stacked=("blocks",),
                          offload_optimizer=args.offload)
@@ -467,6 +474,9 @@ def main(argv=None) -> dict:
       f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
   hybrid = (f" (hybrid: sharded over data {state.num_shards}, replicated "
             f"over replica {state.num_replicas})" if replica_axis else "")
+  if args.hpz:
+    hybrid = (f" (hpZ: state sharded over replica {state.num_replicas} x data "
+              f"{state.num_shards}, gathered within data)")
   log(f"ZeRO stage {args.stage} over {len(devices)} {backend} devices "
       f"({kind}){hybrid}, {run['precision']} compute, batch {run['batch']} x "
       f"{run['seq']} tokens, accum {args.accum}, lr {run['lr']:g}")

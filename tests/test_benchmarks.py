@@ -475,9 +475,11 @@ def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
 
 
 def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
-  """The HSDP suite on the tiny GPT: 1-D ZeRO-3 sends everything across
+  """The hybrid suite on the tiny GPT: 1-D ZeRO-3 sends everything across
   the two simulated nodes; HSDP keeps gathers and reduce-scatters within a
-  node and sends only the gradient shards' all-reduce (4Ψ/D) across."""
+  node and sends only the gradient shards' all-reduce (4Ψ/D) across; hpZ
+  sends the secondary partition's gather and the gradient shards'
+  reduce-scatter (4Ψ/D each in fp32), with the state over all 8 devices."""
   from benchmarks import hybrid, report
   result = hybrid.run("smoke", log=lambda *_: None)
   one_d, hsdp = result["rows"]["zero-3 1-D"], result["rows"]["zero-3 HSDP"]
@@ -487,15 +489,29 @@ def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
   across = hybrid.total(hsdp, "across")
   # the gradient shards (4 bytes x Ψ / D) and a few scalars (loss, norm)
   assert 0 <= across - 4 * result["num_params"] / 4 < 64
+  hpz = result["rows"]["zero-3 hpZ"]
+  assert hpz["within"]["reduce-scatter"] == one_d["across"]["reduce-scatter"]
+  psi = result["num_params"]
+  assert hpz["across"]["all-gather"] == hpz["across"]["reduce-scatter"]
+  assert 0 <= hybrid.total(hpz, "across") - 8 * psi / 4 < 64
+  # what a device sends: HSDP's ring all-reduce 2(R-1)/R x 4Ψ/D, hpZ's
+  # gather and reduce-scatter (R-1)/R x 8Ψ/D: the same bytes in fp32
+  for label in ("zero-3 HSDP", "zero-3 hpZ"):
+    assert abs(result["rows"][label]["wire"]["across"] -
+               hybrid.inter_node_wire(label, psi, 8, 4)) < 64
+  memory = result["memory"]
+  assert memory["zero-3 hpZ"]["persistent"] < memory["zero-3 HSDP"]["persistent"]
   goals = hybrid.goal_checks(result)
-  assert [g[3] for g in goals[:2]] == [True, True]
+  assert [g[3] for g in goals[:5]] == [True] * 5, goals
   meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
           "host_memory_bytes": 2 ** 34, "date": "today"}
   result.update(meta=meta, goals=goals)
   with open(tmp_path / "quick_hybrid.json", "w") as f:
     json.dump(result, f)
   report.write(str(tmp_path), "quick")
-  assert "Hybrid sharding: bytes per mesh axis" in (tmp_path / "README.md").read_text()
+  text = (tmp_path / "README.md").read_text()
+  assert "Hybrid sharding: bytes per mesh axis" in text
+  assert "| zero-3 hpZ |" in text and "Step time, hpZ / 1-D" in text
   assert (tmp_path / "quick_hybrid.png").exists()
 
 

@@ -95,12 +95,16 @@ def test_text_loss_falls(runs):
   assert last < 3.5, losses
 
 
-def test_hybrid_mesh_flag_trains(tmp_path):
+@pytest.mark.parametrize("hpz", [False, True], ids=["hsdp", "hpz"])
+def test_hybrid_mesh_flag_trains(tmp_path, hpz):
   """`--mesh replica=2,data=4`: stage 3 shards over 4 devices, replicated
-  twice (the layout of two 4-GPU nodes)."""
-  out = _run(["--mesh", "replica=2,data=4", "--steps", "3"],
+  twice (the layout of two 4-GPU nodes); with `--hpz` over all 8, gathered
+  over the replicas once per step."""
+  out = _run(["--mesh", "replica=2,data=4", "--steps", "3"] +
+             (["--hpz"] if hpz else []),
              tmp_path / "hybrid.json", tmp_path / "cache")
   assert out["config"]["mesh_shape"] == {"replica": 2, "data": 4}
+  assert out["config"]["hpz"] is hpz
   losses = [s["loss"] for s in out["steps"]]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
@@ -109,12 +113,14 @@ def test_hybrid_mesh_flag_trains(tmp_path):
     ("replica=2", "needs replica=R,data=D with R x D = 8"),
     ("replica=3,data=4", "needs replica=R,data=D with R x D = 8"),
     ("replica=two,data=4", "write it as replica=R,data=D"),
+    (None, "--hpz shards the state over the replica axis too"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps", "1",
-       "--mesh", flag], cwd=ROOT, env=env, capture_output=True, text=True,
+      [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps", "1"] +
+      (["--mesh", flag] if flag else ["--hpz"]), cwd=ROOT, env=env,
+      capture_output=True, text=True,
       timeout=300)
   assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

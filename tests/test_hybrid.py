@@ -1,7 +1,9 @@
 """Hybrid sharding (HSDP): the stage over the data axis, replicas over a
 second mesh axis (`replica_axis=`), the batch split over both; gradients
-all-reduced over the replicas once per step. Against plain optax on one
-device, and in the compiled collectives."""
+all-reduced over the replicas once per step. And hpZ (`hpz=True`): the
+state sharded over replica x data, gathered over the replicas once per
+step into the data group's shard. Against plain optax on one device, and
+in the compiled collectives."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +16,8 @@ from flax.training import train_state
 
 import zerojax
 from benchmarks.hlo import count_collectives
-from models import assert_matches_reference, make_problem, reference_run
+from models import (ScannedLM, assert_matches_reference, lm_batches,
+                    lm_loss_fn, make_problem, reference_run, zero_run)
 
 TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
 R, D = 2, 4
@@ -37,20 +40,21 @@ def _state(stage, **fields):
       replica_axis="replica", **fields)
 
 
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-def test_hybrid_matches_plain_optax_at_every_stage(compute_dtype):
+def _matches_plain_optax(stages, compute_dtype, check_state, **fields):
+  """Trains each stage on the (2, 4) mesh with `fields`; losses, parameters
+  and the first step's global gradient norm (replicas not counted twice)
+  match plain optax on one device. `check_state(state)` before training."""
   _, params, loss_fn, batches = _problem()
   ref_losses, ref_params = reference_run(loss_fn, params, TX, batches,
                                          jax.numpy.dtype(compute_dtype))
-  # the global gradient norm of the first step, from the plain gradient
   ref_norm = optax.tree.norm(jax.grad(
       lambda p: loss_fn(jax.tree_util.tree_map(
           lambda x: x.astype(compute_dtype), p), batches[0]).astype(
               np.float32))(params))
   step = zerojax.train_step(loss_fn)
-  for stage in (0, 1, 2, 3):
-    state = _state(stage, compute_dtype=compute_dtype, accum_steps=2)
-    assert state.num_shards == D and state.num_replicas == R
+  for stage in stages:
+    state = _state(stage, compute_dtype=compute_dtype, accum_steps=2, **fields)
+    check_state(state)
     losses, norms = [], []
     for b in batches:
       state, metrics = step(state, b)
@@ -58,9 +62,15 @@ def test_hybrid_matches_plain_optax_at_every_stage(compute_dtype):
       norms.append(float(metrics["grad_norm"]))
     assert_matches_reference(np.array(losses), zerojax.gather_params(state),
                              ref_losses, ref_params, compute_dtype)
-    # replicas are not counted twice
     np.testing.assert_allclose(norms[0], ref_norm,
                                rtol=1e-5 if compute_dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_hybrid_matches_plain_optax_at_every_stage(compute_dtype):
+  def check(state):
+    assert state.num_shards == D and state.num_replicas == R
+  _matches_plain_optax((0, 1, 2, 3), compute_dtype, check)
 
 
 @pytest.mark.parametrize("stage,accum", [(0, 1), (1, 1), (2, 4), (3, 1), (3, 4)])
@@ -84,6 +94,66 @@ def test_hybrid_collectives_stay_in_their_groups(stage, accum):
           zerojax.memory_report(one_d).measured)
 
 
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_hpz_matches_plain_optax(compute_dtype):
+  def check(state):
+    # the state is in R * D pieces, data-major: device (r, d) holds piece
+    # d * R + r, so a gather over the replicas gives the data group's shard
+    assert state.num_state_shards == R * D
+    momentum = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.size]
+    assert momentum[0].sharding.spec[-1] == ("data", "replica")
+  _matches_plain_optax((1, 2, 3), compute_dtype, check, hpz=True)
+
+
+def test_hpz_gathers_over_the_replicas_once_then_within_data():
+  """Stage 3 hpZ on a scanned LM gathered per layer: the secondary
+  partition is one replica gather per chunk per step; the per-layer
+  gathers of the forward and the rematerialised backward, and the per-layer
+  reduce-scatters, stay within data; the state is the 1-D 8-device one's."""
+  model = ScannedLM(layers=3, layerwise=True, scan=True)
+  batches = lm_batches(model.vocab)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  tx = optax.sgd(0.5, momentum=0.9)
+  loss_fn = lm_loss_fn(model)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  state = zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="replica",
+                        hpz=True, stacked=("blocks",), accum_steps=2)
+  ops = count_collectives(zerojax.train_step(loss_fn).lower(
+      state, batches[0]).compile()).ops
+  by = lambda kind, g: [op for op in ops if op.kind == kind and op.group_size == g]
+  chunks = len(state.layout.chunks)
+  assert len(by("all-gather", R)) == chunks
+  assert all(op.trips == 1 for op in by("all-gather", R) + by("reduce-scatter", R))
+  assert len(by("reduce-scatter", R)) == chunks
+  # per layer, in the loops: forward and backward gathers, reduce-scatters
+  assert sum(op.trips for op in by("all-gather", D) if op.in_loop) >= 2 * 3
+  assert sum(op.trips for op in by("reduce-scatter", D) if op.in_loop) >= 3
+  assert {op.group_size for op in ops if op.kind in (
+      "all-gather", "reduce-scatter")} == {R, D}
+  # nothing but scalars (loss, norms) is all-reduced
+  assert all(op.bytes <= 8 for op in ops if op.kind == "all-reduce"), ops
+  one_d = zerojax.shard(plain, stage=3, mesh=_mesh((R * D,), ("data",)),
+                        stacked=("blocks",), accum_steps=2)
+  report = zerojax.memory_report(state)
+  assert report.measured == zerojax.memory_report(one_d).measured
+  # the secondary partition: the compute-dtype chunks over D
+  psi = state.layout.num_chunked_elements
+  assert report.estimate["secondary"] == int(4 * psi / D)
+  assert "hpZ secondary partition" in str(report)
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
+
+
+def test_hpz_evaluates_as_one_axis():
+  model, params, loss_fn, batches = _problem()
+  state = _state(3, hpz=True)
+  evaluate = zerojax.eval_step(lambda p, b: {"loss": loss_fn(p, b)})
+  np.testing.assert_allclose(float(evaluate(state, batches[0])["loss"]),
+                             float(loss_fn(params, batches[0])), rtol=1e-5)
+
+
 def test_hybrid_bad_input():
   model, params, loss_fn, batches = _problem()
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
@@ -92,6 +162,15 @@ def test_hybrid_bad_input():
     zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="nodes")
   with pytest.raises(ValueError, match="is the data axis itself"):
     zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="data")
+  with pytest.raises(ValueError, match="hpz=True shards the state over the "
+                                       "replica axis too"):
+    zerojax.shard(plain, stage=3, mesh=_mesh(), hpz=True)
+  with pytest.raises(ValueError, match="hpz=True needs stage >= 1"):
+    zerojax.shard(plain, stage=0, mesh=_mesh(), replica_axis="replica",
+                  hpz=True)
+  with pytest.raises(TypeError, match="hpz='yes' must be True or False"):
+    zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="replica",
+                  hpz="yes")
   state = _state(3, accum_steps=2)
   with pytest.raises(ValueError, match="not divisible by 8 devices x "
                                        "accum_steps 2 = 16"):
@@ -102,10 +181,11 @@ def test_hybrid_bad_input():
   assert int(state.step) == 1
 
 
-def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path):
+@pytest.mark.parametrize("hpz", [False, True], ids=["hsdp", "hpz"])
+def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path, hpz):
   _, _, loss_fn, batches = _problem()
   step = zerojax.train_step(loss_fn)
-  state = _state(3)
+  state = _state(3, hpz=hpz)
   for b in batches[:2]:
     state, _ = step(state, b)
   zerojax.checkpoint.save(tmp_path, state)
@@ -117,6 +197,7 @@ def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path):
       (dict(mesh=jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
                                axis_types=(jax.sharding.AxisType.Auto,)),
             replica_axis=None), 4, 1),
+      (dict(mesh=_mesh(), replica_axis="replica", hpz=not hpz), 4, 2),
   ]
   for fields, shards, replicas in targets:
     restored = zerojax.checkpoint.restore(tmp_path, like=state, **fields)
@@ -125,3 +206,16 @@ def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path):
                            zerojax.gather_params(restored), expected)
     restored, metrics = step(restored, batches[2])
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_estimate_memory_states_the_secondary_partition():
+  psi = 1_000_000
+  est = zerojax.estimate_memory(psi, stage=3, num_devices=R * D,
+                                compute_dtype="bfloat16", accum_steps=2,
+                                hpz_group=D)
+  assert est["persistent"] == 12 * psi // (R * D)
+  assert est["secondary"] == 2 * psi // D       # bf16 parameters over D
+  assert est["accumulator"] == 4 * psi // D     # reduced within data first
+  assert zerojax.estimate_memory(psi, stage=3, num_devices=D)["secondary"] == 0
+  with pytest.raises(ValueError, match="hpz_group=3 must divide num_devices=8"):
+    zerojax.estimate_memory(psi, stage=3, num_devices=8, hpz_group=3)

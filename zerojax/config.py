@@ -81,6 +81,15 @@ class ZeroConfig:
       the devices of one node. The batch is split over both axes; each
       step reduces gradients over `axis_name` as the stage says, then
       all-reduces them over the replicas once. None: one mesh axis.
+    hpz: with `replica_axis`, ZeRO++'s hierarchical partitioning (hpZ,
+      DeepSpeed's `zero_hpz_partition_size`; Megatron's HFSDP): the fp32
+      master and the optimizer state are sharded over replica x data (N =
+      R·D) instead of replicated over the replicas. Each step first gathers
+      the compute-dtype parameter shards over the replica axis into the
+      data group's shard (ZeRO++'s secondary partition, b·Ψ/D bytes per
+      device while the step runs, at stage 3), so stage 3's forward and
+      backward gathers stay within the data axis; gradients are
+      reduce-scattered over data and then over replica. Stages 1-3.
     chunk_size: elements per chunk; None searches the size that wastes least.
     min_chunk_size, search_range, search_interval: the chunk-size search
       (ColossalAI Gemini's `search_chunk_configuration`): candidates from
@@ -115,6 +124,7 @@ class ZeroConfig:
   stage: int = 3
   axis_name: str = "data"
   replica_axis: Optional[str] = None
+  hpz: bool = False
   chunk_size: Optional[int] = None
   min_chunk_size: int = 2 ** 20
   search_range: int = 2 ** 22
@@ -190,7 +200,7 @@ class ZeroConfig:
     if not 0.0 <= self.offload_fraction <= 1.0:
       raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
                        "in [0, 1].")
-    for name in ("offload_optimizer", "offload_params", "skip_nonfinite"):
+    for name in ("hpz", "offload_optimizer", "offload_params", "skip_nonfinite"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
     if self.offload_optimizer and self.stage == 0:
@@ -199,6 +209,13 @@ class ZeroConfig:
     if self.offload_params and self.stage != 3:
       raise ValueError(f"offload_params needs stage=3 (got stage="
                        f"{self.stage}): only stage 3 shards the parameters.")
+    if self.hpz and self.replica_axis is None:
+      raise ValueError("hpz=True shards the state over the replica axis too; "
+                       "name it: replica_axis='replica' (of Mesh(devices."
+                       "reshape(R, D), ('replica', 'data'))).")
+    if self.hpz and self.stage == 0:
+      raise ValueError("hpz=True needs stage >= 1 (stage 0 keeps everything "
+                       "replicated); use stage=1, 2 or 3.")
     if self.frozen is not None and not callable(self.frozen):
       # A tree of bools is hashed as part of the static state: freeze it.
       leaves, treedef = jax.tree_util.tree_flatten(self.frozen)
@@ -241,3 +258,13 @@ def batch_axes(config: ZeroConfig):
   if config.replica_axis is None:
     return config.axis_name
   return (config.replica_axis, config.axis_name)
+
+
+def shard_axes(config: ZeroConfig):
+  """The mesh axes the state's chunks are split over: the data axis, or
+  under hpZ the data axis then the replica axis. Device (r, d) then holds
+  piece d·R + r of a chunk, so gathering over the replica axis yields the
+  data group's shard, piece d of D."""
+  if config.hpz:
+    return (config.axis_name, config.replica_axis)
+  return config.axis_name

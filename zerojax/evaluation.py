@@ -18,7 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zerojax import grads, outputs
-from zerojax.config import batch_axes
+from zerojax.config import batch_axes, shard_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
 from zerojax.step import check_mutable, check_state, shard_batch
@@ -65,7 +65,6 @@ def _evaluate(fn, mutable, state, batch, rng):
   fn, mutable = state.frontend.evaluation(fn, mutable)
   cfg, layout = state.config, state.layout
   pol = policy(cfg)
-  ax = cfg.axis_name
   batch_ax = batch_axes(cfg)
   params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
   host = grads.host_chunks(state)
@@ -75,8 +74,9 @@ def _evaluate(fn, mutable, state, batch, rng):
   def local(params_in, rest, fields, batch, *maybe_rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
+    params_in, slotted = grads.secondary_partition(state, params_in, host)
     call = grads.ModelCall(fn, False, (), state, pol, params_in, rest, None,
-                           host, with_rng)
+                           slotted, with_rng)
     diff = call.differentiated()
     layerwise = call.opted_in(diff, batch, dev_rng, fields)
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)
@@ -84,7 +84,8 @@ def _evaluate(fn, mutable, state, batch, rng):
                                     "evaluation")
     return grads.per_device(out, batch_ax, scalar)
 
-  chunks = tuple(chunk_spec(len(c.shape), ax) if pol.forward is Forward.GATHERED
+  chunks = tuple(chunk_spec(len(c.shape), shard_axes(cfg))
+                 if pol.forward is Forward.GATHERED
                  else P() for c in layout.chunks)
   fields = {name: state.extras[name] for name in mutable}
   args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import collectives, offload, outputs
 from zerojax import nn as zero_nn
-from zerojax.config import batch_axes
+from zerojax.config import batch_axes, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
@@ -55,7 +55,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   pol = policy(cfg)
   ax = cfg.axis_name
   batch_ax = batch_axes(cfg)   # the data axis, and the replica axis (HSDP)
-  split = tuple(chunk_spec(len(c.shape), ax) for c in layout.chunks)
+  split = tuple(chunk_spec(len(c.shape), shard_axes(cfg)) for c in layout.chunks)
   replicated = tuple(P() for _ in layout.chunks)
   params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
   scale = (state.loss_scale.scale if state.loss_scale is not None
@@ -69,8 +69,9 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   def local(params_in, rest, fields, batch, scale, *maybe_rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
+    params_in, slotted = secondary_partition(state, params_in, host)
     forward = ModelCall(loss_fn, has_aux, mutable, state, pol, params_in, rest,
-                       scale, host, with_rng)
+                       scale, slotted, with_rng)
     diff = forward.differentiated()
     k = cfg.accum_steps
     first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
@@ -82,7 +83,10 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
         batch_ax)
     if pol.reduction in _PER_STEP:
       grads = tuple(_PER_STEP[pol.reduction](g, ax) for g in grads)
-    if cfg.replica_axis is not None:   # once per step, all chunks together
+    if cfg.hpz:   # the state's shards are pieces of the data group's
+      grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis)
+                    for g in grads)
+    elif cfg.replica_axis is not None:   # once per step, all chunks together
       grads = collectives.all_reduce(grads, cfg.replica_axis)
     n = state.num_shards * state.num_replicas
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
@@ -107,6 +111,30 @@ def host_chunks(state) -> frozenset:
     return frozenset()
   return frozenset(c for c, s in enumerate(state_shardings(state).master)
                    if s.memory_kind == offload.HOST)
+
+
+def secondary_partition(state, params_in, host) -> tuple:
+  """Inside `shard_map`: `(the shards the forward gathers, the chunks
+  gathered from shards that are not what is differentiated)`.
+
+  Under hpZ at stage 3, each chunk's piece of the world (replica x data) is
+  cast to the compute dtype and all-gathered over the replica axis into
+  the data group's shard, ZeRO++'s secondary partition, once per step:
+  every gather of the forward and the rematerialised backward then stays
+  within the data axis. Its gradient goes to a zero slot, as a host
+  shard's does (`collectives.gather_from_host`), in the master's dtype;
+  the step reduce-scatters it over the replica axis. Otherwise the shards
+  as they are, and the chunks kept in host memory (`host`)."""
+  cfg = state.config
+  if not (cfg.hpz and policy(cfg).gathers_params):
+    return params_in, host
+  secondary = []
+  for c, p in enumerate(params_in):
+    if c in host:
+      p = jax.device_put(p, jax.memory.Space.Device)
+    secondary.append(collectives.all_gather(p.astype(cfg.compute_dtype),
+                                            cfg.replica_axis))
+  return tuple(secondary), frozenset(range(len(params_in)))
 
 
 def per_device(tree, axis_name, scalar: list):
@@ -140,6 +168,8 @@ class ModelCall:
     self.cfg, self.layout = state.config, state.layout
     self.params_in, self.rest, self.scale = params_in, rest, scale
     self.host, self.with_rng = host, with_rng
+    # a slot holds the gradient of a shard that is not differentiated
+    self.slot_dtypes = [m.dtype for m in state.master]
 
   def differentiated(self) -> tuple:
     """Per chunk, what the gradient is taken with respect to: the chunk (or
@@ -150,8 +180,8 @@ class ModelCall:
       n = jax.lax.axis_size(cfg.axis_name)
       return tuple(jnp.zeros(_shard_shape(c.shape, n), cfg.reduce_dtype)
                    for c in self.layout.chunks)
-    return tuple(jnp.zeros(p.shape, p.dtype) if c in self.host else p
-                 for c, p in enumerate(self.params_in))
+    return tuple(jnp.zeros(p.shape, self.slot_dtypes[c]) if c in self.host
+                 else p for c, p in enumerate(self.params_in))
 
   def opted_in(self, diff, batch, dev_rng, fields) -> frozenset:
     """Chunks a `zerojax.nn.layerwise` block gathers itself (layer stacks,

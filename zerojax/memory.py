@@ -13,6 +13,11 @@ next to the ZeRO paper's mixed-precision figures (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N,
 16Ψ/N). zerojax accumulates micro-batches inside one step, so the gradient
 accumulator is transient (in the step's temp memory): 4Ψ at stages 0-1, 4Ψ/N
 at stages 2-3, reported beside the persistent figures.
+
+Under hpZ (`ZeroConfig.hpz`) N is replica x data for the persistent state,
+and stage 3's step also holds ZeRO++'s secondary partition, the compute-dtype
+parameters gathered over the replica axis: b·Ψ/D with D the data axis
+(transient, reported beside the accumulator, which is 4Ψ/D there).
 """
 from __future__ import annotations
 
@@ -57,28 +62,38 @@ def _leaf_bytes(x) -> int:
 
 def estimate_memory(num_params: int, *, stage: int, num_devices: int,
                     compute_dtype: Any = jnp.float32, accum_steps: int = 1,
-                    optimizer_bytes_per_param: int = 8) -> dict:
+                    optimizer_bytes_per_param: int = 8,
+                    hpz_group: Optional[int] = None) -> dict:
   """Predicted bytes per device, allocating nothing (DeepSpeed's
   `estimate_zero3_model_states_mem_needs`).
 
   Args:
     num_params: Ψ, trainable parameters.
     stage: ZeRO stage 0-3.
-    num_devices: N, devices on the data axis.
+    num_devices: N, devices the state is sharded over: the data axis (R·D
+      under hpZ).
     compute_dtype: float32, or a 16-bit dtype (fp32 master kept).
     accum_steps: micro-batches per step (sizes the transient accumulator).
     optimizer_bytes_per_param: 8 for Adam/AdamW (two fp32 moments), 4 for
       momentum, 0 for plain SGD.
+    hpz_group: hpZ: D, the devices of the data axis, within which the step
+      gathers and reduce-scatters; None without hpZ.
 
   Returns:
     dict with `persistent` (zerojax, per device), its parts (`master`,
     `compute`, `optimizer`), `accumulator` (transient, 0 without
-    accumulation) and `paper` (the ZeRO paper's mixed-precision figure).
+    accumulation), `secondary` (hpZ at stage 3: the secondary partition,
+    transient; else 0) and `paper` (the ZeRO paper's mixed-precision
+    figure).
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0-3.")
   if num_devices < 1 or num_params < 0:
     raise ValueError("num_devices must be >= 1 and num_params >= 0.")
+  if hpz_group is not None and not (
+      1 <= hpz_group <= num_devices and num_devices % hpz_group == 0):
+    raise ValueError(f"hpz_group={hpz_group!r} must divide num_devices="
+                     f"{num_devices} (the data axis D of R·D devices).")
   psi, n = float(num_params), float(num_devices)
   half = np.dtype(compute_dtype).itemsize < 4
   opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
@@ -89,12 +104,16 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
     compute = 2 * psi if half else 0.0
   else:
     master, compute = 4 * psi / n, 0.0
-  accumulator = 0.0 if accum_steps == 1 else 4 * psi / (n if stage >= 2 else 1)
+  group = float(hpz_group or num_devices)   # where gradients are reduced first
+  accumulator = 0.0 if accum_steps == 1 else 4 * psi / (group if stage >= 2 else 1)
+  secondary = (np.dtype(compute_dtype).itemsize * psi / group
+               if hpz_group is not None and stage == 3 else 0.0)
   paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
            3: 16 * psi / n}[stage]
   return {"persistent": int(master + compute + opt), "master": int(master),
           "compute": int(compute), "optimizer": int(opt),
-          "accumulator": int(accumulator), "paper": int(paper)}
+          "accumulator": int(accumulator), "secondary": int(secondary),
+          "paper": int(paper)}
 
 
 @dataclasses.dataclass
@@ -136,6 +155,9 @@ class MemoryReport:
     rows.append(["ZeRO paper (mixed precision)"] + blank + [mib(est["paper"])])
     if est["accumulator"]:
       rows.append(["+ accumulator (in step)"] + blank + [mib(est["accumulator"])])
+    if est.get("secondary"):
+      rows.append(["+ hpZ secondary partition (in step)"] + blank +
+                  [mib(est["secondary"])])
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                               for i, (c, w) in enumerate(zip(r, widths)))
@@ -173,11 +195,13 @@ def memory_report(state) -> MemoryReport:
   psi = state.layout.num_chunked_elements
   padded = sum(int(np.prod(c.shape)) for c in state.layout.chunks)
   opt_bytes = round(opt_bytes / padded) if padded else 0
-  estimate = estimate_memory(psi, stage=cfg.stage, num_devices=state.num_shards,
+  estimate = estimate_memory(psi, stage=cfg.stage,
+                             num_devices=state.num_state_shards,
                              compute_dtype=cfg.compute_dtype,
                              accum_steps=cfg.accum_steps,
-                             optimizer_bytes_per_param=opt_bytes)
-  return MemoryReport(cfg.stage, state.num_shards, psi,
+                             optimizer_bytes_per_param=opt_bytes,
+                             hpz_group=state.num_shards if cfg.hpz else None)
+  return MemoryReport(cfg.stage, state.num_state_shards, psi,
                       np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
                       measured, estimate)
 

@@ -3,6 +3,7 @@ copy of a user's mesh that the step needs."""
 from __future__ import annotations
 
 import functools
+import math
 import logging
 
 import jax
@@ -15,6 +16,12 @@ def default_mesh(axis_name: str = "data") -> Mesh:
   """All devices on one axis, with Auto axis types (shard_map friendly)."""
   return jax.make_mesh((jax.device_count(),), (axis_name,),
                        axis_types=(AxisType.Auto,))
+
+
+def axes_size(mesh: Mesh, axes) -> int:
+  """Devices along mesh axis `axes`, or along a tuple of axes together."""
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return math.prod(mesh.shape[a] for a in names)
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import optstate
+from zerojax import meshes, optstate
 from zerojax.layout import ChunkLayout
 from zerojax.offload import HOST
 
@@ -93,7 +93,7 @@ def add_leaf_window(layout, c, i, leaf, shard, mesh, axis_name):
   written into it: the leaf is made sharded, gathered, and each device keeps
   the window of it that falls in its slice of the chunk."""
   chunk, info = layout.chunks[c], layout.leaves[i]
-  n = mesh.shape[axis_name]
+  n = meshes.axes_size(mesh, axis_name)
   width = chunk.length // n
   lead = (chunk.layers,) if chunk.layers else ()
   spec = leaf_spec(leaf.shape, n, axis_name)
@@ -190,7 +190,7 @@ def _delete(arrays) -> None:
 @functools.lru_cache(maxsize=256)
 def _unpack_program(layout, c, mesh, axis_name, split, dtypes):
   chunk = layout.chunks[c]
-  n = mesh.shape[axis_name]
+  n = meshes.axes_size(mesh, axis_name)
   lead = (chunk.layers,) if chunk.layers else ()
   specs = [leaf_spec(layout.leaves[i].shape, n, axis_name) for i in chunk.leaves]
 
@@ -320,7 +320,7 @@ def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
       out[j] = copy(views[j])   # counts, scalars
     else:   # frozen / non-floating: the optimizer never saw it
       mesh = views[j].sharding.mesh
-      spec = leaf_spec(targets[j].shape, mesh.shape[axis_name], axis_name)
+      spec = leaf_spec(targets[j].shape, meshes.axes_size(mesh, axis_name), axis_name)
       out[j] = jax.device_put(jnp.zeros(targets[j].shape, targets[j].dtype),
                               NamedSharding(mesh, spec))
   return jax.tree_util.tree_unflatten(treedef, out)

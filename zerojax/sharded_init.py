@@ -25,7 +25,8 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, memory, reshard
+from zerojax import frontend, memory, meshes, reshard
+from zerojax.config import shard_axes
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, chunk_spec, config_and_mesh,
                            fresh_state, plan_layout, state_shardings)
@@ -122,8 +123,9 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
   config, mesh = config_and_mesh(stage, mesh, config_fields)
   init_fn, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
+  axes = shard_axes(config)
   layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
-                       mesh.shape[config.axis_name])
+                       meshes.axes_size(mesh, axes))
   rep = NamedSharding(mesh, P())
   pol = policy(config)
 
@@ -132,9 +134,9 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
 
   def chunk_programs(c):
     sharding = NamedSharding(
-        mesh, chunk_spec(len(layout.chunks[c].shape), config.axis_name)
+        mesh, chunk_spec(len(layout.chunks[c].shape), axes)
         if pol.master_sharded else P())
-    start, fills = reshard.pack_programs(layout, c, sharding, config.axis_name,
+    start, fills = reshard.pack_programs(layout, c, sharding, axes,
                                          leaves_of=leaves_of)
     cast = (reshard.cast_program(config.compute_dtype, rep)
             if pol.compute_copy else None)

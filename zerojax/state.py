@@ -24,7 +24,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import frontend, meshes, offload, optim, optstate, precision, reshard
-from zerojax.config import FIELDS, ZeroConfig
+from zerojax.config import FIELDS, ZeroConfig, shard_axes
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
@@ -82,6 +82,12 @@ class ZeroTrainState(struct.PyTreeNode):
     return self.mesh.shape[self.config.axis_name]
 
   @property
+  def num_state_shards(self) -> int:
+    """Pieces each chunk is split into: the data axis's devices, or under
+    hpZ replica x data."""
+    return meshes.axes_size(self.mesh, shard_axes(self.config))
+
+  @property
   def num_replicas(self) -> int:
     """Replicas of the sharded state (hybrid sharding), else 1."""
     axis = self.config.replica_axis
@@ -95,8 +101,9 @@ class ZeroTrainState(struct.PyTreeNode):
 
 
 # ---- placement ---------------------------------------------------------------
-def chunk_spec(ndim: int, axis_name: str) -> P:
-  """A chunk (or chunk view) sharded on its last axis."""
+def chunk_spec(ndim: int, axis_name) -> P:
+  """A chunk (or chunk view) sharded on its last axis (over `axis_name`, a
+  mesh axis or a tuple of them: `config.shard_axes`)."""
   return P(*([None] * (ndim - 1)), axis_name)
 
 
@@ -105,9 +112,10 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   cfg, mesh, layout = state.config, state.mesh, state.layout
   pol = policy(cfg)
   rep = NamedSharding(mesh, P())
-  split = lambda x: NamedSharding(mesh, chunk_spec(np.ndim(x), cfg.axis_name))
+  axes = shard_axes(cfg)
+  split = lambda x: NamedSharding(mesh, chunk_spec(np.ndim(x), axes))
   lengths = {c.length for c in layout.chunks}
-  n = mesh.shape[cfg.axis_name]
+  n = meshes.axes_size(mesh, axes)
 
   def opt_rule(x):
     shape = np.shape(x)
@@ -312,7 +320,8 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
                apply_fn, config, mesh, labels: Optional[tuple] = None) -> tuple:
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
   content, computed from shapes only (`labels`: as in `plan_layout`)."""
-  layout = plan_layout(tx, params, config, mesh.shape[config.axis_name], labels)
+  layout = plan_layout(tx, params, config,
+                       meshes.axes_size(mesh, shard_axes(config)), labels)
   with_compute = policy(config).compute_copy
 
   def build(params, step, extras):
@@ -340,9 +349,9 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
                                      tx=tx, apply_fn=apply_fn, config=config,
                                      mesh=mesh)
   opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
-                             where.opt_state, config.axis_name, release)
+                             where.opt_state, shard_axes(config), release)
   master, rest = reshard.to_chunks(layout, params, where.master,
-                                   config.axis_name, release)
+                                   shard_axes(config), release)
   put = lambda tree, shardings: jax.tree_util.tree_map(reshard.copy, tree, shardings)
   return shapes.replace(
       step=reshard.copy(jnp.asarray(step, jnp.int32), where.step),

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives, offload, optstate, precision
-from zerojax.config import batch_axes
+from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
@@ -32,15 +32,22 @@ from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
 
 def _gather_updated(state, shards):
   """Step 3 (`StagePolicy.regather`): replicated chunks from the updated
-  shards, in the compute dtype when they fill the compute copy."""
+  shards, in the compute dtype when they fill the compute copy. Under hpZ
+  in two hops, over the replica axis and then within the data axis."""
   cfg, layout = state.config, state.layout
-  ax = cfg.axis_name
   dtype = cfg.compute_dtype if policy(cfg).compute_copy else None
-  split_specs = tuple(chunk_spec(len(c.shape), ax) for c in layout.chunks)
+  split_specs = tuple(chunk_spec(len(c.shape), shard_axes(cfg))
+                      for c in layout.chunks)
+  hops = (cfg.replica_axis, cfg.axis_name) if cfg.hpz else (cfg.axis_name,)
 
   def local(shards):
-    return tuple(collectives.all_gather(s if dtype is None else s.astype(dtype), ax)
-                 for s in shards)
+    out = []
+    for s in shards:
+      s = s if dtype is None else s.astype(dtype)
+      for axis in hops:
+        s = collectives.all_gather(s, axis)
+      out.append(s)
+    return tuple(out)
 
   return jax.shard_map(local, mesh=state.mesh, in_specs=(split_specs,),
                        out_specs=tuple(P() for _ in layout.chunks),
@@ -191,7 +198,7 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
     # float32 stages 1-2: the replicated master is the compute copy; this
     # device updates its own slice of it.
     master = tuple(jax.lax.with_sharding_constraint(
-        m, NamedSharding(state.mesh, chunk_spec(m.ndim, cfg.axis_name)))
+        m, NamedSharding(state.mesh, chunk_spec(m.ndim, shard_axes(cfg))))
                    for m in state.master)
   else:
     master = state.master

@@ -13,6 +13,7 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
 from zerojax.checkpoint._restore import open_step, restore_to_host
+from zerojax.config import shard_axes
 from zerojax.state import ZeroTrainState
 
 
@@ -46,7 +47,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   """The ordinary TrainState content of `state`, leaves sharded, converted
   chunk by chunk (`reshard`): no device holds more than its share plus one
   chunk."""
-  layout, axis = state.layout, state.config.axis_name
+  layout, axis = state.layout, shard_axes(state.config)
   abstract = params_shapes(layout)
   params = reshard.to_tree(layout, state.master, state.rest, axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,

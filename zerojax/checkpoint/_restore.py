@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, optstate, precision, reshard
+from zerojax import frontend, meshes, optstate, precision, reshard
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
@@ -22,6 +22,7 @@ from zerojax.checkpoint._format import (
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, verify)
 from zerojax.checkpoint._save import wait
+from zerojax.config import shard_axes
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
 from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh,
@@ -139,7 +140,8 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     **config_fields: further ZeroConfig overrides. An explicit `frozen=`
       replaces the saved one (`frozen=None` trains every leaf): leaves
       unfrozen start with zero optimizer statistics, and the chunks are
-      repacked.
+      repacked. `replica_axis=None` (a mesh of one axis) also turns off a
+      saved `hpz`, which needs a replica axis.
   """
   if frontend.is_nnx(like):
     like = frontend.from_nnx(like, tx=tx)
@@ -165,6 +167,8 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   if stage is not None:
     fields["stage"] = stage
   fields.update(config_fields)
+  if fields.get("replica_axis") is None and "hpz" not in config_fields:
+    fields["hpz"] = False
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
@@ -191,7 +195,7 @@ def _replicated_like(tree, mesh):
 
 
 def _leaf_shardings(tree, mesh, axis_name):
-  n = mesh.shape[axis_name]
+  n = meshes.axes_size(mesh, axis_name)
   return jax.tree_util.tree_map(
       lambda x: NamedSharding(mesh, leaf_spec(np.shape(x), n, axis_name)), tree)
 
@@ -290,11 +294,12 @@ def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, 
   deleted once packed. The host holds the read state once, shrinking as the
   device form grows: about twice the state at the peak, not three times."""
   loaded = restore_to_host(path, saved, sums)
-  n = mesh.shape[config.axis_name]
+  axes = shard_axes(config)
+  n = meshes.axes_size(mesh, axes)
 
   def sharded(x):
     x = np.asarray(x)
-    s = NamedSharding(mesh, leaf_spec(x.shape, n, config.axis_name))
+    s = NamedSharding(mesh, leaf_spec(x.shape, n, axes))
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
   params, opt = cut_chunks(layout_saved, loaded, emit=sharded)
@@ -325,10 +330,10 @@ def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
   target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
             "params": jax.tree_util.tree_map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                abstract, _leaf_shardings(abstract, mesh, config.axis_name)),
+                abstract, _leaf_shardings(abstract, mesh, shard_axes(config))),
             "opt_state": jax.tree_util.tree_map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                tree_opt, _leaf_shardings(tree_opt, mesh, config.axis_name))}
+                tree_opt, _leaf_shardings(tree_opt, mesh, shard_axes(config)))}
   for key in ("loss_scale", "extras"):
     if key in saved:
       target[key] = _replicated_like(saved[key], mesh)
