@@ -105,6 +105,14 @@ def test_hpz_matches_plain_optax(compute_dtype):
   _matches_plain_optax((1, 2, 3), compute_dtype, check, hpz=True)
 
 
+def test_hpz_with_offload_matches_plain_optax():
+  """Host shards come to the device for the replica gather."""
+  def check(state):
+    assert state.master[0].sharding.memory_kind == "pinned_host"
+  _matches_plain_optax((3,), "float32", check, hpz=True, offload_params=True,
+                       offload_optimizer=True)
+
+
 def test_hpz_gathers_over_the_replicas_once_then_within_data():
   """Stage 3 hpZ on a scanned LM gathered per layer: the secondary
   partition is one replica gather per chunk per step; the per-layer
