@@ -39,10 +39,9 @@ def test_gather_leaves_matches_gather_and_split_bit_for_bit():
     return jax.shard_map(local, mesh=_mesh(), in_specs=P("data"),
                          out_specs=P("data"), check_vma=False)
 
-  new = lambda s: collectives.gather_leaves(layout, 0, s, "data", jnp.float32,
-                                            jnp.float32)
-  old = lambda s: layout.unpack_chunk(
-      0, collectives.gather(s, "data", jnp.float32, jnp.float32))
+  wire = collectives.Wire(jnp.float32, jnp.float32)
+  new = lambda s: collectives.gather_leaves(layout, 0, s, "data", wire)
+  old = lambda s: layout.unpack_chunk(0, collectives.gather(s, "data", wire))
   for f in (lambda cut: loss(cut), lambda cut: jax.grad(
       lambda s: loss(cut)(s).sum())):
     a, b = jax.jit(f(new))(shard), jax.jit(f(old))(shard)

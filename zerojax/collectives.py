@@ -10,6 +10,10 @@ own, so that the gathered chunk is freed at once.
 `scatter_on_backward` gives a replicated chunk the same backward (ZeRO-2):
 the gradient is reduce-scattered as soon as the backward pass produces it.
 
+Each takes a `Wire`: the compute and reduce dtypes, and whether parameter
+gathers (qwZ) and gradient reduce-scatters (qgZ) are sent quantized
+(`zerojax.quantize`).
+
 On an axis of one device every collective here is the identity and emits
 no collective op: XLA does not remove a one-device all-reduce, which on CPU
 costs a copy of every gradient chunk (a 1-device mesh is how a user first
@@ -17,27 +21,55 @@ tries zerojax, and the benchmarks hold it to plain optax's speed).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+
+from zerojax import quantize
+from zerojax.quantize import Quantization
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+  """How chunks travel: gathered in `compute_dtype`, gradients reduced in
+  `reduce_dtype`; `weights` / `grads`: the quantization of parameter gathers
+  and gradient reduce-scatters (None: sent as they are)."""
+  compute_dtype: Any
+  reduce_dtype: Any
+  weights: Optional[Quantization] = None
+  grads: Optional[Quantization] = None
+
+  @classmethod
+  def of(cls, config) -> "Wire":
+    return cls(config.compute_dtype, config.reduce_dtype,
+               quantize.of(config.quantize_weights, config.quantize_block),
+               quantize.of(config.quantize_grads, config.quantize_block))
 
 
 def _alone(axis_name) -> bool:
   return jax.lax.axis_size(axis_name) == 1
 
 
-def all_gather(x, axis_name):
-  """Concatenates the shards of `x` (last axis) from every device."""
+def all_gather(x, axis_name, quant: Optional[Quantization] = None):
+  """Concatenates the shards of `x` (last axis) from every device, sent
+  quantized under `quant`."""
   if _alone(axis_name):
     return x
+  if quant is not None:
+    return quantize.all_gather(x, axis_name, quant)
   return jax.lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True)
 
 
-def reduce_scatter(x, axis_name):
-  """Sums `x` over devices and keeps this device's slice of the last axis."""
+def reduce_scatter(x, axis_name, quant: Optional[Quantization] = None):
+  """Sums `x` over devices and keeps this device's slice of the last axis,
+  the slices sent quantized under `quant`."""
   if _alone(axis_name):
     return x
+  if quant is not None:
+    return quantize.reduce_scatter(x, axis_name, quant, x.dtype)
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=x.ndim - 1,
                               tiled=True)
 
@@ -63,32 +95,34 @@ def from_first(x, axis_name):
   return out.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather(shard, axis_name, compute_dtype, reduce_dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather(shard, axis_name, wire: Wire):
   """All-gathers a chunk shard, cast to `compute_dtype` before the wire.
 
   Backward: the chunk's gradient is cast to `reduce_dtype` and
   reduce-scattered, giving the (summed) gradient of this device's shard.
   """
-  return all_gather(shard.astype(compute_dtype), axis_name)
+  return all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights)
 
 
-def _gather_fwd(shard, axis_name, compute_dtype, reduce_dtype):
+def _gather_fwd(shard, axis_name, wire):
   # The residual is an empty array: it only carries the shard's dtype.
-  return (gather(shard, axis_name, compute_dtype, reduce_dtype),
-          jnp.zeros((0,), shard.dtype))
+  return gather(shard, axis_name, wire), jnp.zeros((0,), shard.dtype)
 
 
-def _gather_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
-  del compute_dtype
-  return (reduce_scatter(g.astype(reduce_dtype), axis_name).astype(like.dtype),)
+def _gather_bwd(axis_name, wire, like, g):
+  return (_scatter_grad(g, axis_name, wire).astype(like.dtype),)
+
+
+def _scatter_grad(g, axis_name, wire):
+  return reduce_scatter(g.astype(wire.reduce_dtype), axis_name, wire.grads)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 3, 4, 5))
-def gather_leaves(layout, c, shard, axis_name, compute_dtype, reduce_dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 3, 4))
+def gather_leaves(layout, c, shard, axis_name, wire: Wire):
   """`gather` of chunk `c`'s shard, cut into the chunk's leaves
   (`layout.unpack_chunk`), for a chunk the step holds gathered throughout.
 
@@ -103,7 +137,7 @@ def gather_leaves(layout, c, shard, axis_name, compute_dtype, reduce_dtype):
   (`layout.pack_chunk`, in `reduce_dtype`) and reduce-scattered, as
   `gather`'s.
   """
-  full = all_gather(shard.astype(compute_dtype), axis_name)
+  full = all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights)
   return _own_buffers(lambda f: layout.unpack_chunk(c, f), full, axis_name)
 
 
@@ -132,24 +166,23 @@ def _own_buffers(cut, full, axis_name):
   return jax.lax.platform_dependent(full, cpu=on_cpu, default=elsewhere)
 
 
-def _leaves_fwd(layout, c, shard, axis_name, compute_dtype, reduce_dtype):
+def _leaves_fwd(layout, c, shard, axis_name, wire):
   # The residual is an empty array: it only carries the shard's dtype.
-  return (gather_leaves(layout, c, shard, axis_name, compute_dtype,
-                        reduce_dtype), jnp.zeros((0,), shard.dtype))
+  return (gather_leaves(layout, c, shard, axis_name, wire),
+          jnp.zeros((0,), shard.dtype))
 
 
-def _leaves_bwd(layout, c, axis_name, compute_dtype, reduce_dtype, like, cts):
-  del compute_dtype
+def _leaves_bwd(layout, c, axis_name, wire, like, cts):
   grad = layout.pack_chunk(c, dict(zip(layout.chunks[c].leaves, cts)),
-                           reduce_dtype)
-  return (reduce_scatter(grad, axis_name).astype(like.dtype),)
+                           wire.reduce_dtype)
+  return (_scatter_grad(grad, axis_name, wire).astype(like.dtype),)
 
 
 gather_leaves.defvjp(_leaves_fwd, _leaves_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def gather_from_host(shard, grad_slot, axis_name, compute_dtype, reduce_dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def gather_from_host(shard, grad_slot, axis_name, wire: Wire):
   """`gather` of a shard kept in host memory (`offload_params`): moved to
   device memory right before the all-gather.
 
@@ -160,24 +193,24 @@ def gather_from_host(shard, grad_slot, axis_name, compute_dtype, reduce_dtype):
   """
   del grad_slot
   on_device = jax.device_put(shard, jax.memory.Space.Device)
-  return all_gather(on_device.astype(compute_dtype), axis_name)
+  return all_gather(on_device.astype(wire.compute_dtype), axis_name,
+                    wire.weights)
 
 
-def _from_host_fwd(shard, grad_slot, axis_name, compute_dtype, reduce_dtype):
-  return (gather_from_host(shard, grad_slot, axis_name, compute_dtype,
-                           reduce_dtype), jnp.zeros((0,), grad_slot.dtype))
+def _from_host_fwd(shard, grad_slot, axis_name, wire):
+  return (gather_from_host(shard, grad_slot, axis_name, wire),
+          jnp.zeros((0,), grad_slot.dtype))
 
 
-def _from_host_bwd(axis_name, compute_dtype, reduce_dtype, like, g):
-  del compute_dtype
-  return None, reduce_scatter(g.astype(reduce_dtype), axis_name).astype(like.dtype)
+def _from_host_bwd(axis_name, wire, like, g):
+  return None, _scatter_grad(g, axis_name, wire).astype(like.dtype)
 
 
 gather_from_host.defvjp(_from_host_fwd, _from_host_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def scatter_on_backward(full, grad_slot, axis_name, reduce_dtype):
+def scatter_on_backward(full, grad_slot, axis_name, wire: Wire):
   """Identity on a replicated chunk whose gradient goes to `grad_slot`.
 
   Differentiate with respect to `grad_slot` (zeros of the shard's shape, in
@@ -188,14 +221,14 @@ def scatter_on_backward(full, grad_slot, axis_name, reduce_dtype):
   return full
 
 
-def _scatter_fwd(full, grad_slot, axis_name, reduce_dtype):
+def _scatter_fwd(full, grad_slot, axis_name, wire):
   del grad_slot
   return full, None
 
 
-def _scatter_bwd(axis_name, reduce_dtype, res, g):
+def _scatter_bwd(axis_name, wire, res, g):
   del res
-  return (jnp.zeros_like(g), reduce_scatter(g.astype(reduce_dtype), axis_name))
+  return jnp.zeros_like(g), _scatter_grad(g, axis_name, wire)
 
 
 scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)

@@ -64,6 +64,9 @@ def _as_dtype(name: str, value: Any):
   return dtype
 
 
+QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax.quantize.MODES
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
   """How a `TrainState` is sharded and stepped.
@@ -90,6 +93,19 @@ class ZeroConfig:
       device while the step runs, at stage 3), so stage 3's forward and
       backward gathers stay within the data axis; gradients are
       reduce-scattered over data and then over replica. Stages 1-3.
+    quantize_weights: ZeRO++ qwZ: parameter gathers (stage 3's, the hpZ
+      replica gather, and stages 1-2's gather of the 16-bit compute copy
+      after the update) send int8 values per block of `quantize_block`
+      elements with a float32 absmax each, dequantized to the compute
+      dtype on arrival ("int8"; "int4"; "identity", the same path with an
+      exact encoding). The fp32 master is never quantized. None: off.
+    quantize_grads: ZeRO++ qgZ: gradient reduce-scatters (over the data
+      axis, and under hpZ over the replica axis, requantized between) send
+      each device's slices quantized ("int8", "int4": two values a byte;
+      "identity") by one all-to-all, dequantized and summed in float32.
+      HSDP's replica all-reduce and stage 0's all-reduce stay unquantized.
+    quantize_block: elements per quantization block; a shard that is not a
+      whole number of blocks is padded with zeros to one on the wire.
     chunk_size: elements per chunk; None searches the size that wastes least.
     min_chunk_size, search_range, search_interval: the chunk-size search
       (ColossalAI Gemini's `search_chunk_configuration`): candidates from
@@ -125,6 +141,9 @@ class ZeroConfig:
   axis_name: str = "data"
   replica_axis: Optional[str] = None
   hpz: bool = False
+  quantize_weights: Optional[str] = None
+  quantize_grads: Optional[str] = None
+  quantize_block: int = 2048
   chunk_size: Optional[int] = None
   min_chunk_size: int = 2 ** 20
   search_range: int = 2 ** 22
@@ -162,8 +181,13 @@ class ZeroConfig:
             f"replica_axis={self.replica_axis!r} is the data axis itself; "
             "name the mesh axis that holds the replicas (e.g. 'replica' of "
             "Mesh(devices.reshape(R, D), ('replica', 'data'))).")
+    for name in ("quantize_weights", "quantize_grads"):
+      mode = getattr(self, name)
+      if mode is not None and mode not in QUANTIZE_MODES:
+        raise ValueError(f"{name}={mode!r} is not a quantization mode; use "
+                         f"one of {QUANTIZE_MODES} or None (off).")
     for name in ("chunk_size", "min_chunk_size", "search_range",
-                 "search_interval", "accum_steps"):
+                 "search_interval", "accum_steps", "quantize_block"):
       value = getattr(self, name)
       if value is None and name == "chunk_size":
         continue

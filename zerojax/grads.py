@@ -41,10 +41,6 @@ from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
 _log = logging.getLogger("zerojax")
-# the reduction after the micro-batches; the other reductions happen in the
-# backward pass (the gathers' transposes, `scatter_on_backward`)
-_PER_STEP = {Reduction.ALL_REDUCE: collectives.all_reduce,
-             Reduction.SCATTER_PER_STEP: collectives.reduce_scatter}
 
 
 def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
@@ -81,10 +77,13 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
         diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
         batch_ax)
-    if pol.reduction in _PER_STEP:
-      grads = tuple(_PER_STEP[pol.reduction](g, ax) for g in grads)
+    quant = collectives.Wire.of(cfg).grads
+    if pol.reduction is Reduction.SCATTER_PER_STEP:
+      grads = tuple(collectives.reduce_scatter(g, ax, quant) for g in grads)
+    elif pol.reduction is Reduction.ALL_REDUCE:
+      grads = tuple(collectives.all_reduce(g, ax) for g in grads)
     if cfg.hpz:   # the state's shards are pieces of the data group's
-      grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis)
+      grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis, quant)
                     for g in grads)
     elif cfg.replica_axis is not None:   # once per step, all chunks together
       grads = collectives.all_reduce(grads, cfg.replica_axis)
@@ -132,8 +131,9 @@ def secondary_partition(state, params_in, host) -> tuple:
   for c, p in enumerate(params_in):
     if c in host:
       p = jax.device_put(p, jax.memory.Space.Device)
-    secondary.append(collectives.all_gather(p.astype(cfg.compute_dtype),
-                                            cfg.replica_axis))
+    secondary.append(collectives.all_gather(
+        p.astype(cfg.compute_dtype), cfg.replica_axis,
+        collectives.Wire.of(cfg).weights))
   return tuple(secondary), frozenset(range(len(params_in)))
 
 
@@ -224,18 +224,18 @@ class ModelCall:
   def _tree(self, diff, layerwise):
     """The user's parameter tree, as `StagePolicy.forward` says."""
     cfg, layout, ax = self.cfg, self.layout, self.cfg.axis_name
-    dtypes = (cfg.compute_dtype, cfg.reduce_dtype)
+    wire = collectives.Wire.of(cfg)
     leaves = {}   # chunk -> its leaves, cut as it was gathered
     if self.pol.forward is Forward.GATHERED:
-      chunks = [collectives.gather_from_host(self.params_in[c], s, ax, *dtypes)
+      chunks = [collectives.gather_from_host(self.params_in[c], s, ax, wire)
                 if c in self.host and c not in layerwise else None
                 for c, s in enumerate(diff)]
-      leaves = {c: collectives.gather_leaves(layout, c, s, ax, *dtypes)
+      leaves = {c: collectives.gather_leaves(layout, c, s, ax, wire)
                 for c, s in enumerate(diff)
                 if c not in layerwise and c not in self.host}
     elif self.pol.reduction is Reduction.SCATTER_PER_MICRO:
       chunks = [collectives.scatter_on_backward(
-          p.astype(cfg.compute_dtype), slot, ax, cfg.reduce_dtype)
+          p.astype(cfg.compute_dtype), slot, ax, wire)
                 for p, slot in zip(self.params_in, diff)]
     else:
       chunks = [p.astype(cfg.compute_dtype) for p in diff]

@@ -39,13 +39,15 @@ def _gather_updated(state, shards):
   split_specs = tuple(chunk_spec(len(c.shape), shard_axes(cfg))
                       for c in layout.chunks)
   hops = (cfg.replica_axis, cfg.axis_name) if cfg.hpz else (cfg.axis_name,)
+  # qwZ quantizes the 16-bit compute copy's gather, never the fp32 master's
+  quant = collectives.Wire.of(cfg).weights if dtype is not None else None
 
   def local(shards):
     out = []
     for s in shards:
       s = s if dtype is None else s.astype(dtype)
       for axis in hops:
-        s = collectives.all_gather(s, axis)
+        s = collectives.all_gather(s, axis, quant)
       out.append(s)
     return tuple(out)
 
