@@ -7,7 +7,9 @@ each value is sent as `round(x / absmax · L)` with L = 127 (int8) or 7
 the receiver computes `q / L · absmax`. The error per element is at most
 `absmax / (2L)` (half a step), zeros and constant blocks come back exactly,
 and a block holding an inf or a NaN comes back non-finite (its absmax is
-non-finite), so a loss-scale check still sees it. A length that is not a
+non-finite), so a loss-scale check still sees it. A block whose absmax is
+denormal comes back as zeros where the backend flushes denormals (XLA's CPU
+and GPU backends do): an error below the smallest normal float. A length that is not a
 whole number of blocks is padded with zeros to one (the padding is sent, and
 dropped on arrival).
 
@@ -67,10 +69,21 @@ def encode(x, q: Quantization):
   values = jnp.where(absmax[..., None] > 0,
                      jnp.round(jnp.clip(blocks / safe, -1.0, 1.0) * level), 0.0)
   values = values.astype(jnp.int8).reshape(x.shape)
-  if q.mode == "int4":
-    nibbles = (values + 8).astype(jnp.uint8).reshape(x.shape[:-1] + (-1, 2))
-    values = nibbles[..., 0] | (nibbles[..., 1] << 4)
-  return values, absmax
+  return (pack_int4(values) if q.mode == "int4" else values), absmax
+
+
+def pack_int4(values):
+  """int8 values in [-8, 7] (last axis of even length), two per uint8: the
+  first in the low nibble."""
+  nibbles = (values + 8).astype(jnp.uint8).reshape(values.shape[:-1] + (-1, 2))
+  return nibbles[..., 0] | (nibbles[..., 1] << 4)
+
+
+def unpack_int4(packed):
+  """`pack_int4`'s inverse: int8 values, twice as many."""
+  low = (packed & 0xF).astype(jnp.int8) - 8
+  high = (packed >> 4).astype(jnp.int8) - 8
+  return jnp.stack([low, high], axis=-1).reshape(packed.shape[:-1] + (-1,))
 
 
 def decode(values, absmax, n: int, q: Quantization, dtype):
@@ -79,13 +92,14 @@ def decode(values, absmax, n: int, q: Quantization, dtype):
   if q.mode == "identity":
     return values[..., :n].astype(dtype)
   if q.mode == "int4":
-    low = (values & 0xF).astype(jnp.int8) - 8
-    high = (values >> 4).astype(jnp.int8) - 8
-    values = jnp.stack([low, high], axis=-1).reshape(
-        values.shape[:-1] + (-1,))
+    values = unpack_int4(values)
   blocks = values.astype(jnp.float32).reshape(absmax.shape + (q.block,))
   level = _LEVELS[q.mode]
-  out = (blocks / level * absmax[..., None]).reshape(values.shape)
+  scale = absmax[..., None]
+  # the extremes exactly (XLA may turn / level into * (1 / level)), so a
+  # block's absmax, and a constant block, come back as they went
+  out = jnp.where(jnp.abs(blocks) == level, jnp.sign(blocks) * scale,
+                  blocks * scale / level).reshape(values.shape)
   return out[..., :n].astype(dtype)
 
 
