@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 MODES = ("quick", "full", "smoke", "gpu", "gpu-smoke")
 SUITES = ("speed", "memory", "comm", "offload", "checkpoint", "throughput",
-          "frontends", "hybrid")
+          "frontends", "hybrid", "quantized")
 MIB = 2 ** 20
 COLORS = {"zero-0": "#9ecae1", "zero-1": "#6baed6", "zero-2": "#3182bd",
           "zero-3": "#08519c", "plain-dp": "#969696", "gspmd-fsdp": "#e6550d",
@@ -423,6 +423,8 @@ def markdown(out: str) -> str:
       lines += _frontends_md(results["frontends"], mode)
     if "hybrid" in results:
       lines += _hybrid_md(results["hybrid"], mode)
+    if "quantized" in results:
+      lines += _quantized_md(results["quantized"], mode)
   return "\n".join(lines) + "\n"
 
 
@@ -643,6 +645,71 @@ def plot_frontends(r: dict, path: str):
   _save(fig, path)
 
 
+def _quantized_md(r: dict, mode: str) -> list:
+  comm, qual = r["communication"], r["quality"]
+  lines = ["### ZeRO++ quantized collectives", "",
+           f"Stage 3, bf16 compute, 8 devices ({comm['config']}, block "
+           f"B = {comm['block']}): bytes per device per step by collective, "
+           "from the compiled HLO (`benchmarks/quantized.py`). XLA's CPU "
+           "backend gathers bf16 as f32: a GPU sends half the plain "
+           "all-gather bytes shown. Run: "
+           f"`python -m benchmarks.run --{mode} --suites quantized`.", "",
+           "| mode | all-gather | reduce-scatter | all-to-all | wire dtypes |",
+           "|---|---:|---:|---:|---|"]
+  for label, row in comm["rows"].items():
+    kinds = ("all-gather", "reduce-scatter", "all-to-all")
+    dtypes = sorted({d for k in kinds for d in row.get(k, {}).get("dtypes", [])})
+    lines.append(f"| {label} | " + " | ".join(
+        _mib(row.get(k, {}).get("bytes", 0)) for k in kinds) +
+        f" | {', '.join(dtypes)} |")
+  lines += ["", "The same on the hybrid (2, 4) mesh under hpZ, per axis "
+            "(within a node / across nodes):", "",
+            "| mode | gathers within | gathers across | gradients within | "
+            "gradients across |", "|---|---:|---:|---:|---:|"]
+  for label, row in comm["hybrid"].items():
+    grads = lambda where: sum(v["bytes"] for k, v in row.items()
+                              if k.split()[0] in ("reduce-scatter", "all-to-all")
+                              and k.endswith(where))
+    lines.append(f"| {label} | {_mib(row.get('all-gather within', {}).get('bytes', 0))}"
+                 f" | {_mib(row.get('all-gather across', {}).get('bytes', 0))} | "
+                 f"{_mib(grads('within'))} | {_mib(grads('across'))} |")
+  lines += ["", f"Training quality: the GPT-2 example, `--preset tiny`, bf16, "
+            f"byte-level text, {qual['steps']} steps, one seed per run; int8 "
+            "weights and int4 gradients against unquantized.", "",
+            "| run | final loss (last 10 steps) | / unquantized | median "
+            "grad-norm ratio |", "|---|---:|---:|---:|"]
+  for label, loss in qual["final"].items():
+    lines.append(f"| {label} | {loss:.4f} | "
+                 f"{loss / qual['final']['plain']:.4f} | "
+                 f"{qual['grad_norm_ratio'][label]:.3f} |")
+  return lines + ["", f"![quantized]({mode}_quantized.png)", ""]
+
+
+def plot_quantized(r: dict, path: str):
+  qual = r["quality"]
+  fig, (ax, norms) = plt.subplots(1, 2, figsize=(11, 3.8))
+  plain = qual["runs"]["plain"]
+  for label, run in qual["runs"].items():
+    steps = range(1, len(run) + 1)
+    ax.plot(steps, [x["loss"] for x in run], linewidth=1,
+            label="unquantized" if label == "plain" else
+            f"int8 weights + int4 gradients, {label}")
+    if label != "plain":
+      norms.plot(steps, [x["grad_norm"] / p["grad_norm"]
+                         for x, p in zip(run, plain)], linewidth=0.8,
+                 label=label)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_title("GPT-2 example (tiny, bf16, byte-level text)", fontsize=10)
+  ax.legend(fontsize=8)
+  norms.axhline(1.0, color="black", linewidth=0.8)
+  norms.set_yscale("log")
+  norms.set_xlabel("step")
+  norms.set_ylabel("grad norm / unquantized run's")
+  norms.legend(fontsize=8)
+  _save(fig, path)
+
+
 def plot_hybrid(r: dict, path: str):
   from benchmarks.hybrid import inter_node_wire
   fig, (ax, curve) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -701,6 +768,9 @@ def write(out: str, mode: str):
                     os.path.join(out, f"{mode}_checkpoint.png"))
   if "hybrid" in results:
     plot_hybrid(results["hybrid"], os.path.join(out, f"{mode}_hybrid.png"))
+  if "quantized" in results:
+    plot_quantized(results["quantized"],
+                   os.path.join(out, f"{mode}_quantized.png"))
   if "frontends" in results:
     plot_frontends(results["frontends"], os.path.join(out, f"{mode}_frontends.png"))
   if "comm" in results:

@@ -48,10 +48,11 @@ import jax  # noqa: E402
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
-from benchmarks import checkpoint, frontends, gpu, hybrid  # noqa: E402
+from benchmarks import checkpoint, frontends, gpu, hybrid, quantized  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
-EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid")  # when named
+EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid",
+                "quantized")  # when named
 CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
 # The user-written models against plain DP, not GSPMD FSDP: the comparison
 # the issue sets goals for, at half the time.
@@ -318,6 +319,12 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     result.update(meta=meta, goals=hybrid.goal_checks(result))
     _write(out, f"{mode}_hybrid.json", result)
     written["hybrid"] = result
+
+  if "quantized" in suites:
+    result = quantized.run(mode, log=_log)
+    result.update(meta=meta, goals=quantized.goal_checks(result))
+    _write(out, f"{mode}_quantized.json", result)
+    written["quantized"] = result
 
   if "frontends" in suites:
     result = frontends.run(mode, log=_log)

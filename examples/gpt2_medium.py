@@ -127,6 +127,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="with --mesh: ZeRO++ hpZ, the fp32 master and optimizer "
                  "state sharded over replica x data too; each step gathers "
                  "the parameters over replica once, then only within data")
+  p.add_argument("--quantize-weights", choices=["int8", "int4"],
+                 help="ZeRO++ qwZ: send parameter gathers as int8 (or int4) "
+                 "blocks with a float32 scale each")
+  p.add_argument("--quantize-grads", choices=["int8", "int4"],
+                 help="ZeRO++ qgZ: send gradient reduce-scatters quantized, "
+                 "by all-to-all, summed in float32")
+  p.add_argument("--quantize-block", type=int, default=2048,
+                 help="elements per quantization block (default 2048)")
   p.add_argument("--offload", action="store_true",
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
                  "state in pinned host memory between steps (stage >= 1)")
@@ -146,10 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("multi-host needs all of --coordinator, --num-processes and "
             "--process-id (or none of them)")
   for name in ("layers", "width", "batch", "seq", "steps", "accum", "devices",
-               "warmup"):
+               "warmup", "quantize_block"):
     value = getattr(args, name)
     if value is not None and value < (0 if name == "warmup" else 1):
-      p.error(f"--{name} must be positive, got {value}")
+      p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
   return args
 
 
@@ -443,6 +451,9 @@ def main(argv=None) -> dict:
   state = zerojax.create(init_fn, jax.random.key(args.seed),
                          apply_fn=model.apply, tx=tx, stage=args.stage,
                          mesh=mesh, replica_axis=replica_axis, hpz=args.hpz,
+                         quantize_weights=args.quantize_weights,
+                         quantize_grads=args.quantize_grads,
+                         quantize_block=args.quantize_block,
                          compute_dtype=run["precision"], accum_steps=args.accum,
                          clip_norm=args.clip or None, stacked=("blocks",),
                          offload_optimizer=args.offload)
@@ -496,6 +507,7 @@ def main(argv=None) -> dict:
     loss = float(metrics["loss"])  # blocks until the step is done
     seconds = time.perf_counter() - start
     records.append({"step": i, "loss": loss,
+                    "grad_norm": float(metrics["grad_norm"]),
                     "tokens_per_s": tokens_per_step / seconds,
                     "step_time_s": seconds})
     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / seconds:,.0f}",

@@ -1,6 +1,7 @@
 """benchmarks/: the HLO collective counter on programs with known collectives,
 and a smoke run of the whole suite (tiny model, no timing assertions)."""
 import json
+import math
 import re
 
 import jax
@@ -450,10 +451,23 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   assert "OOM" in rows["plain-dp"]["device"]
 
 
+def _quick_report(tmp_path, suite: str, result: dict, goals: list) -> str:
+  """The README the report writes for one suite's `--quick` result (with
+  made-up machine metadata)."""
+  from benchmarks import report
+  result.update(goals=goals, meta={
+      "jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
+      "host_memory_bytes": 2 ** 34, "date": "today"})
+  with open(tmp_path / f"quick_{suite}.json", "w") as f:
+    json.dump(result, f)
+  report.write(str(tmp_path), "quick")
+  return (tmp_path / "README.md").read_text()
+
+
 def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
   """The NNX-vs-linen suite on the tiny user models: both paths train the
   same problem with equal persistent bytes, and the report shows them."""
-  from benchmarks import frontends, report
+  from benchmarks import frontends
   result = frontends.run("smoke", log=lambda *_: None)
   assert [(r["model"], r["stage"]) for r in result["rows"]] == [
       (m, s) for m in ("mlp-tiny", "transformer-tiny") for s in frontends.STAGES]
@@ -462,13 +476,7 @@ def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
     assert row["min_ratio"] > 0
   goals = frontends.goal_checks(result)
   assert len(goals) == 2 * len(result["rows"])
-  meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
-          "host_memory_bytes": 2 ** 34, "date": "today"}
-  result.update(meta=meta, goals=goals)
-  with open(tmp_path / "quick_frontends.json", "w") as f:
-    json.dump(result, f)
-  report.write(str(tmp_path), "quick")
-  text = (tmp_path / "README.md").read_text()
+  text = _quick_report(tmp_path, "frontends", result, goals)
   assert "NNX front end against linen" in text
   assert "| transformer-tiny | 3 |" in text
   assert (tmp_path / "quick_frontends.png").exists()
@@ -480,7 +488,7 @@ def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
   node and sends only the gradient shards' all-reduce (4Ψ/D) across; hpZ
   sends the secondary partition's gather and the gradient shards'
   reduce-scatter (4Ψ/D each in fp32), with the state over all 8 devices."""
-  from benchmarks import hybrid, report
+  from benchmarks import hybrid
   result = hybrid.run("smoke", log=lambda *_: None)
   one_d, hsdp = result["rows"]["zero-3 1-D"], result["rows"]["zero-3 HSDP"]
   assert one_d["within"] == {}
@@ -503,16 +511,30 @@ def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
   assert memory["zero-3 hpZ"]["persistent"] < memory["zero-3 HSDP"]["persistent"]
   goals = hybrid.goal_checks(result)
   assert [g[3] for g in goals[:5]] == [True] * 5, goals
-  meta = {"jax": "x", "backend": "cpu", "devices": 8, "cpu_count": 2,
-          "host_memory_bytes": 2 ** 34, "date": "today"}
-  result.update(meta=meta, goals=goals)
-  with open(tmp_path / "quick_hybrid.json", "w") as f:
-    json.dump(result, f)
-  report.write(str(tmp_path), "quick")
-  text = (tmp_path / "README.md").read_text()
+  text = _quick_report(tmp_path, "hybrid", result, goals)
   assert "Hybrid sharding: bytes per mesh axis" in text
   assert "| zero-3 hpZ |" in text and "Step time, hpZ / 1-D" in text
   assert (tmp_path / "quick_hybrid.png").exists()
+
+
+def test_quantized_suite_measures_bytes_and_quality_and_reports(tmp_path):
+  """The quantized suite's smoke run: the quantized collectives' bytes are
+  the stated formula's (from the plain program's ops), the example trains
+  quantized and unquantized, and the report shows both."""
+  from benchmarks import quantized
+  result = quantized.run("smoke", log=lambda *_: None)
+  rows = result["communication"]["rows"]
+  assert "s8" in rows["qwZ int8 + qgZ int8"]["all-gather"]["dtypes"]
+  assert "u8" in rows["qwZ int8 + qgZ int4"]["all-to-all"]["dtypes"]
+  assert "reduce-scatter" not in rows["qwZ int8 + qgZ int4"]
+  goals = quantized.goal_checks(result)
+  assert [g[3] for g in goals[:3]] == [True] * 3, goals
+  runs = result["quality"]["runs"]
+  assert set(runs) == {"plain", "block 2048"} and len(runs["plain"]) == 20
+  assert all(math.isfinite(r["loss"]) for run in runs.values() for r in run)
+  text = _quick_report(tmp_path, "quantized", result, goals)
+  assert "ZeRO++ quantized collectives" in text and "| block 2048 |" in text
+  assert (tmp_path / "quick_quantized.png").exists()
 
 
 @pytest.mark.parametrize("groups,size", [

@@ -122,3 +122,17 @@ def test_hybrid_block_shards_within_a_node(quick_start):
             num_nodes=2, gpus_per_node=4, state=train_state.TrainState.create(
                 apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)))
   assert ns["state"].num_shards == 4 and ns["state"].num_replicas == 2
+
+
+def test_quantized_block_sends_int8_and_int4(quick_start):
+  model, params = quick_start["model"], quick_start["params"]
+  ns = _run(_block('state = zerojax.shard(state, stage=3, compute_dtype="bfloat16",'),
+            state=train_state.TrainState.create(
+                apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)))
+  state = ns["state"]
+  assert (state.config.quantize_weights, state.config.quantize_grads) == (
+      "int8", "int4")
+  loss_fn = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply({"params": p}, b["tokens"]), b["targets"]).mean()
+  state, metrics = zerojax.train_step(loss_fn)(state, quick_start["batch"])
+  assert np.isfinite(float(metrics["loss"]))

@@ -1,0 +1,169 @@
+"""ZeRO++'s quantized collectives: bytes on the wire and training quality.
+
+Communication: stage 3 in bf16 on 8 devices, the GPT config compiled plain
+and with qwZ / qgZ, collectives read from the optimized HLO. XLA's CPU
+backend gathers bf16 as f32, so a plain gather is counted at the 2 bytes an
+element a GPU sends. Stated per element on the wire (blocks of B, each with
+a float32 absmax; shards padded to whole blocks): gathers 1 + 4/B bytes
+(int8) against bf16's 2; gradients 1 + 4/B (int8) or 1/2 + 4/B (int4)
+against the fp32 reduce-scatter's 4. On the hybrid (2, 4) mesh under hpZ
+the same per axis.
+
+Training quality: the GPT-2 example (`--preset tiny`, bf16, byte-level
+text `--text docs/design.md`) for 300 steps, unquantized and with
+`--quantize-weights int8 --quantize-grads int4` at several block sizes:
+the final loss (mean of the last 10 steps) against the unquantized run's,
+and the gradient-norm ratio along the way. One seed each.
+
+    python -m benchmarks.run --quick --suites quantized
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import jax.numpy as jnp
+
+from benchmarks import models
+from benchmarks import variants as V
+from benchmarks.hlo import count_collectives
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 2048
+MODES = {"plain": {}, "qwZ int8 + qgZ int8": dict(quantize_weights="int8",
+                                                  quantize_grads="int8"),
+         "qwZ int8 + qgZ int4": dict(quantize_weights="int8",
+                                     quantize_grads="int4")}
+
+
+def _kinds(compiled, node=None) -> dict:
+  """{kind (or "kind within" / "kind across" with `node`): {"bytes",
+  "elements" (f32 bytes / 4: the plain path's elements), "dtypes"}}."""
+  out = {}
+  for op in count_collectives(compiled).ops:
+    if op.trips is None or op.group_size <= 1 or op.kind == "all-reduce":
+      continue
+    key = op.kind if node is None else (
+        f"{op.kind} {'within' if op.group_size == node else 'across'}")
+    row = out.setdefault(key, {"bytes": 0, "dtypes": []})
+    row["bytes"] += op.trips * op.bytes
+    row["dtypes"] = sorted(set(row["dtypes"]) | set(op.dtypes))
+  return out
+
+
+def _stated(plain_ops: list, kind: str, per_element: float, block: int) -> float:
+  """Bytes the quantized form of the plain program's `kind` ops (gathers or
+  reduce-scatters) sends: each op's shard padded to whole blocks, times
+  `per_element` bytes."""
+  total = 0.0
+  for op in plain_ops:
+    if op["kind"] != kind:
+      continue
+    size = 4 if "f32" in op["dtypes"] else 2
+    shard = op["bytes"] // size // op["group"]
+    total += op["trips"] * op["group"] * -(-shard // block) * block * per_element
+  return total
+
+
+def communication(mode: str, log=print) -> dict:
+  """Bytes per device per step of stage 3 (bf16) with each quantization,
+  on 8 devices (1-D) and on the hybrid (2, 4) mesh under hpZ."""
+  name = "tiny" if mode == "smoke" else "cpu-1m"
+  cfg = models.CONFIGS[name]
+  block = 64 if mode == "smoke" else BLOCK
+  rows, hybrid, plain_ops = {}, {}, []
+  for label, fields in MODES.items():
+    log(f"quantized: {label} ({name})")
+    v = V.build("zero-3", cfg, global_batch=16, seq=64, num_devices=8,
+                materialize=False, compute_dtype=jnp.bfloat16,
+                quantize_block=block, **fields)
+    rows[label] = _kinds(v.compiled())
+    if not fields:
+      plain_ops = [{"kind": op.kind, "bytes": op.bytes, "group": op.group_size,
+                    "trips": op.trips, "dtypes": list(op.dtypes)}
+                   for op in count_collectives(v.compiled()).ops
+                   if op.kind in ("all-gather", "reduce-scatter")]
+    h = V.build("zero-3", cfg, global_batch=16, seq=64, num_devices=8,
+                materialize=False, compute_dtype=jnp.bfloat16, replicas=2,
+                hpz=True, quantize_block=block, **fields)
+    hybrid[label] = _kinds(h.compiled(), node=4)
+  return {"config": name, "block": block, "plain_ops": plain_ops,
+          "rows": rows, "hybrid": hybrid}
+
+
+def _example(steps: int, block, quantized: bool, out: str) -> list:
+  args = [sys.executable, os.path.join(ROOT, "examples", "gpt2_medium.py"),
+          "--preset", "tiny", "--steps", str(steps), "--precision", "bf16",
+          "--text", os.path.join(ROOT, "docs", "design.md"), "--json", out]
+  if quantized:
+    args += ["--quantize-weights", "int8", "--quantize-grads", "int4",
+             "--quantize-block", str(block)]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  subprocess.run(args, check=True, env=env, cwd=ROOT,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  with open(out) as f:
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"]}
+            for r in json.load(f)["steps"]]
+
+
+def quality(mode: str, log=print) -> dict:
+  steps = 20 if mode == "smoke" else 300
+  blocks = [BLOCK] if mode == "smoke" else [BLOCK, 256, 64]
+  with tempfile.TemporaryDirectory() as tmp:
+    log(f"quantized: example, unquantized, {steps} steps")
+    runs = {"plain": _example(steps, None, False, os.path.join(tmp, "p.json"))}
+    for b in blocks:
+      log(f"quantized: example, int8 weights + int4 gradients, block {b}")
+      runs[f"block {b}"] = _example(steps, b, True,
+                                    os.path.join(tmp, f"{b}.json"))
+  final = lambda run: statistics.fmean(r["loss"] for r in run[-10:])
+  out = {"steps": steps, "runs": runs, "final": {}, "grad_norm_ratio": {}}
+  for label, run in runs.items():
+    out["final"][label] = final(run)
+    out["grad_norm_ratio"][label] = statistics.median(
+        r["grad_norm"] / p["grad_norm"] for r, p in zip(run, runs["plain"]))
+  return out
+
+
+def run(mode: str, log=print) -> dict:
+  return {"communication": communication(mode, log), "quality": quality(mode, log)}
+
+
+def _total(row: dict, kind: str) -> int:
+  return sum(v["bytes"] for k, v in row.items() if k.startswith(kind))
+
+
+def goal_checks(result: dict) -> list:
+  """[(what, measured, bound, met)]."""
+  comm, checks = result["communication"], []
+  b, ops, plain = comm["block"], comm["plain_ops"], comm["rows"]["plain"]
+  # the plain gathers' elements (f32 on CPU, bf16 on a GPU) at 2 bytes each
+  size = 4 if "f32" in plain["all-gather"]["dtypes"] else 2
+  bases = {"all-gather": _total(plain, "all-gather") // size * 2,
+           "reduce-scatter": _total(plain, "reduce-scatter")}
+  for label, kind, plain_kind, per_element, name in (
+      ("qwZ int8 + qgZ int8", "all-gather", "all-gather", 1 + 4 / b,
+       "int8 gathers / bf16"),
+      ("qwZ int8 + qgZ int8", "all-to-all", "reduce-scatter", 1 + 4 / b,
+       "int8 gradients / fp32"),
+      ("qwZ int8 + qgZ int4", "all-to-all", "reduce-scatter", 0.5 + 4 / b,
+       "int4 gradients / fp32")):
+    got = _total(comm["rows"][label], kind)
+    stated = _stated(ops, plain_kind, per_element, b)
+    checks.append((f"{name}: bytes / theory ({comm['config']}, B={b}, "
+                   f"{got / bases[plain_kind]:.3f} of plain)", got / stated,
+                   1.05, abs(got / stated - 1) <= 0.05))
+  qual = result["quality"]
+  for label, loss in qual["final"].items():
+    if label == "plain":
+      continue
+    ratio = loss / qual["final"]["plain"]
+    checks.append((f"final loss, int8 weights + int4 gradients, {label} / "
+                   f"unquantized ({qual['steps']} steps)", ratio, 1.02,
+                   ratio <= 1.02))
+  return checks
