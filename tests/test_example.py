@@ -114,13 +114,15 @@ def test_hybrid_mesh_flag_trains(tmp_path, hpz):
     ("replica=3,data=4", "needs replica=R,data=D with R x D = 8"),
     ("replica=two,data=4", "write it as replica=R,data=D"),
     (None, "--hpz shards the state over the replica axis too"),
+    ("--quantize-block=0", "--quantize-block must be positive, got 0"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps", "1"] +
-      (["--mesh", flag] if flag else ["--hpz"]), cwd=ROOT, env=env,
+      ([flag] if flag and flag.startswith("--") else
+       ["--mesh", flag] if flag else ["--hpz"]), cwd=ROOT, env=env,
       capture_output=True, text=True,
       timeout=300)
   assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

@@ -148,17 +148,19 @@ def _run(stage, mesh=None, **fields):
   return np.array(losses), zerojax.gather_params(state), state
 
 
-@pytest.mark.parametrize("stage,compute_dtype,hybrid", [
-    (1, "bfloat16", False), (2, "float32", False), (3, "float32", False),
-    (3, "bfloat16", True)])
-def test_identity_encoding_is_bit_identical(stage, compute_dtype, hybrid):
+@pytest.mark.parametrize("stage,compute_dtype,setting", [
+    (1, "bfloat16", None), (2, "float32", None), (3, "float32", None),
+    (3, "bfloat16", "hpz"), (3, "float32", "offload")])
+def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   """The quantized path with an exact encoding gives the plain
   collectives' results bit for bit; on hpZ (both hops) the losses bit for
   bit and the parameters within an ulp: the identity gradient path sums
   the replica hop's two parts in another order than XLA's CPU
   reduce-scatter does there (its weight gathers alone are bit-identical)."""
   fields = dict(compute_dtype=compute_dtype)
-  mesh = None
+  mesh, hybrid = None, setting == "hpz"
+  if setting == "offload":
+    fields.update(offload_params=True, offload_optimizer=True)
   if hybrid:
     mesh = jax.make_mesh((2, 4), ("replica", "data"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
