@@ -673,9 +673,12 @@ def _quantized_md(r: dict, mode: str) -> list:
     lines.append(f"| {label} | {_mib(row.get('all-gather within', {}).get('bytes', 0))}"
                  f" | {_mib(row.get('all-gather across', {}).get('bytes', 0))} | "
                  f"{_mib(grads('within'))} | {_mib(grads('across'))} |")
+  seeds = len(qual.get("seeds", [0]))
   lines += ["", f"Training quality: the GPT-2 example, `--preset tiny`, bf16, "
-            f"byte-level text, {qual['steps']} steps, one seed per run; int8 "
-            "weights and int4 gradients against unquantized.", "",
+            f"byte-level text, {qual['steps']} steps, {seeds} seed(s) per run "
+            "(final losses averaged); int8 weights and int4 gradients against "
+            "unquantized. The unquantized runs' finals spread by "
+            f"{qual.get('seed_spread', 0):.1%} over the seeds.", "",
             "| run | final loss (last 10 steps) | / unquantized | median "
             "grad-norm ratio |", "|---|---:|---:|---:|"]
   for label, loss in qual["final"].items():

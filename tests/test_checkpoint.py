@@ -256,8 +256,10 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
   proc = _worker("crash", directory)
   assert proc.returncode == -signal.SIGKILL, (
       f"worker exited with {proc.returncode}, not killed:\n{proc.stderr[-4000:]}")
-  # Killed mid-write: step 1 committed, step 2 only as orbax's temporary.
-  assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp"]
+  # Killed mid-write: step 1 committed, step 2 at most orbax's temporary
+  # (on a loaded machine the kill can land before orbax's background
+  # thread has made it).
+  assert sorted(os.listdir(directory)) in (["1"], ["1", "2.orbax-checkpoint-tmp"])
   shutil.copytree(directory, tmp_path / "b")
 
   like = plain_state(0.0)

@@ -68,8 +68,8 @@ def test_json_has_documented_keys(runs, name):
   assert config["model"]["vocab"] == 256
   assert [s["step"] for s in result["steps"]] == list(range(1, STEPS + 1))
   for s in result["steps"]:
-    assert set(s) == {"step", "loss", "tokens_per_s", "step_time_s"}
-    assert math.isfinite(s["loss"])
+    assert set(s) == {"step", "loss", "grad_norm", "tokens_per_s", "step_time_s"}
+    assert math.isfinite(s["loss"]) and s["grad_norm"] > 0
     assert s["tokens_per_s"] > 0 and s["step_time_s"] > 0
   memory = result["memory"]
   assert memory["compiled_footprint_bytes_per_device"] > 0
