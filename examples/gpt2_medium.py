@@ -133,8 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--quantize-grads", choices=["int8", "int4"],
                  help="ZeRO++ qgZ: send gradient reduce-scatters quantized, "
                  "by all-to-all, summed in float32")
-  p.add_argument("--quantize-block", type=int, default=2048,
-                 help="elements per quantization block (default 2048)")
+  p.add_argument("--quantize-block", type=int, default=256,
+                 help="elements per quantization block (default 256)")
   p.add_argument("--offload", action="store_true",
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
                  "state in pinned host memory between steps (stage >= 1)")

@@ -530,11 +530,11 @@ def test_quantized_suite_measures_bytes_and_quality_and_reports(tmp_path):
   goals = quantized.goal_checks(result)
   assert [g[3] for g in goals[:3]] == [True] * 3, goals
   runs = result["quality"]["runs"]
-  assert set(runs) == {"plain", "block 2048"} and len(runs["plain"]) == 20
+  assert set(runs) == {"plain", "block 256"} and len(runs["plain"]) == 20
   assert result["quality"]["seed_spread"] == 0.0   # one seed in smoke
   assert all(math.isfinite(r["loss"]) for run in runs.values() for r in run)
   text = _quick_report(tmp_path, "quantized", result, goals)
-  assert "ZeRO++ quantized collectives" in text and "| block 2048 |" in text
+  assert "ZeRO++ quantized collectives" in text and "| block 256 |" in text
   assert (tmp_path / "quick_quantized.png").exists()
 
 
