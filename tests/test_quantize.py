@@ -154,9 +154,10 @@ def _run(stage, mesh=None, **fields):
 def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   """The quantized path with an exact encoding gives the plain
   collectives' results bit for bit; on hpZ (both hops) the losses bit for
-  bit and the parameters within an ulp: the identity gradient path sums
-  the replica hop's two parts in another order than XLA's CPU
-  reduce-scatter does there (its weight gathers alone are bit-identical)."""
+  bit and the parameters to float32 rounding (an ulp of a gradient, through
+  the update): the identity gradient path sums the replica hop in another
+  order than XLA's CPU reduce-scatter does there (its weight gathers alone
+  are bit-identical)."""
   fields = dict(compute_dtype=compute_dtype)
   mesh, hybrid = None, setting == "hpz"
   if setting == "offload":
@@ -169,7 +170,7 @@ def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   ident = _run(stage, mesh, quantize_weights="identity",
                quantize_grads="identity", quantize_block=64, **fields)
   np.testing.assert_array_equal(plain[0], ident[0])
-  same = (functools.partial(np.testing.assert_allclose, rtol=3e-7, atol=0)
+  same = (functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-8)
           if hybrid else np.testing.assert_array_equal)
   jax.tree_util.tree_map(same, plain[1], ident[1])
   # nothing quantized is stored
