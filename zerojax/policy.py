@@ -3,9 +3,10 @@
 FSDP2 hands small policy objects (`MixedPrecisionPolicy`, `OffloadPolicy`)
 to the parts that need them; zerojax derives one `StagePolicy` from the
 config, and `state`, `sharded_init`, `step` and `planner` read it instead of
-testing `stage` and `mixed_precision` themselves. A new way of reducing
-gradients (hierarchical, quantized) is a new `Reduction` and the policy
-that picks it, not a new branch in each of those modules.
+testing `stage` and `mixed_precision` themselves. How a reduction travels
+is not the policy's: quantization (qwZ / qgZ) is the `collectives.Wire`
+every collective takes, and hpZ's replica hop follows the data-axis
+reduction in `grads` (`ZeroConfig.hpz`).
 
   stage  master (fp32)     compute copy     optimizer  forward reads      gradient reduction
   0      replicated        -                replicated master, cast        all-reduce per step

@@ -4,14 +4,14 @@ quantization of what a gather or a reduce-scatter puts on the wire.
 Per block of `block` elements along the last axis, `absmax = max |x|`, and
 each value is sent as `round(x / absmax · L)` with L = 127 (int8) or 7
 (int4, two values packed per byte), beside the block's absmax in float32;
-the receiver computes `q / L · absmax`. The error per element is at most
+the receiver computes `q · absmax / L` (a block's ±L exactly ±absmax). The error per element is at most
 `absmax / (2L)` (half a step), zeros and constant blocks come back exactly,
 and a block holding an inf or a NaN comes back non-finite (its absmax is
 non-finite), so a loss-scale check still sees it. A block whose absmax is
 denormal comes back as zeros where the backend flushes denormals (XLA's CPU
-and GPU backends do): an error below the smallest normal float. A length that is not a
-whole number of blocks is padded with zeros to one (the padding is sent, and
-dropped on arrival).
+and GPU backends do): an error below the smallest normal float. A length
+that is not a whole number of blocks is padded with zeros to one (the
+padding is sent, and dropped on arrival).
 
 "identity" sends the values unchanged beside unit scales through the same
 code: the tests' exact encoding.
