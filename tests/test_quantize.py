@@ -115,19 +115,30 @@ def test_collectives_match_plain_ones_within_the_bound():
       s, "data", scatter_dimension=1, tiled=True))(x)
   plain_gather = per_device(lambda s: jax.lax.all_gather(
       s, "data", axis=1, tiled=True))(x)
+  odd = 797   # not a multiple of the devices: all_reduce pads
+  plain_total = per_device(lambda s: jax.lax.psum(s[..., :odd], "data"))(x)
   for mode in ("identity", "int8", "int4"):
     q = Quantization(mode, 32)
     summed = per_device(lambda s: quantize.reduce_scatter(
         s, "data", q, jnp.float32))(x)
     gathered = per_device(lambda s: quantize.all_gather(s, "data", q))(x)
+    total = per_device(lambda s: quantize.all_reduce(s[..., :odd], "data",
+                                                     q))(x)
+    assert total.shape == plain_total.shape
     if mode == "identity":
       np.testing.assert_array_equal(summed, plain_sum)
       np.testing.assert_array_equal(gathered, plain_gather)
+      np.testing.assert_array_equal(total, plain_total)
     else:
       # 8 slices, each within half a step of its block's absmax
       bound = 8 * float(jnp.max(jnp.abs(x))) / LEVELS[mode] / 2
       assert float(jnp.max(jnp.abs(summed - plain_sum))) <= bound * 1.001
       assert float(jnp.max(jnp.abs(gathered - plain_gather))) <= bound / 8 * 1.001
+      # the sum's error, then half a step of the sum's own block
+      assert float(jnp.max(jnp.abs(total - plain_total))) <= 2 * bound * 1.001
+    # every device decoded the same bytes
+    for d in range(1, 8):
+      np.testing.assert_array_equal(total[d], total[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,8 +160,9 @@ def _run(stage, mesh=None, **fields):
 
 
 @pytest.mark.parametrize("stage,compute_dtype,setting", [
-    (1, "bfloat16", None), (2, "float32", None), (3, "float32", None),
-    (3, "bfloat16", "hpz"), (3, "float32", "offload")])
+    (0, "float32", None), (1, "bfloat16", None), (2, "float32", None),
+    (3, "float32", None), (2, "bfloat16", "hsdp"), (3, "bfloat16", "hpz"),
+    (3, "float32", "offload")])
 def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   """The quantized path with an exact encoding gives the plain
   collectives' results bit for bit; on hpZ (both hops) the losses bit for
@@ -162,10 +174,9 @@ def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   mesh, hybrid = None, setting == "hpz"
   if setting == "offload":
     fields.update(offload_params=True, offload_optimizer=True)
-  if hybrid:
-    mesh = jax.make_mesh((2, 4), ("replica", "data"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    fields.update(replica_axis="replica", hpz=True)
+  if setting in ("hsdp", "hpz"):
+    mesh = _hybrid_mesh()
+    fields.update(replica_axis="replica", hpz=hybrid)
   plain = _run(stage, mesh, **fields)
   ident = _run(stage, mesh, quantize_weights="identity",
                quantize_grads="identity", quantize_block=64, **fields)
@@ -178,6 +189,11 @@ def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   quantized = _run(stage, mesh, quantize_weights="int8",
                    quantize_grads="int4", quantize_block=64, **fields)
   np.testing.assert_allclose(quantized[0], plain[0], rtol=2e-2)
+
+
+def _hybrid_mesh():
+  return jax.make_mesh((2, 4), ("replica", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def _bytes(compiled, kind):
@@ -223,6 +239,29 @@ def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
   assert _bytes(q8, "all-gather")[0] / (2 * sum(lengths)) < 0.56
   assert _bytes(q8, "all-to-all")[0] / (4 * sum(lengths)) < 0.28
   assert _bytes(q4, "all-to-all")[0] / (4 * sum(lengths)) < 0.155
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hsdp_replica_all_reduce_goes_quantized(stage):
+  """HSDP on (replica 2, data 4) with int8 gradients: the per-step replica
+  reduction is an all-to-all and an all-gather of s8 within groups of 2,
+  and no all-reduce larger than a scalar is left. The data axis's
+  reduction (stage 3's reduce-scatters, stage 0's all-reduce) is an s8
+  all-to-all within groups of 4; only stage 0 gathers s8 there."""
+  model, params, loss_fn, batches = _problem()
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), stage=stage,
+      mesh=_hybrid_mesh(), replica_axis="replica", quantize_grads="int8",
+      quantize_block=64)
+  ops = count_collectives(zerojax.train_step(loss_fn).lower(
+      state, batches[0]).compile()).ops
+  big = [op for op in ops if op.bytes > 16 and op.group_size > 1]
+  assert not [op for op in big if op.kind == "all-reduce"]
+  for kind, expected in (("all-to-all", {2, 4}),
+                         ("all-gather", {2, 4} if stage == 0 else {2})):
+    groups = {op.group_size for op in big if op.kind == kind and
+              "s8" in op.dtypes}
+    assert groups == expected, (kind, groups)
 
 
 def test_a_non_finite_gradient_still_skips_the_step():

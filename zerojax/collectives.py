@@ -74,9 +74,17 @@ def reduce_scatter(x, axis_name, quant: Optional[Quantization] = None):
                               tiled=True)
 
 
-def all_reduce(x, axis_name):
-  """Sums `x` over devices (stage 0's gradient reduction)."""
-  return x if _alone(axis_name) else jax.lax.psum(x, axis_name)
+def all_reduce(x, axis_name, quant: Optional[Quantization] = None):
+  """Sums `x` (an array or a tuple of them) over devices: stage 0's gradient
+  reduction, and HSDP's over the replica axis. Under `quant`, each array
+  is reduce-scattered and gathered back quantized (`quantize.all_reduce`);
+  otherwise one all-reduce."""
+  if _alone(axis_name):
+    return x
+  if quant is not None:
+    return jax.tree_util.tree_map(
+        lambda a: quantize.all_reduce(a, axis_name, quant), x)
+  return jax.lax.psum(x, axis_name)
 
 
 def all_mean(x, axis_name):

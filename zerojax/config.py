@@ -103,7 +103,8 @@ class ZeroConfig:
       axis, and under hpZ over the replica axis, requantized between) send
       each device's slices quantized ("int8", "int4": two values a byte;
       "identity") by one all-to-all, dequantized and summed in float32.
-      HSDP's replica all-reduce and stage 0's all-reduce stay unquantized.
+      All-reduces (stage 0's, HSDP's over the replica axis) go as that
+      reduce-scatter and a gather of the sums, both quantized.
     quantize_block: elements per quantization block; a shard that is not a
       whole number of blocks is padded with zeros to one on the wire. A
       block spans leaves of a chunk (a LayerNorm scale beside small

@@ -81,12 +81,12 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
     if pol.reduction is Reduction.SCATTER_PER_STEP:
       grads = tuple(collectives.reduce_scatter(g, ax, quant) for g in grads)
     elif pol.reduction is Reduction.ALL_REDUCE:
-      grads = tuple(collectives.all_reduce(g, ax) for g in grads)
+      grads = tuple(collectives.all_reduce(g, ax, quant) for g in grads)
     if cfg.hpz:   # the state's shards are pieces of the data group's
       grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis, quant)
                     for g in grads)
     elif cfg.replica_axis is not None:   # once per step, all chunks together
-      grads = collectives.all_reduce(grads, cfg.replica_axis)
+      grads = collectives.all_reduce(grads, cfg.replica_axis, quant)
     n = state.num_shards * state.num_replicas
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
     loss = collectives.all_mean(loss, batch_ax)

@@ -20,7 +20,10 @@ code: the tests' exact encoding.
 dequantizes on arrival. `reduce_scatter` (qgZ) quantizes each device's
 slice for every other device, exchanges them with one `all_to_all` and sums
 the dequantized slices locally in float32, so quantization error is not
-compounded over the hops of a ring.
+compounded over the hops of a ring. `all_reduce` (stage 0's gradient
+reduction, and HSDP's over the replica axis) is that reduce-scatter
+followed by that gather of the summed slices: every device decodes the
+same bytes, so the replicas stay equal.
 """
 from __future__ import annotations
 
@@ -132,3 +135,16 @@ def reduce_scatter(x, axis_name, q: Quantization, out_dtype):
   for part in parts[1:]:
     total = total + part
   return total.astype(out_dtype)
+
+
+def all_reduce(x, axis_name, q: Quantization):
+  """Inside `shard_map`: the sum of `x` over `axis_name` on every device, as
+  `reduce_scatter` and then `all_gather` of the summed slices, both sent
+  quantized (the last axis padded with zeros to a multiple of the
+  devices)."""
+  devices = jax.lax.axis_size(axis_name)
+  n = x.shape[-1]
+  pad = -n % devices
+  wide = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+  part = reduce_scatter(wide, axis_name, q, x.dtype)
+  return all_gather(part, axis_name, q)[..., :n]
