@@ -7,7 +7,11 @@ element a GPU sends. Stated per element on the wire (blocks of B, each with
 a float32 absmax; shards padded to whole blocks): gathers 1 + 4/B bytes
 (int8) against bf16's 2; gradients 1 + 4/B (int8) or 1/2 + 4/B (int4)
 against the fp32 reduce-scatter's 4. On the hybrid (2, 4) mesh under hpZ
-the same per axis.
+the same per axis. Under HSDP on that mesh, what a device sends across
+nodes per step (ring algorithms): the replica all-reduce of the gradient
+shards, 2(R-1)/R · 4 bytes an element plain, 2(R-1)/R · (1 + 4/B) at int8
+and 2(R-1)/R · (1/2 + 4/B) at int4 quantized (a reduce-scatter and a
+gather of the sums, each row padded to whole blocks).
 
 Training quality: the GPT-2 example (`--preset tiny`, bf16, byte-level
 text `--text docs/design.md`) for 300 steps, unquantized and with
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from benchmarks import models
 from benchmarks import variants as V
 from benchmarks.hlo import count_collectives
+from benchmarks.hybrid import _per_axis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 256   # ZeroConfig's default
@@ -76,7 +81,7 @@ def communication(mode: str, log=print) -> dict:
   name = "tiny" if mode == "smoke" else "cpu-1m"
   cfg = models.CONFIGS[name]
   block = 64 if mode == "smoke" else BLOCK
-  rows, hybrid, plain_ops = {}, {}, []
+  rows, hybrid, hsdp, plain_ops = {}, {}, {}, []
   for label, fields in MODES.items():
     log(f"quantized: {label} ({name})")
     v = V.build("zero-3", cfg, global_batch=16, seq=64, num_devices=8,
@@ -92,8 +97,38 @@ def communication(mode: str, log=print) -> dict:
                 materialize=False, compute_dtype=jnp.bfloat16, replicas=2,
                 hpz=True, quantize_block=block, **fields)
     hybrid[label] = _kinds(h.compiled(), node=4)
+    d = V.build("zero-3", cfg, global_batch=16, seq=64, num_devices=8,
+                materialize=False, compute_dtype=jnp.bfloat16, replicas=2,
+                quantize_block=block, **fields)
+    hsdp[label] = _per_axis(d, node=4)["wire"]
+    shards = [(int(np_prod(c.shape[:-1])), c.shape[-1] // 4)
+              for c in d.layout.chunks]
   return {"config": name, "block": block, "plain_ops": plain_ops,
-          "rows": rows, "hybrid": hybrid}
+          "rows": rows, "hybrid": hybrid, "hsdp": hsdp,
+          "hsdp_shards": shards, "replicas": 2}
+
+
+def np_prod(shape) -> int:
+  out = 1
+  for n in shape:
+    out *= int(n)
+  return out
+
+
+def hsdp_wire_across(shards: list, replicas: int, per_element: float,
+                     block) -> float:
+  """Bytes a device sends across nodes per step for HSDP's replica
+  all-reduce of gradient shards `shards` ([(rows, length)]): plain
+  (`block` None) 2(R-1)/R · `per_element` an element; quantized, a
+  reduce-scatter and a gather of each row's R slices, each padded to
+  whole blocks."""
+  r, total = replicas, 0.0
+  for rows, n in shards:
+    if block is None:
+      total += rows * n * per_element
+    else:
+      total += rows * r * -(-(-(-n // r)) // block) * block * per_element
+  return 2 * (r - 1) / r * total
 
 
 def _example(steps: int, block, quantized: bool, seed: int, out: str) -> list:
@@ -174,6 +209,23 @@ def goal_checks(result: dict) -> list:
     checks.append((f"{name}: bytes / theory ({comm['config']}, B={b}, "
                    f"{got / bases[plain_kind]:.3f} of plain)", got / stated,
                    1.05, abs(got / stated - 1) <= 0.05))
+  shards, r = comm.get("hsdp_shards"), comm.get("replicas")
+  plain_across = comm.get("hsdp", {}).get("plain", {}).get("across")
+  for label, per_element in (("qwZ int8 + qgZ int8", 1 + 4 / b),
+                             ("qwZ int8 + qgZ int4", 0.5 + 4 / b)):
+    if shards is None:
+      break
+    got = comm["hsdp"][label]["across"]
+    stated = hsdp_wire_across(shards, r, per_element, b)
+    checks.append((f"HSDP across nodes, {label.split(' + ')[1]} gradients: "
+                   f"bytes sent / theory ({got / plain_across:.3f} of the "
+                   f"fp32 all-reduce's)", got / stated, 1.05,
+                   abs(got / stated - 1) <= 0.05))
+  if shards is not None:
+    stated = hsdp_wire_across(shards, r, 4, None)
+    checks.append(("HSDP across nodes, unquantized: bytes sent / theory",
+                   plain_across / stated, 1.05,
+                   abs(plain_across / stated - 1) <= 0.05))
   qual = result["quality"]
   for label, loss in qual["final"].items():
     if label == "plain":

@@ -673,6 +673,17 @@ def _quantized_md(r: dict, mode: str) -> list:
     lines.append(f"| {label} | {_mib(row.get('all-gather within', {}).get('bytes', 0))}"
                  f" | {_mib(row.get('all-gather across', {}).get('bytes', 0))} | "
                  f"{_mib(grads('within'))} | {_mib(grads('across'))} |")
+  if "hsdp" in comm:
+    plain = comm["hsdp"]["plain"]["across"]
+    lines += ["", "Under HSDP on that mesh, bytes a device sends per step "
+              "(ring algorithms): the once-per-step replica all-reduce of "
+              "the gradient shards goes as a quantized reduce-scatter and a "
+              "quantized gather of the sums.", "",
+              "| mode | sent within | sent across | across / unquantized |",
+              "|---|---:|---:|---:|"]
+    for label, row in comm["hsdp"].items():
+      lines.append(f"| {label} | {_mib(row['within'])} | "
+                   f"{_mib(row['across'])} | {row['across'] / plain:.3f} |")
   seeds = len(qual.get("seeds", [0]))
   lines += ["", f"Training quality: the GPT-2 example, `--preset tiny`, bf16, "
             f"byte-level text, {qual['steps']} steps, {seeds} seed(s) per run "

@@ -215,6 +215,13 @@ def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
       compute_dtype="bfloat16", quantize_block=block)
   lengths = [c.length for c in state.layout.chunks]
   padded = sum(8 * -(-n // 8 // block) * block for n in lengths)
+  # memory_report names the chunks padded on the wire, and by how much
+  assert "quantized wire" not in str(zerojax.memory_report(state))
+  wire = zerojax.memory_report(state.replace(config=dataclasses.replace(
+      state.config, quantize_grads="int8"))).wire
+  assert wire["padded_chunks"] == [c for c, n in enumerate(lengths)
+                                   if n // 8 % block]
+  assert wire["padding"] == pytest.approx(padded / sum(lengths) - 1)
 
   def compiled(**fields):
     return zerojax.train_step(loss_fn).lower(

@@ -18,6 +18,11 @@ Under hpZ (`ZeroConfig.hpz`) N is replica x data for the persistent state,
 and stage 3's step also holds ZeRO++'s secondary partition, the compute-dtype
 parameters gathered over the replica axis: b·Ψ/D with D the data axis
 (transient, reported beside the accumulator, which is 4Ψ/D there).
+
+Under quantized collectives (`quantize_weights` / `quantize_grads`) the
+report says which chunks' shards are padded with zeros to whole blocks on
+the wire, and by how much: zerojax pads rather than falling back to the
+plain collective, so every chunk goes quantized.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax import quantize
 from zerojax.state import ZeroTrainState, check_live
 
 CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
@@ -126,6 +132,7 @@ class MemoryReport:
   accum_steps: int
   measured: dict            # category -> {memory kind -> bytes}
   estimate: dict            # from `estimate_memory`
+  wire: dict = dataclasses.field(default_factory=dict)  # `quantized_wire`
 
   @property
   def persistent(self) -> int:
@@ -164,8 +171,17 @@ class MemoryReport:
     title = (f"ZeRO-{self.stage}, {self.num_devices} devices, Ψ = "
              f"{self.num_params:,} parameters, {self.compute_dtype} compute, "
              f"accum {self.accum_steps}")
-    return "\n".join([title, fmt(head), fmt(["-" * w for w in widths])] +
-                     [fmt(r) for r in rows])
+    lines = [title, fmt(head), fmt(["-" * w for w in widths])] + [
+        fmt(r) for r in rows]
+    w = self.wire
+    if w:
+      lines.append(
+          f"quantized wire: weights {w['weights'] or 'plain'}, gradients "
+          f"{w['grads'] or 'plain'}, blocks of {w['block']}; "
+          f"{len(w['padded_chunks'])} of {w['chunks']} chunks' shards padded "
+          f"with zeros to whole blocks (+{w['padding']:.2%} elements on the "
+          "wire), none sent plain")
+    return "\n".join(lines)
 
 
 def memory_report(state) -> MemoryReport:
@@ -203,7 +219,32 @@ def memory_report(state) -> MemoryReport:
                              hpz_group=state.num_shards if cfg.hpz else None)
   return MemoryReport(cfg.stage, state.num_state_shards, psi,
                       np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
-                      measured, estimate)
+                      measured, estimate, quantized_wire(state))
+
+
+def quantized_wire(state) -> dict:
+  """{} without quantized collectives; else the modes, the block, the chunks
+  whose data-axis shards are not whole blocks (`padded_chunks`, padded with
+  zeros on the wire), the chunk count and the padding as a fraction of the
+  elements sent."""
+  cfg = state.config
+  if cfg.quantize_weights is None and cfg.quantize_grads is None:
+    return {}
+  sizes, padded_chunks = [], []
+  for c, chunk in enumerate(state.layout.chunks):
+    rows = int(np.prod(chunk.shape[:-1]))
+    n = chunk.shape[-1] // state.num_shards
+    # int4 pads an odd block to an even count: the larger of the two
+    out = max(quantize.padded(n, quantize.of(m, cfg.quantize_block))
+              for m in (cfg.quantize_weights, cfg.quantize_grads) if m)
+    sizes.append((rows * n, rows * out))
+    if out != n:
+      padded_chunks.append(c)
+  sent = sum(n for n, _ in sizes)
+  return {"weights": cfg.quantize_weights, "grads": cfg.quantize_grads,
+          "block": cfg.quantize_block, "chunks": len(sizes),
+          "padded_chunks": padded_chunks,
+          "padding": sum(p for _, p in sizes) / sent - 1 if sent else 0.0}
 
 
 _HOST_MEMORY_SPACE = "S(5)"   # XLA's host memory space in a layout

@@ -48,7 +48,7 @@ def of(mode: Optional[str], block: int) -> Optional[Quantization]:
   return None if mode is None else Quantization(mode, int(block))
 
 
-def _padded(n: int, q: Quantization) -> int:
+def padded(n: int, q: Quantization) -> int:
   """`n` rounded up to whole blocks (an even count of values for int4)."""
   unit = q.block * (2 if q.mode == "int4" and q.block % 2 else 1)
   return -(-n // unit) * unit
@@ -59,7 +59,7 @@ def encode(x, q: Quantization):
   packed in pairs, for int4; `x` itself for identity), absmax float32 per
   block `[..., blocks]`. The last axis is padded to whole blocks."""
   n = x.shape[-1]
-  pad = _padded(n, q) - n
+  pad = padded(n, q) - n
   if pad:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
   if q.mode == "identity":
