@@ -138,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--offload", action="store_true",
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
                  "state in pinned host memory between steps (stage >= 1)")
+  p.add_argument("--update-on", choices=["device", "host"], default="device",
+                 help="with --offload: run the offloaded optimizer update on "
+                 "the host, where its state lives (only the gradient goes to "
+                 "the host; stage 3, or bf16 at stages 1-2)")
   p.add_argument("--checkpoint-dir", metavar="DIR",
                  help="save an (asynchronous) orbax checkpoint here every "
                  "--save-every steps and at the end")
@@ -149,6 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.resume and not args.checkpoint_dir:
     p.error("--resume needs --checkpoint-dir")
+  if args.update_on == "host" and not args.offload:
+    p.error("--update-on host runs the update where --offload keeps the "
+            "optimizer state; add --offload")
   if (args.coordinator is None) != (args.num_processes is None) or (
       args.coordinator is None) != (args.process_id is None):
     p.error("multi-host needs all of --coordinator, --num-processes and "
@@ -456,7 +463,8 @@ def main(argv=None) -> dict:
                          quantize_block=args.quantize_block,
                          compute_dtype=run["precision"], accum_steps=args.accum,
                          clip_norm=args.clip or None, stacked=("blocks",),
-                         offload_optimizer=args.offload)
+                         offload_optimizer=args.offload,
+                         update_on=args.update_on)
   num_params = state.layout.num_chunked_elements
   if args.resume:
     state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state,

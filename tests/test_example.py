@@ -109,12 +109,23 @@ def test_hybrid_mesh_flag_trains(tmp_path, hpz):
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
+def test_offload_with_the_host_update_trains(tmp_path):
+  """`--offload --update-on host`: the optimizer state in host memory,
+  updated there."""
+  out = _run(["--offload", "--update-on", "host", "--steps", "3"],
+             tmp_path / "offload.json", tmp_path / "cache")
+  assert out["config"]["offload"] and out["config"]["update_on"] == "host"
+  losses = [s["loss"] for s in out["steps"]]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
 @pytest.mark.parametrize("flag,message", [
     ("replica=2", "needs replica=R,data=D with R x D = 8"),
     ("replica=3,data=4", "needs replica=R,data=D with R x D = 8"),
     ("replica=two,data=4", "write it as replica=R,data=D"),
     (None, "--hpz shards the state over the replica axis too"),
     ("--quantize-block=0", "--quantize-block must be positive, got 0"),
+    ("--update-on=host", "--update-on host runs the update where --offload"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -13,6 +13,7 @@ starts a backend) that let a GPU run ZeRO's collectives beside compute.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Optional
 
@@ -80,3 +81,20 @@ def with_gpu_overlap_flags(xla_flags: str = "") -> str:
   named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
   extra = [f"--{k}={v}" for k, v in GPU_OVERLAP_FLAGS.items() if k not in named]
   return " ".join([xla_flags.strip()] + extra).strip()
+
+
+def on_host(fn):
+  """`fn` run as a host computation inside a jitted program (XLA's
+  `_xla_compute_type = "host"`): its operands must be in host memory, and
+  its outputs are left there. jax 0.10's `compute_on` decorates a jitted
+  function; jax 0.11+'s also asks for each output's memory space."""
+  from jax.experimental.compute_on import compute_on
+  if "out_memory_spaces" not in inspect.signature(compute_on).parameters:
+    return compute_on("device_host")(jax.jit(fn))
+
+  def run(*args):
+    spaces = jax.tree_util.tree_map(lambda _: jax.memory.Space.Host,
+                                    jax.eval_shape(fn, *args))
+    return compute_on(fn, compute_type="device_host",
+                      out_memory_spaces=spaces)(*args)
+  return run

@@ -65,6 +65,7 @@ def _as_dtype(name: str, value: Any):
 
 
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax.quantize.MODES
+UPDATE_PLACES = ("device", "host")   # ZeroConfig.update_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,14 @@ class ZeroConfig:
     offload_params: stage 3: keep the parameter (master) shards on host.
     offload_fraction: with `offload_optimizer`, the fraction of chunk bytes
       offloaded (largest chunks first).
+    update_on: with `offload_optimizer`, where the offloaded chunks' optax
+      update runs. "device" (default): their master shard and optimizer
+      state come to the device for it and go back (for Adam, 12 bytes a
+      parameter each way). "host": it runs on the host, where they live
+      (DeepSpeed's CPU Adam, ColossalAI's HybridAdam): only the gradient
+      shard goes to the host, and at stages 1-2 only the compute-dtype
+      parameter shard comes back. Needs a sharded master: stage 3, or
+      16-bit compute at stages 1-2.
     stacked: names of submodules (first-level keys below "params", or any
       path component) whose leaves carry a leading layer axis, as
       `flax.linen.scan` produces; they are chunked per layer. A name that
@@ -163,6 +172,7 @@ class ZeroConfig:
   offload_optimizer: bool = False
   offload_params: bool = False
   offload_fraction: float = 1.0
+  update_on: str = "device"
   skip_nonfinite: bool = False
 
   def __post_init__(self):
@@ -238,6 +248,21 @@ class ZeroConfig:
     if self.offload_params and self.stage != 3:
       raise ValueError(f"offload_params needs stage=3 (got stage="
                        f"{self.stage}): only stage 3 shards the parameters.")
+    if self.update_on not in UPDATE_PLACES:
+      raise ValueError(f"update_on={self.update_on!r} is not a place; use "
+                       "'device' (the default) or 'host' (with "
+                       "offload_optimizer=True).")
+    if self.update_on == "host" and not self.offload_optimizer:
+      raise ValueError("update_on='host' runs the update where the offloaded "
+                       "optimizer state lives; set offload_optimizer=True "
+                       "(or leave update_on='device').")
+    if (self.update_on == "host" and self.stage in (1, 2)
+        and not self.mixed_precision):
+      raise ValueError(
+          f"update_on='host' at stage {self.stage} needs 16-bit compute "
+          "(compute_dtype='bfloat16' or 'float16'): at float32 the master "
+          "is the replicated compute copy, kept on the device. Use stage=3, "
+          "16-bit compute, or update_on='device'.")
     if self.hpz and self.replica_axis is None:
       raise ValueError("hpz=True shards the state over the replica axis too; "
                        "name it: replica_axis='replica' (of Mesh(devices."

@@ -49,6 +49,10 @@ accelerator):
     `tests/test_offload.py`). `zerojax.compiled_footprint`'s
     `device` figure there is the footprint less the host-resident arguments
     and outputs.
+  - `update_on="host"` (`step._update_on_host`) instead runs each
+    offloaded chunk's update as a host computation: only its gradient shard
+    goes to host, and at stages 1-2 only its compute-dtype parameter shard
+    comes back.
   - On a GPU, XLA's host-offload passes turn the annotations into
     host <-> device copies. Expect transfer time ~ offloaded bytes / PCIe
     bandwidth each step in each direction (Adam fp32: 8 bytes x Psi/N of
@@ -63,6 +67,8 @@ import numpy as np
 
 HOST = "pinned_host"
 DEVICE = "device"
+_HOST_SPACE = getattr(getattr(jax, "memory", None), "Space", None) and \
+    jax.memory.Space.Host
 
 
 def offloaded_chunks(layout, fraction: float) -> frozenset:
@@ -97,9 +103,13 @@ def to_device(tree: Any, shardings: Any) -> Any:
 
 def place(tree: Any, shardings: Any) -> Any:
   """Inside jit: constrain each array to its sharding, memory kind included
-  (`with_sharding_constraint` would drop the host kind)."""
+  (`with_sharding_constraint` would drop the host kind). An array already
+  in host memory (a host computation's output: `update_on="host"`) is
+  left as it is, so the lowered program's moves are the real transfers."""
   def one(x, s):
     if s.memory_kind == HOST:
+      if getattr(getattr(x, "aval", None), "memory_space", None) == _HOST_SPACE:
+        return x
       return jax.device_put(x, s)
     return jax.lax.with_sharding_constraint(x, s)
   return jax.tree_util.tree_map(one, tree, shardings)

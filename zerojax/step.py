@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import collectives, offload, optstate, precision
+from zerojax import collectives, compat, offload, optstate, precision
 from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
@@ -116,8 +116,18 @@ def _update(state, grads, master, shardings, finite):
   keep = ((lambda new, old: new) if finite is None else
           (lambda new, old: jnp.where(finite, new, old)))
   new_master, new_opt, sent_back = list(master), list(opt), None
+  to_gather = list(master)
   for n, (chunks, offloaded) in enumerate(_update_groups(layout, cfg)):
     stats = [j for j, c in enumerate(owners) if c in chunks]
+    if offloaded and cfg.update_on == "host":
+      (c,) = chunks
+      m, leaves, to_gather[c] = _update_on_host(
+          state, c, grads, master, opt, owners, finite, shardings)
+      new_master[c] = m
+      for j, x in leaves.items():
+        if owners[j] is not None or n == 0:   # step counts: from the first call
+          new_opt[j] = x
+      continue
     masters_on_host = [c for c in sorted(chunks)
                        if master_at[c].memory_kind == offload.HOST]
     incoming = ([opt[j] for j in stats], [master[c] for c in masters_on_host])
@@ -147,7 +157,58 @@ def _update(state, grads, master, shardings, finite):
         new_opt[j] = x
       for c, x in zip(back, sent_back[1]):
         new_master[c] = x
-  return tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt)
+  for c, x in enumerate(new_master):
+    if to_gather[c] is master[c]:
+      to_gather[c] = x
+  return (tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt),
+          tuple(to_gather))
+
+
+def _update_on_host(state, c, grads, master, opt, owners, finite, shardings):
+  """`update_on="host"`: chunk `c`'s update as a host computation, where its
+  master shard and optimizer state live (`compat.on_host`). Its gradient
+  shard (and the step counts and the finite flag, scalars) go to the host;
+  returns the new master shard and the new optimizer-state leaves (of `c`,
+  and the step counts, on the device), all in host memory but the counts,
+  and what the re-gather of stages 1-2 reads: the new master cast to the
+  compute dtype, moved to the device (at stage 3 the next step's gathers
+  read the host shard, so nothing comes back)."""
+  cfg = state.config
+  opt_at = jax.tree_util.tree_leaves(shardings.opt_state)
+  on_host = lambda x, s: jax.device_put(x, s.with_memory_kind(offload.HOST))
+  # its statistics, and the step counts (the empty statistics of other
+  # leaves are made in the host computation)
+  mine = [j for j, o in enumerate(owners)
+          if o == c or (o is None and np.size(opt[j]))]
+  args = ({j: opt[j] if owners[j] == c else on_host(opt[j], opt_at[j])
+           for j in mine},
+          on_host(grads[c], shardings.master[c]),
+          master[c],
+          None if finite is None else on_host(
+              finite, NamedSharding(state.mesh, P())))
+  regather = policy(cfg).regather
+  others = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in opt]
+
+  def update(stats, grad, shard, finite):
+    keep = ((lambda new, old: new) if finite is None else
+            (lambda new, old: jnp.where(finite, new, old)))
+    opt_here = [stats[j] if j in stats else
+                x if np.prod(x.shape) else jnp.zeros(x.shape, x.dtype)
+                for j, x in enumerate(others)]
+    grads_here = [grad if i == c else None for i in range(len(grads))]
+    master_here = [shard if i == c else None for i in range(len(master))]
+    masters, leaves = _update_chunks(state, frozenset([c]), grads_here,
+                                     master_here, opt_here, owners, keep)
+    compute = masters[c].astype(cfg.compute_dtype) if regather else None
+    return masters[c], leaves, compute
+
+  new_master, leaves, compute = compat.on_host(update)(*args)
+  leaves = {j: x if owners[j] == c else
+            jax.device_put(x, opt_at[j]) for j, x in leaves.items()}
+  if compute is not None:
+    compute = jax.device_put(compute, shardings.master[c].with_memory_kind(
+        offload.DEVICE))
+  return new_master, leaves, compute if regather else new_master
 
 
 def _global_norm(grads) -> jax.Array:
@@ -204,7 +265,8 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
                    for m in state.master)
   else:
     master = state.master
-  new_master, opt_state = _update(state, grads, master, shardings, finite)
+  new_master, opt_state, to_gather = _update(state, grads, master,
+                                             shardings, finite)
   loss_scale = state.loss_scale
   if loss_scale is not None:
     loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
@@ -214,7 +276,7 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
 
   compute = state.compute
   if pol.regather:
-    gathered = _gather_updated(state, new_master)
+    gathered = _gather_updated(state, to_gather)
     if pol.compute_copy:
       compute = gathered
     else:

@@ -169,6 +169,8 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   fields.update(config_fields)
   if fields.get("replica_axis") is None and "hpz" not in config_fields:
     fields["hpz"] = False
+  if not fields.get("offload_optimizer") and "update_on" not in config_fields:
+    fields["update_on"] = "device"   # a saved host update needs the offload
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)

@@ -1,0 +1,121 @@
+"""`update_on="host"`: the offloaded chunks' optax update as a host
+computation. Results bit-identical to the device update, the program
+lowered for a GPU updating on the host with the stated bytes over PCIe,
+checkpoints, and bad input."""
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax
+from models import (assert_matches_reference, make_problem, reference_run,
+                    zero_run)
+
+TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
+_problem = functools.lru_cache(maxsize=None)(make_problem)
+
+
+def _shard(stage, **fields):
+  model, params, loss_fn, batches = _problem("transformer", steps=3)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=TX)
+  return zerojax.shard(plain, stage=stage, offload_optimizer=True, **fields)
+
+
+def _params(state):
+  return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
+
+
+@pytest.mark.parametrize("stage,fields", [
+    (1, dict(compute_dtype="bfloat16", skip_nonfinite=True)),
+    (2, dict(compute_dtype="bfloat16", accum_steps=2)),
+    (3, dict(compute_dtype="float32", accum_steps=2)),
+    (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
+])
+def test_the_host_update_is_bit_identical_to_the_device_update(stage, fields):
+  _, params, loss_fn, batches = _problem("transformer", steps=3)
+  device, device_losses = zero_run(_shard(stage, **fields), loss_fn, batches)
+  host, host_losses = zero_run(_shard(stage, update_on="host", **fields),
+                               loss_fn, batches)
+  np.testing.assert_array_equal(host_losses, device_losses)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(host),
+                         _params(device))
+  # the state stays where it was placed: statistics and master on host
+  stats = [x for x in jax.tree_util.tree_leaves(host.opt_state) if x.ndim
+           and x.size]
+  assert "pinned_host" in {x.sharding.memory_kind for x in stats}
+  if fields["compute_dtype"] == "float32":   # and against plain optax
+    ref_losses, ref_params = reference_run(loss_fn, params, TX, batches)
+    assert_matches_reference(host_losses, _params(host), ref_losses,
+                             ref_params)
+
+
+def _moves(state, loss_fn, batch):
+  """{direction: bytes per parameter} of the chunk-sized transfers in the
+  program lowered for a GPU (on CPU they lower to nothing), and the count
+  of host computations."""
+  text = zerojax.train_step(loss_fn).trace(state, batch).lower(
+      lowering_platforms=("cuda",)).as_text()
+  lengths = {c.length for c in state.layout.chunks}
+  padded = sum(c.length for c in state.layout.chunks)
+  moved = {"pinned_host": 0, "device": 0}
+  for where, n, dtype in re.findall(
+      r'_xla_buffer_placement = "(\w+)"\}\} : \(tensor<(\d+)x(\w+)>', text):
+    if int(n) in lengths:
+      moved[where] += int(n) * {"f32": 4, "bf16": 2}[dtype]
+  host_calls = len(re.findall(r'call @\S+\(.*_xla_compute_type = "host"',
+                              text))
+  return {k: v / padded for k, v in moved.items()}, host_calls
+
+
+@pytest.mark.parametrize("stage,dtype,host_bytes", [
+    (2, "bfloat16", {"pinned_host": 4, "device": 2}),
+    (3, "float32", {"pinned_host": 4, "device": 0})])
+def test_the_gpu_program_updates_on_the_host_moving_the_stated_bytes(
+    stage, dtype, host_bytes):
+  """Adam, every chunk offloaded: the device update moves master, m and v
+  over and back (12 bytes a parameter each way); the host update sends the
+  fp32 gradient shard (4) and brings back only the 16-bit parameter shard
+  at stage 2 (2), nothing at stage 3 (the next step's gathers read the
+  host shard, as under the device update)."""
+  _, _, loss_fn, batches = _problem("transformer", steps=3)
+  moved, calls = _moves(_shard(stage, compute_dtype=dtype), loss_fn,
+                        batches[0])
+  assert moved == {"pinned_host": 12, "device": 12} and calls == 0
+  state = _shard(stage, compute_dtype=dtype, update_on="host")
+  moved, calls = _moves(state, loss_fn, batches[0])
+  assert moved == host_bytes
+  assert calls >= len(state.layout.chunks)   # one update per chunk, on host
+
+
+def test_a_checkpoint_of_a_host_update_restores_either_way(tmp_path):
+  _, _, loss_fn, batches = _problem("transformer", steps=3)
+  state, _ = zero_run(_shard(3, update_on="host"), loss_fn, batches[:1])
+  zerojax.checkpoint.save(tmp_path, state)
+  zerojax.checkpoint.wait(tmp_path)
+  plain = train_state.TrainState.create(
+      apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
+  again = zerojax.checkpoint.restore(tmp_path, like=plain)
+  assert again.config.update_on == "host"
+  # without the offload, the update goes back to the device
+  on_device = zerojax.checkpoint.restore(tmp_path, like=plain,
+                                         offload_optimizer=False)
+  assert on_device.config.update_on == "device"
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(on_device),
+                         _params(state))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(offload_optimizer=True, update_on="cpu"),
+     "update_on='cpu' is not a place"),
+    (dict(update_on="host"), "set offload_optimizer=True"),
+    (dict(stage=1, offload_optimizer=True, update_on="host"),
+     "update_on='host' at stage 1 needs 16-bit compute"),
+])
+def test_bad_update_places_are_refused(fields, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    zerojax.ZeroConfig(**fields)
