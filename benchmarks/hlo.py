@@ -410,3 +410,31 @@ def markdown_table(report: CommReport) -> str:
     lines.append(f"| {kind} (in loop bodies, per iteration) | {row['ops']} | "
                  f"? | {row['bytes_per_iteration']:,} |")
   return "\n".join(lines)
+
+
+# ---- host <-> device moves (a program lowered for a GPU) -----------------------
+_PLACEMENT = re.compile(r'_xla_buffer_placement = "(\w+)"\}\} : '
+                        r'\(tensor<((?:\d+x)*)(\w+)>')
+_STABLEHLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "f64": 8}
+
+
+def host_moves(lowered_text: str, shapes) -> Dict[str, int]:
+  """Bytes moved to each memory kind ({"pinned_host", "device"}) by the
+  memory-kind annotations (`jax.device_put` to a memory kind) of arrays of
+  one of `shapes` (e.g. the chunk shapes) in a program's StableHLO text,
+  lowered for a GPU (`step.trace(...).lower(lowering_platforms=("cuda",))`:
+  on CPU the moves lower to nothing). Shapes there are global, so the bytes
+  are for all devices together."""
+  shapes = {tuple(s) for s in shapes}
+  out = {"pinned_host": 0, "device": 0}
+  for where, dims, dtype in _PLACEMENT.findall(lowered_text):
+    shape = tuple(int(d) for d in dims.split("x") if d)
+    if shape in shapes and where in out:
+      out[where] += math.prod(shape) * _STABLEHLO_BYTES[dtype]
+  return out
+
+
+def host_computations(lowered_text: str) -> int:
+  """Calls run as host computations (`compute_on("device_host")`)."""
+  return len(re.findall(r'call @\S+\(.*_xla_compute_type = "host"',
+                        lowered_text))

@@ -17,6 +17,15 @@ offload, and the step-time cost of offload on CPU.
                   and compiles at that depth and the next confirm it (fits,
                   does not fit). The blocks are one `nn.scan`, so a compile
                   costs the same at any depth.
+  PCIe bytes      per parameter per step, the chunk-shaped host <-> device
+                  moves of the step lowered for a GPU (`hlo.host_moves`),
+                  every chunk's optimizer state offloaded, Adam, bf16
+                  compute: the optax update on the device (master, m and v
+                  over and back) against `update_on="host"` (the gradient
+                  to host; at stage 2 the bf16 parameter back). Stage 3's
+                  forward also reads the master shard from host under
+                  either (4 bytes a parameter, per-device shapes: not
+                  counted here)
   step time       the small config, allocated, with and without
                   `offload_optimizer`, interleaved rounds (`speed`); on CPU
                   the transfers compile to nothing, so this measures only
@@ -30,8 +39,11 @@ from typing import Optional
 
 import zerojax
 
+import jax.numpy as jnp
+
 from benchmarks import memory, models, speed
 from benchmarks import variants as V
+from benchmarks.hlo import host_computations, host_moves
 
 VARIANT = "zero-3"
 OFFLOAD = {"offload_optimizer": True}
@@ -109,6 +121,26 @@ def step_times(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
           "min_ratio": fastest["offload_optimizer"] / fastest["no offload"]}
 
 
+def pcie(cfg: models.GPTConfig, *, batch: int, seq: int, n: int) -> dict:
+  """{"zero-S update_on": {"to host", "to device" (bytes per parameter),
+  "host computations"}} for stages 2 and 3, bf16 compute."""
+  out = {}
+  for variant in ("zero-2", "zero-3"):
+    for where in ("device", "host"):
+      v = V.build(variant, cfg, global_batch=batch, seq=seq, num_devices=n,
+                  materialize=False, compute_dtype=jnp.bfloat16,
+                  offload_optimizer=True, update_on=where)
+      text = v.trace().lower(lowering_platforms=("cuda",)).as_text()
+      shapes = [c.shape for c in v.layout.chunks]
+      params = sum(c.length * max(c.layers, 1) for c in v.layout.chunks)
+      moved = host_moves(text, shapes)
+      out[f"{variant} update_on={where}"] = {
+          "to host": moved["pinned_host"] / params,
+          "to device": moved["device"] / params,
+          "host computations": host_computations(text)}
+  return out
+
+
 def run(cfg_name: str, *, batch: int, seq: int, n: int, speed_config: str,
         speed_batch: int, speed_seq: int, rounds: int,
         budget: Optional[int] = None,
@@ -123,9 +155,11 @@ def run(cfg_name: str, *, batch: int, seq: int, n: int, speed_config: str,
                          max_layers=max_layers)
          for o in (False, True)}
   ratio = fit["offload_optimizer"]["num_params"] / fit["no offload"]["num_params"]
+  moves = pcie(cfg, batch=batch, seq=seq, n=n)
   return {"config": cfg_name, "width": cfg.width, "layers": cfg.layers,
           "global_batch": batch, "seq": seq, "devices": n, "rows": rows,
           "budget": budget, "largest": fit, "size_ratio": ratio,
+          "pcie": moves,
           "speed": {"config": speed_config, "global_batch": speed_batch,
                     "seq": speed_seq, "rounds": rounds,
                     **step_times(models.CONFIGS[speed_config],
@@ -138,7 +172,17 @@ def goal_checks(result: dict) -> list:
   value = result["size_ratio"]
   predicted = not all(f.get("verified", True)
                       for f in result["largest"].values())
-  return [(f"largest model with / without optimizer offload, stage 3, "
-           f"same device budget ({result['config']} width"
-           f"{'; predicted depth, see below' if predicted else ''})", value,
-           3.0, value >= 3.0)]
+  checks = [(f"largest model with / without optimizer offload, stage 3, "
+             f"same device budget ({result['config']} width"
+             f"{'; predicted depth, see below' if predicted else ''})", value,
+             3.0, value >= 3.0)]
+  moves = result.get("pcie", {})
+  for variant in ("zero-2", "zero-3"):
+    if f"{variant} update_on=host" not in moves:
+      continue
+    total = lambda r: r["to host"] + r["to device"]
+    ratio = (total(moves[f"{variant} update_on=host"]) /
+             total(moves[f"{variant} update_on=device"]))
+    checks.append((f"PCIe bytes per step, update_on=host / device "
+                   f"({variant}, bf16, Adam)", ratio, 1 / 3, ratio <= 1 / 3))
+  return checks

@@ -228,6 +228,19 @@ def _offload_md(r: dict, mode: str) -> list:
     lines.append(f"| {name} | {_mib(row['device'])} | "
                  f"{_mib(row['host_argument'])} | {_mib(row['footprint'])} | "
                  f"{_mib(row['temp'])} |")
+  if "pcie" in r:
+    lines += ["", "Host ↔ device bytes per parameter per step of the optax "
+              "update, every chunk's optimizer state offloaded (Adam, bf16 "
+              "compute), read from the step lowered for a GPU: "
+              "`update_on=\"device\"` brings master, m and v over and back; "
+              "`update_on=\"host\"` runs the update as a host computation. "
+              "(Stage 3's forward also reads the fp32 master shard from host, "
+              "4 B, under either.)", "",
+              "| stage, update | to host | to device | host computations |",
+              "|---|---:|---:|---:|"]
+    for name, row in r["pcie"].items():
+      lines.append(f"| {name} | {row['to host']:.2f} B | "
+                   f"{row['to device']:.2f} B | {row['host computations']} |")
   lines += ["", f"Largest model under a budget of {_mib(r['budget'])} MiB "
             f"device memory per device (the no-offload footprint of "
             f"{r['config']}), depth swept at width {r['width']}:", "",

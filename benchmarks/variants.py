@@ -61,6 +61,7 @@ class Variant:
   num_params: int
   layout: Any = None         # zerojax ChunkLayout, zero-* only
   extra_args: tuple = ()     # trailing arguments of the lowered step
+  trace: Any = None          # zero-*: () -> the traced step (for other platforms)
   options: dict = dataclasses.field(default_factory=dict)  # compiler options
   _compiled: Any = None
 
@@ -204,6 +205,7 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
         source, stage=stage, mesh=mesh, **fields)
     step = zerojax.train_step(loss_fn)
     lowered = step.lower(state, batch)
+    trace = functools.partial(step.trace, state, batch)
     layout, extra = state.layout, (None,)   # train_step's rng argument
   else:
     if name == "gspmd-fsdp":
@@ -221,10 +223,10 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
                    out_shardings=(shardings, NamedSharding(mesh, P())),
                    donate_argnums=(0,))
     lowered = step.lower(state, batch)
-    layout, extra = None, ()
+    layout, extra, trace = None, (), None
   del source
   return Variant(name, state, batch, lowered, n, cfg.num_params, layout,
-                 extra, dict(options or {}))
+                 extra, trace, dict(options or {}))
 
 
 # the ZeRO stage whose persistent bytes each variant should hold

@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
+from benchmarks.hlo import host_computations, host_moves
 from models import (assert_matches_reference, make_problem, reference_run,
                     zero_run)
 
@@ -60,16 +61,9 @@ def _moves(state, loss_fn, batch):
   of host computations."""
   text = zerojax.train_step(loss_fn).trace(state, batch).lower(
       lowering_platforms=("cuda",)).as_text()
-  lengths = {c.length for c in state.layout.chunks}
   padded = sum(c.length for c in state.layout.chunks)
-  moved = {"pinned_host": 0, "device": 0}
-  for where, n, dtype in re.findall(
-      r'_xla_buffer_placement = "(\w+)"\}\} : \(tensor<(\d+)x(\w+)>', text):
-    if int(n) in lengths:
-      moved[where] += int(n) * {"f32": 4, "bf16": 2}[dtype]
-  host_calls = len(re.findall(r'call @\S+\(.*_xla_compute_type = "host"',
-                              text))
-  return {k: v / padded for k, v in moved.items()}, host_calls
+  moved = host_moves(text, [c.shape for c in state.layout.chunks])
+  return {k: v / padded for k, v in moved.items()}, host_computations(text)
 
 
 @pytest.mark.parametrize("stage,dtype,host_bytes", [
