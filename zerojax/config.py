@@ -66,6 +66,8 @@ def _as_dtype(name: str, value: Any):
 
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax.quantize.MODES
 UPDATE_PLACES = ("device", "host")   # ZeroConfig.update_on
+PLACEMENTS = ("manual", "auto", "planned")   # "planned": auto, after planning
+OFFLOAD_FIELDS = ("offload_optimizer", "offload_params", "offload_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +144,20 @@ class ZeroConfig:
       shard goes to the host, and at stages 1-2 only the compute-dtype
       parameter shard comes back. Needs a sharded master: stage 3, or
       16-bit compute at stages 1-2.
+    placement: "manual" (default): the offload fields say where each chunk's
+      optimizer state lives. "auto" (ColossalAI Gemini's
+      `placement_policy="auto"`): the first step (`train_step`) plans it
+      with `zerojax.plan_offload` for that step's program, keeping as many
+      chunks' optimizer state on the device as fit in `device_budget` beside
+      the compiled step and the rest in host memory, and moves the state
+      there; until then everything offloadable is on host. The planned
+      state says "planned"; a checkpoint of it restores as "auto" (planned
+      again, for the new cluster). The offload fields are the planner's to
+      set: giving them beside "auto" is an error. Stages 1-3.
+    device_budget: with placement="auto", the device memory per device the
+      step may use: bytes (an int, or a float above 1), or a fraction in
+      (0, 1] of what the device reports (`memory_stats()["bytes_limit"]`;
+      CPU devices report none).
     stacked: names of submodules (first-level keys below "params", or any
       path component) whose leaves carry a leading layer axis, as
       `flax.linen.scan` produces; they are chunked per layer. A name that
@@ -173,6 +189,8 @@ class ZeroConfig:
   offload_params: bool = False
   offload_fraction: float = 1.0
   update_on: str = "device"
+  placement: str = "manual"
+  device_budget: Union[None, int, float] = None
   skip_nonfinite: bool = False
 
   def __post_init__(self):
@@ -252,7 +270,31 @@ class ZeroConfig:
       raise ValueError(f"update_on={self.update_on!r} is not a place; use "
                        "'device' (the default) or 'host' (with "
                        "offload_optimizer=True).")
-    if self.update_on == "host" and not self.offload_optimizer:
+    if self.placement not in PLACEMENTS:
+      raise ValueError(f"placement={self.placement!r} is not a placement; use "
+                       "'manual' (the offload fields, the default) or 'auto' "
+                       "(with device_budget=).")
+    budget = self.device_budget
+    if budget is not None and (isinstance(budget, bool) or
+                               not isinstance(budget, (int, float, np.integer,
+                                                       np.floating))):
+      raise TypeError(f"device_budget={budget!r} must be bytes (an int) or a "
+                      "fraction of device memory (a float in (0, 1]).")
+    if budget is not None and not (np.isfinite(budget) and budget > 0):
+      raise ValueError(f"device_budget={budget!r} must be positive: bytes, or "
+                       "a fraction of device memory in (0, 1].")
+    if self.placement == "auto" and budget is None:
+      raise ValueError("placement='auto' plans for a device memory budget; "
+                       "give device_budget= (bytes, or a fraction in (0, 1] "
+                       "of the device's memory).")
+    if self.placement == "manual" and budget is not None:
+      raise ValueError(f"device_budget={budget!r} is read by placement='auto' "
+                       "only; set placement='auto' too, or drop it.")
+    if self.placement != "manual" and self.stage == 0:
+      raise ValueError(f"placement={self.placement!r} needs stage >= 1 (stage "
+                       "0 keeps everything replicated, nothing to offload).")
+    if (self.update_on == "host" and not self.offload_optimizer
+        and self.placement == "manual"):
       raise ValueError("update_on='host' runs the update where the offloaded "
                        "optimizer state lives; set offload_optimizer=True "
                        "(or leave update_on='device').")

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import quantize
+from zerojax import offload, quantize
 from zerojax.state import ZeroTrainState, check_live
 
 CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
@@ -133,6 +133,7 @@ class MemoryReport:
   measured: dict            # category -> {memory kind -> bytes}
   estimate: dict            # from `estimate_memory`
   wire: dict = dataclasses.field(default_factory=dict)  # `quantized_wire`
+  placement: dict = dataclasses.field(default_factory=dict)  # `placement`
 
   @property
   def persistent(self) -> int:
@@ -173,6 +174,14 @@ class MemoryReport:
              f"accum {self.accum_steps}")
     lines = [title, fmt(head), fmt(["-" * w for w in widths])] + [
         fmt(r) for r in rows]
+    where = self.placement
+    if where:
+      lines.append(
+          f"optimizer state by chunk ({where['placement']} placement"
+          + (f", device_budget={where['device_budget']!r}"
+             if where["device_budget"] is not None else "") +
+          f"): host {_chunk_list(where['host'])}, device "
+          f"{_chunk_list(where['device'])}")
     w = self.wire
     if w:
       lines.append(
@@ -219,7 +228,26 @@ def memory_report(state) -> MemoryReport:
                              hpz_group=state.num_shards if cfg.hpz else None)
   return MemoryReport(cfg.stage, state.num_state_shards, psi,
                       np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
-                      measured, estimate, quantized_wire(state))
+                      measured, estimate, quantized_wire(state),
+                      placement(state))
+
+
+def placement(state) -> dict:
+  """{} without offload under manual placement; else which chunks' optimizer
+  state is on host and which on the device, and the placement fields."""
+  cfg = state.config
+  if not cfg.offload_optimizer and cfg.placement == "manual":
+    return {}
+  host = sorted(offload.offloaded_chunks(state.layout, cfg.offload_fraction)
+                if cfg.offload_optimizer else ())
+  return {"placement": cfg.placement, "device_budget": cfg.device_budget,
+          "host": host, "device": sorted(
+              set(range(len(state.layout.chunks))) - set(host))}
+
+
+def _chunk_list(chunks) -> str:
+  return ("none" if not chunks else
+          f"{len(chunks)} chunk(s): " + ", ".join(map(str, chunks)))
 
 
 def quantized_wire(state) -> dict:

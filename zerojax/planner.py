@@ -44,6 +44,7 @@ device copies of the offloaded optimizer state (see `zerojax.offload`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 from typing import Any, Callable, Optional
@@ -54,8 +55,10 @@ import numpy as np
 from zerojax import offload
 from zerojax.memory import compiled_footprint, per_device_bytes
 from zerojax.policy import policy
-from zerojax.state import ZeroTrainState, state_shardings
+from zerojax.state import ZeroTrainState, device_budget_bytes, state_shardings
 from zerojax.step import train_step
+
+_log = logging.getLogger("zerojax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,7 @@ def offload_ladder(state: ZeroTrainState) -> list:
 
 def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                  budget_bytes: int, *, has_aux: bool = False,
+                 mutable: tuple = (),
                  compiler_options: Optional[dict] = None) -> OffloadPlan:
   """The least offload (along `offload_ladder`) whose compiled step needs at
   most `budget_bytes` of device memory per device.
@@ -135,7 +139,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
     state: a `ZeroTrainState`, real or abstract (`zerojax.shard_shape`);
       only its shapes, dtypes, layout, config and mesh are
       read, and its own offload fields are ignored.
-    loss_fn, has_aux: as for `zerojax.train_step`.
+    loss_fn, has_aux, mutable: as for `zerojax.train_step`.
     batch: one step's global batch: arrays or `jax.ShapeDtypeStruct`s.
     budget_bytes: device memory per device, in bytes.
     compiler_options: XLA options for the compiles (the same as the run's,
@@ -163,7 +167,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                      "finite number of bytes per device.")
   budget = int(budget_bytes)
   batch = jax.eval_shape(lambda b: b, batch)   # shapes only: nothing moved
-  step = train_step(loss_fn, has_aux=has_aux)
+  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable)
   ladder = offload_ladder(state)
   measured = {}
 
@@ -205,6 +209,30 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
       device_bytes=measured[hi]["device"], host_bytes=_host_bytes(chosen),
       budget_bytes=budget, footprint=measured[hi], ladder=tuple(ladder),
       rung=hi, tried={r: fp["device"] for r, fp in sorted(measured.items())})
+
+
+def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
+                     has_aux: bool, mutable: tuple) -> ZeroTrainState:
+  """placement="auto" at its first step: `state` moved to the placement
+  `plan_offload` chooses for this step's program and the config's
+  `device_budget`, its config saying "planned". Raises (the state left as
+  it was) when nothing fits."""
+  cfg = state.config
+  try:
+    plan = plan_offload(state, loss_fn, batch,
+                        device_budget_bytes(cfg, state.mesh),
+                        has_aux=has_aux, mutable=mutable)
+  except ValueError as e:
+    raise ValueError(f"placement='auto', device_budget={cfg.device_budget!r}: "
+                     f"{e}") from None
+  planned = state.replace(config=dataclasses.replace(
+      cfg, placement="planned", **plan.config_fields))
+  _log.info("zerojax: placement='auto' planned %s: step %s device bytes "
+            "per device, budget %s; optimizer state of %d of %d chunks on "
+            "host.", _describe(plan.config_fields), f"{plan.device_bytes:,}",
+            f"{plan.budget_bytes:,}", plan.offloaded_chunks,
+            len(state.layout.chunks))
+  return jax.device_put(planned, state_shardings(planned))
 
 
 def _abstract_state(state, fields) -> ZeroTrainState:

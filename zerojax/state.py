@@ -24,7 +24,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import frontend, meshes, offload, optim, optstate, precision, reshard
-from zerojax.config import FIELDS, ZeroConfig, shard_axes
+from zerojax.config import FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
@@ -247,6 +247,8 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
   config = ZeroConfig(stage=stage, **config_fields)
   mesh = meshes.auto_mesh(mesh if mesh is not None
                           else meshes.default_mesh(config.axis_name))
+  if config.placement == "auto":
+    config = _most_offload(config, mesh, config_fields)
   for field in ("axis_name", "replica_axis"):
     name = getattr(config, field)
     if name is not None and name not in mesh.axis_names:
@@ -256,6 +258,40 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
   if config.offload_optimizer or config.offload_params:
     offload.check_backend(mesh)
   return config, mesh
+
+
+def _most_offload(config: ZeroConfig, mesh, config_fields) -> ZeroConfig:
+  """placement="auto" before its first step: everything offloadable on host
+  (the planner's last rung), so that the state fits before the plan; the
+  device budget's fraction checked against what the devices report."""
+  given = [f for f in OFFLOAD_FIELDS if f in config_fields]
+  if given:
+    raise ValueError(f"placement='auto' sets {', '.join(given)} itself (the "
+                     "planner's choice); drop them, or use placement='manual'.")
+  device_budget_bytes(config, mesh)
+  try:
+    offload.check_backend(mesh)
+  except ValueError:
+    return config   # no host memory: nothing to offload, the plan agrees
+  return dataclasses.replace(config, offload_optimizer=True,
+                             offload_params=config.stage == 3,
+                             offload_fraction=1.0)
+
+
+def device_budget_bytes(config: ZeroConfig, mesh) -> int:
+  """`config.device_budget` in bytes per device: itself, or its fraction of
+  the first device's `memory_stats()["bytes_limit"]`."""
+  budget = config.device_budget
+  if isinstance(budget, (float, np.floating)) and budget <= 1.0:
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+      raise ValueError(
+          f"device_budget={budget!r} is a fraction of device memory, but "
+          f"{device.platform} devices report none (memory_stats() has no "
+          "bytes_limit); give the budget in bytes.")
+    return int(budget * stats["bytes_limit"])
+  return int(budget)
 
 
 def extra_fields(state) -> tuple:

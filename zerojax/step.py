@@ -399,6 +399,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     offload transfers included, lowered on any machine.
     `step.gathering(state, batch)` says how the step gathers each chunk
     (`gather_modes`: per layer, per block, whole step or replicated).
+    A state with `placement="auto"` is placed by its first step (see
+    `ZeroConfig.placement`); `lower` and `trace` take it as it is placed.
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
@@ -414,6 +416,12 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
+    if getattr(state, "config", None) is not None and (
+        state.config.placement == "auto"):
+      from zerojax import planner   # it compiles steps: imports this module
+      check_state(state, "step()", mutable)
+      state = planner.place_as_planned(state, loss_fn, batch,
+                                       has_aux=has_aux, mutable=mutable)
     return jitted(state, prepare(state, batch), rng)
 
   step.lower = lambda state, batch, rng=None: jitted.lower(

@@ -22,7 +22,7 @@ from zerojax.checkpoint._format import (
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, verify)
 from zerojax.checkpoint._save import wait
-from zerojax.config import shard_axes
+from zerojax.config import OFFLOAD_FIELDS, shard_axes
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
 from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh,
@@ -166,10 +166,21 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     fields["frozen"] = frozen_mask(meta, abstract)
   if stage is not None:
     fields["stage"] = stage
+  saved_placement = fields.get("placement", "manual")
   fields.update(config_fields)
   if fields.get("replica_axis") is None and "hpz" not in config_fields:
     fields["hpz"] = False
-  if not fields.get("offload_optimizer") and "update_on" not in config_fields:
+  if saved_placement in ("auto", "planned"):
+    if config_fields.get("placement", "auto") == "auto":
+      # planned for the saving cluster: planned again at the first step
+      fields["placement"] = "auto"
+      for name in OFFLOAD_FIELDS:
+        if name not in config_fields:
+          fields.pop(name, None)
+    elif "device_budget" not in config_fields:
+      fields["device_budget"] = None
+  if (fields.get("placement", "manual") == "manual" and
+      not fields.get("offload_optimizer") and "update_on" not in config_fields):
     fields["update_on"] = "device"   # a saved host update needs the offload
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,

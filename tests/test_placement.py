@@ -1,0 +1,135 @@
+"""`placement="auto"`: the first step places the optimizer state with
+`plan_offload` for its own program and `device_budget`, results unchanged;
+the shortfall when nothing fits; `memory_report` per chunk; checkpoints
+planned again; bad input."""
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax
+from models import make_problem, zero_run
+
+TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
+CHUNK = 3000            # a dozen chunks: the planner has rungs to choose from
+_problem = functools.lru_cache(maxsize=None)(make_problem)
+
+
+def _plain():
+  model, params, _, _ = _problem("transformer", steps=2)
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=TX)
+
+
+@functools.lru_cache(maxsize=None)
+def _ladder_bytes():
+  """{rung: device bytes} of every rung of the planner's ladder."""
+  _, _, loss_fn, batches = _problem("transformer", steps=2)
+  abstract = zerojax.shard_shape(_plain(), stage=3, chunk_size=CHUNK)
+  step = zerojax.train_step(loss_fn)
+  ladder = zerojax.planner.offload_ladder(abstract)
+  out = {}
+  for rung, fields in enumerate(ladder):
+    lowered = step.lower(zerojax.planner._abstract_state(abstract, fields),
+                         batches[0])
+    out[rung] = zerojax.compiled_footprint(lowered.compile())["device"]
+  return ladder, out
+
+
+def _params(state):
+  return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
+
+
+def test_the_first_step_places_what_fits_and_trains_as_planned():
+  _, _, loss_fn, batches = _problem("transformer", steps=2)
+  ladder, device = _ladder_bytes()
+  # a budget that the no-offload step misses and the full offload meets
+  budget = (device[0] + min(device.values())) // 2
+  plan = zerojax.plan_offload(zerojax.shard_shape(
+      _plain(), stage=3, chunk_size=CHUNK), loss_fn, batches[0], budget)
+  assert 0 < plan.rung and device[plan.rung] <= budget < device[0]
+  state = zerojax.shard(_plain(), stage=3, chunk_size=CHUNK,
+                        placement="auto", device_budget=budget)
+  # before its first step everything offloadable is on host
+  assert {x.sharding.memory_kind for x in state.master} == {"pinned_host"}
+  auto, auto_losses = zero_run(state, loss_fn, batches)
+  assert auto.config.placement == "planned"
+  assert {k: getattr(auto.config, k) for k in plan.config_fields} == (
+      plan.config_fields)
+  host = [c for c, x in enumerate(auto.master)
+          if x.sharding.memory_kind == "pinned_host"]
+  assert 0 < len(host) == plan.offloaded_chunks < len(auto.layout.chunks)
+  report = zerojax.memory_report(auto)
+  assert report.placement["host"] == host
+  assert f"planned placement, device_budget={budget}" in str(report)
+  manual, manual_losses = zero_run(zerojax.shard(
+      _plain(), stage=3, chunk_size=CHUNK), loss_fn, batches)
+  np.testing.assert_array_equal(auto_losses, manual_losses)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(auto),
+                         _params(manual))
+
+
+def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
+  _, _, loss_fn, batches = _problem("transformer", steps=2)
+  ladder, device = _ladder_bytes()
+  budget = device[len(ladder) - 1] - 1000   # the most offload misses by 1,000
+  state = zerojax.shard(_plain(), stage=3, chunk_size=CHUNK,
+                        placement="auto", device_budget=budget)
+  step = zerojax.train_step(loss_fn)
+  with pytest.raises(ValueError, match=rf"device_budget={budget}: .* "
+                     r"1,000 bytes over the budget"):
+    step(state, batches[0])
+  # untouched: still auto, and it trains once the budget allows
+  assert state.config.placement == "auto"
+  roomy = state.replace(config=state.config.__class__(
+      **{**{f: getattr(state.config, f) for f in zerojax.config.FIELDS},
+         "device_budget": 10 ** 9}))
+  trained, metrics = step(roomy, batches[0])
+  assert trained.config.placement == "planned" and np.isfinite(
+      float(metrics["loss"]))
+
+
+def test_a_planned_checkpoint_is_planned_again(tmp_path):
+  _, _, loss_fn, batches = _problem("transformer", steps=2)
+  state, _ = zero_run(zerojax.shard(_plain(), stage=3, chunk_size=CHUNK,
+                                    placement="auto", device_budget=10 ** 9),
+                      loss_fn, batches[:1])
+  assert not state.config.offload_optimizer   # all of it fits
+  zerojax.checkpoint.save(tmp_path, state)
+  zerojax.checkpoint.wait(tmp_path)
+  again = zerojax.checkpoint.restore(tmp_path, like=_plain())
+  assert again.config.placement == "auto"
+  assert again.config.offload_optimizer   # on host until its first step
+  manual = zerojax.checkpoint.restore(tmp_path, like=_plain(),
+                                      placement="manual")
+  assert manual.config.device_budget is None
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again),
+                         _params(state))
+
+
+@pytest.mark.parametrize("fields,error,message", [
+    (dict(placement="gemini"), ValueError, "placement='gemini' is not a placement"),
+    (dict(placement="auto"), ValueError, "give device_budget="),
+    (dict(device_budget=10 ** 9), ValueError, "read by placement='auto' only"),
+    (dict(placement="auto", device_budget=-1), ValueError, "must be positive"),
+    (dict(placement="auto", device_budget="1GB"), TypeError, "must be bytes"),
+    (dict(placement="auto", device_budget=10 ** 9, stage=0), ValueError,
+     "needs stage >= 1"),
+])
+def test_bad_placement_is_refused(fields, error, message):
+  with pytest.raises(error, match=re.escape(message)):
+    zerojax.ZeroConfig(**fields)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(offload_fraction=0.5), "sets offload_fraction itself"),
+    (dict(device_budget=0.9), "cpu devices report none"),
+])
+def test_bad_auto_shard_is_refused(fields, message):
+  fields = {"device_budget": 10 ** 9, **fields}
+  with pytest.raises(ValueError, match=re.escape(message)):
+    zerojax.shard(_plain(), stage=3, placement="auto", **fields)
