@@ -13,8 +13,8 @@ from flax.training import train_state
 
 import zerojax
 from benchmarks.hlo import host_computations, host_moves
-from models import (assert_matches_reference, make_problem, reference_run,
-                    zero_run)
+from models import (ScannedLM, assert_matches_reference, lm_batches,
+                    lm_loss_fn, make_problem, reference_run, zero_run)
 
 TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
 _problem = functools.lru_cache(maxsize=None)(make_problem)
@@ -53,6 +53,26 @@ def test_the_host_update_is_bit_identical_to_the_device_update(stage, fields):
     ref_losses, ref_params = reference_run(loss_fn, params, TX, batches)
     assert_matches_reference(host_losses, _params(host), ref_losses,
                              ref_params)
+
+
+def test_the_host_update_holds_on_layer_chunks_under_hpz():
+  """Per-layer ([layers, length]) chunks of a scanned model, the state
+  sharded over replica x data (hpZ): still bit-identical."""
+  model = ScannedLM(layers=3)
+  batches = lm_batches(model.vocab, steps=2)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=TX)
+  mesh = jax.make_mesh((2, 4), ("replica", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  runs = [zero_run(zerojax.shard(
+      plain, stage=3, mesh=mesh, replica_axis="replica", hpz=True,
+      stacked=("blocks",), offload_optimizer=True, update_on=where),
+      lm_loss_fn(model), batches) for where in ("device", "host")]
+  assert any(c.layers for c in runs[1][0].layout.chunks)
+  np.testing.assert_array_equal(runs[1][1], runs[0][1])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(runs[1][0]),
+                         _params(runs[0][0]))
 
 
 def _moves(state, loss_fn, batch):
