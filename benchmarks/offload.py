@@ -27,7 +27,8 @@ offload, and the step-time cost of offload on CPU.
                   either (4 bytes a parameter, per-device shapes: not
                   counted here)
   step time       the small config, allocated, with and without
-                  `offload_optimizer`, interleaved rounds (`speed`); on CPU
+                  `offload_optimizer` (and with `update_on="host"` beside
+                  the device update), interleaved rounds (`speed`); on CPU
                   the transfers compile to nothing, so this measures only
                   the program differences, not PCIe traffic
 """
@@ -105,9 +106,11 @@ def largest_fitting(cfg: models.GPTConfig, budget: int, *, offload: bool,
 
 def step_times(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
                rounds: int) -> dict:
-  """Median and minimum step seconds with and without optimizer offload."""
+  """Median and minimum step seconds with and without optimizer offload,
+  and with the offloaded update run on the host (`update_on="host"`)."""
   built = {}
-  for name, fields in (("no offload", {}), ("offload_optimizer", OFFLOAD)):
+  for name, fields in (("no offload", {}), ("offload_optimizer", OFFLOAD),
+                       ("update_on=host", {**OFFLOAD, "update_on": "host"})):
     built[name] = V.build(VARIANT, cfg, global_batch=batch, seq=seq,
                           num_devices=n, **fields)
     built[name].compiled()
@@ -118,7 +121,11 @@ def step_times(cfg: models.GPTConfig, *, batch: int, seq: int, n: int,
   fastest = {k: min(t) for k, t in times.items()}
   return {"times_s": times, "median_s": median, "min_s": fastest,
           "ratio": median["offload_optimizer"] / median["no offload"],
-          "min_ratio": fastest["offload_optimizer"] / fastest["no offload"]}
+          "min_ratio": fastest["offload_optimizer"] / fastest["no offload"],
+          "host_update_ratio": (median["update_on=host"] /
+                                median["offload_optimizer"]),
+          "host_update_min_ratio": (fastest["update_on=host"] /
+                                    fastest["offload_optimizer"])}
 
 
 def pcie(cfg: models.GPTConfig, *, batch: int, seq: int, n: int) -> dict:

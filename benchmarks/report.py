@@ -262,7 +262,13 @@ def _offload_md(r: dict, mode: str) -> list:
             f"Step time on CPU ({sp['config']}, batch {sp['global_batch']}×"
             f"{sp['seq']}, {sp['rounds']} interleaved rounds): offload / no "
             f"offload = {sp['ratio']:.3f} (medians), {sp['min_ratio']:.3f} "
-            "(minima). Not a goal: on CPU the transfers compile away.", "",
+            "(minima). Not a goal: on CPU the transfers compile away." + (
+                f" The update on the host / on the device: "
+                f"{sp['host_update_ratio']:.3f} (medians), "
+                f"{sp['host_update_min_ratio']:.3f} (minima); here host and "
+                "device are the same CPU, so this is the cost of the host "
+                "computations' program structure, not of a host's Adam "
+                "against a GPU's." if "host_update_ratio" in sp else ""), "",
             f"![offload]({mode}_offload.png)", ""]
   return lines
 
