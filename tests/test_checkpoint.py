@@ -239,6 +239,12 @@ def test_bad_input(problem, saved, tmp_path):
   assert sorted(os.listdir(directory)) == before
   with pytest.raises(TypeError, match="ZeroTrainState"):
     zerojax.checkpoint.save(directory, plain)
+  for keep, error, message in ((0, ValueError, "keep=0 would delete"),
+                              (-2, ValueError, "keep=-2 would delete"),
+                              (1.5, TypeError, "keep=1.5 must be an int")):
+    with pytest.raises(error, match=message):
+      zerojax.checkpoint.save(directory, state, step=SPLIT + 7, keep=keep)
+  assert sorted(os.listdir(directory)) == before
 
 
 def _worker(mode, directory, timeout=180, prefix=()):

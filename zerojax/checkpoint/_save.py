@@ -28,6 +28,7 @@ import threading
 import warnings
 from typing import Optional
 
+import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint._format import (FORMAT, chunk_form, config_json,
@@ -139,6 +140,13 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
   if not isinstance(state, ZeroTrainState):
     raise TypeError(f"save() takes a ZeroTrainState, got {type(state).__name__}.")
   check_live(state, "checkpoint.save()")
+  if keep is not None and (isinstance(keep, bool) or
+                           not isinstance(keep, (int, np.integer))):
+    raise TypeError(f"keep={keep!r} must be an int (how many checkpoints to "
+                    "keep) or None (all).")
+  if keep is not None and keep < 1:
+    raise ValueError(f"keep={keep!r} would delete the checkpoint being "
+                     "written; keep at least 1, or None to keep all.")
   step = int(state.step) if step is None else check_step(step, "save")
   directory = os.path.abspath(directory)
   _check_writable(directory)
