@@ -1,0 +1,193 @@
+"""Raw files for the disk tier (ZeRO-Infinity): arrays written and read with
+`os.pwrite` / `os.preadv` in pieces on a thread pool, and a stream that
+reads the next chunk while the current one is updated and writes the
+previous one back meanwhile. Knows nothing of JAX or optax: it moves numpy
+arrays. Groundwork for `offload_optimizer="disk"` (issue 19, item 3), not
+yet read by the step.
+
+Why raw files: on this machine a 64 MiB float32 array wrote in 35-46 ms and
+read in 20-27 ms this way, against 58-109 ms and 28-36 ms through
+tensorstore's zarr driver (uncompressed, the same pieces; both mostly from
+the page cache), and a raw file needs no metadata of its own: the layout
+already says every chunk's shape and dtype.
+
+Files are scratch: what they hold is rebuilt from a checkpoint on restore,
+so nothing is fsynced. A failed write (a full disk, a read-only mount) is
+raised by the stream or by `wait`, never dropped: the caller then has no
+consistent live state and must restore from its last checkpoint.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import os
+import threading
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+PIECE = 8 * 2 ** 20   # bytes per pwrite / preadv call
+
+
+def check_directory(directory: str) -> str:
+  """`directory` as an absolute path, after checking that it exists, is a
+  directory, and takes a file (written, read back and removed): a clear
+  error naming it and the fix otherwise."""
+  path = os.path.abspath(os.fspath(directory))
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"offload_dir={directory!r} does not exist; "
+                            "create it (on a local NVMe disk) first.")
+  if not os.path.isdir(path):
+    raise NotADirectoryError(f"offload_dir={directory!r} is not a directory.")
+  probe = os.path.join(path, f".zerojax-probe-{os.getpid()}")
+  try:
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+      if os.pwrite(fd, b"zerojax", 0) != 7 or os.pread(fd, 7, 0) != b"zerojax":
+        raise OSError(errno.EIO, "a probe file did not read back")
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    raise PermissionError(
+        f"offload_dir={directory!r} cannot take the disk tier's files "
+        f"({e.strerror or e}); choose a writable directory with room for "
+        "the offloaded optimizer state.") from None
+  return path
+
+
+class ChunkFiles:
+  """Arrays in raw files named by key under a checked directory."""
+
+  def __init__(self, directory: str, threads: int = 4):
+    self.directory = check_directory(directory)
+    self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="zerojax-disk")
+    # a read that waits for earlier writes waits here, not in the pool
+    self._chain = cf.ThreadPoolExecutor(1, thread_name_prefix="zerojax-disk-next")
+
+  def path(self, key: str) -> str:
+    return os.path.join(self.directory, f"{key}.bin")
+
+  def write(self, key: str, array: np.ndarray) -> cf.Future:
+    """Starts writing `array` (C-contiguous) to `key`'s file; the future
+    raises what the write raised (`OSError` with the file and the fix for
+    a full disk)."""
+    data = memoryview(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+    path = self.path(key)
+    return self._pool.submit(self._write, path, data)
+
+  def read(self, key: str, shape: Sequence[int], dtype) -> cf.Future:
+    """Starts reading `key`'s file into a new array of `shape` and
+    `dtype`; the future raises when the file is shorter than that."""
+    out = np.empty(shape, dtype)
+    return self._pool.submit(self._read, self.path(key), out)
+
+  def _write(self, path: str, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+      offset = 0
+      while offset < len(data):
+        try:
+          offset += os.pwrite(fd, data[offset:offset + PIECE], offset)
+        except OSError as e:
+          if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(e.errno, f"no space left writing {path} ("
+                          f"{offset:,} of {len(data):,} bytes written); free "
+                          "space or choose another offload_dir, then restore "
+                          "from the last checkpoint") from None
+          raise
+      os.ftruncate(fd, len(data))
+    finally:
+      os.close(fd)
+
+  def _read(self, path: str, out: np.ndarray) -> np.ndarray:
+    data = memoryview(out.view(np.uint8).reshape(-1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      offset = 0
+      while offset < len(data):
+        got = os.preadv(fd, [data[offset:offset + PIECE]], offset)
+        if got == 0:
+          raise OSError(errno.EIO, f"{path} holds {offset:,} bytes, "
+                        f"{len(data):,} expected; restore from the last "
+                        "checkpoint (the disk tier's files are scratch)")
+        offset += got
+    finally:
+      os.close(fd)
+    return out
+
+  def stream(self, items: Iterable, read: Callable, update: Callable,
+             write: Callable) -> None:
+    """For each item in order: `arrays = read(item).result()`, then
+    `result = update(item, arrays)` in this thread, then
+    `write(item, result)` (a sequence of futures).
+
+    Overlap with a bounded footprint: while item i is updated, item i-1's
+    writes finish and then item i+1's read runs (it waits for them, in a
+    thread of its own), so host memory holds item i's arrays and result
+    plus one other item's, never three items' at once. Any failed read or
+    write is raised here, once the writes in flight are done."""
+    items = list(items)
+    reads: dict = {}
+    writes: list = []   # per item, its write futures
+
+    def start(i):
+      if i >= len(items):
+        return
+      before = writes[i - 2] if i >= 2 else []
+
+      def after_writes(item=items[i]):
+        for f in before:
+          f.result()
+        return read(item).result()
+      reads[i] = self._chain.submit(after_writes)
+
+    try:
+      start(0)
+      for i, item in enumerate(items):
+        arrays = reads.pop(i).result()
+        start(i + 1)
+        writes.append(list(write(item, update(item, arrays))))
+        del arrays
+    finally:
+      errors = []
+      for futures in writes:
+        for f in futures:
+          try:
+            f.result()
+          except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+      for f in reads.values():
+        f.cancel()
+    if errors:
+      raise errors[0]
+
+  def close(self) -> None:
+    self._chain.shutdown(wait=True)
+    self._pool.shutdown(wait=True)
+
+
+def read_many(files: ChunkFiles, keys: Sequence[str], shapes, dtypes
+              ) -> cf.Future:
+  """One future for several files' arrays (a tuple, in `keys` order)."""
+  futures = [files.read(k, s, d) for k, s, d in zip(keys, shapes, dtypes)]
+  done: cf.Future = cf.Future()
+  left = [len(futures)]
+  lock = threading.Lock()
+
+  def finish(_):
+    with lock:
+      left[0] -= 1
+      if left[0]:
+        return
+    try:
+      done.set_result(tuple(f.result() for f in futures))
+    except BaseException as e:  # noqa: BLE001 - the reader's error
+      done.set_exception(e)
+
+  for f in futures:
+    f.add_done_callback(finish)
+  if not futures:
+    done.set_result(())
+  return done
+
