@@ -104,9 +104,14 @@ def _update(state, grads, master, shardings, finite):
   optimizer state is on the device at once. `tx` must then be separable by
   chunk (`optim.check_separable`, run by `shard`). Master shards in host
   memory whose optimizer state is on the device (`offload_params`) come to
-  the device for the first update call. `finite`: when steps may be skipped
-  (loss scaling, `skip_nonfinite`), whether to keep the update (else the
-  old values).
+  the device for the first update call. Under `update_on="host"` each
+  offloaded chunk is updated where it lives instead (`_update_on_host`).
+  `finite`: when steps may be skipped (loss scaling, `skip_nonfinite`),
+  whether to keep the update (else the old values).
+
+  Returns the new master chunks, the new optimizer state, and what the
+  re-gather of stages 1-2 reads per chunk (the new master, or a host
+  update's compute-dtype shard, already on the device).
   """
   cfg, layout = state.config, state.layout
   owners = optstate.owners(layout, state.opt_state).chunk  # per leaf: chunk or None
