@@ -61,7 +61,7 @@ def test_the_first_step_places_what_fits_and_trains_as_planned():
 def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   budget = 100_000   # below what any rung needs (about 350 kB)
-  state = zerojax.shard(_plain(), stage=3, chunk_size=2 * CHUNK,
+  state = zerojax.shard(_plain(), stage=3, chunk_size=2 ** 20,   # 2 rungs
                         placement="auto", device_budget=budget)
   step = zerojax.train_step(loss_fn)
   with pytest.raises(ValueError, match=rf"device_budget={budget}: .* needs "
