@@ -413,8 +413,11 @@ def markdown_table(report: CommReport) -> str:
 
 
 # ---- host <-> device moves (a program lowered for a GPU) -----------------------
-_PLACEMENT = re.compile(r'_xla_buffer_placement = "(\w+)"\}\} : '
+_PLACEMENT = re.compile(r'annotate_device_placement\((%[\w.]+)(?:#\d+)?\).*'
+                        r'_xla_buffer_placement = "(\w+)"\}\} : '
                         r'\(tensor<((?:\d+x)*)(\w+)>')
+_HOST_CALL = re.compile(r'^\s*(%[\w.]+)(?::\d+)? = (?:func\.)?call @\S+\(.*'
+                        r'_xla_compute_type = "host"')
 _STABLEHLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "f64": 8}
 
 
@@ -424,17 +427,30 @@ def host_moves(lowered_text: str, shapes) -> Dict[str, int]:
   one of `shapes` (e.g. the chunk shapes) in a program's StableHLO text,
   lowered for a GPU (`step.trace(...).lower(lowering_platforms=("cuda",))`:
   on CPU the moves lower to nothing). Shapes there are global, so the bytes
-  are for all devices together."""
+  are for all devices together. The host annotation of a host
+  computation's own result (jax 0.11+ writes one) moves nothing and is not
+  counted."""
   shapes = {tuple(s) for s in shapes}
   out = {"pinned_host": 0, "device": 0}
-  for where, dims, dtype in _PLACEMENT.findall(lowered_text):
+  from_host_calls = set()
+  for line in lowered_text.splitlines():
+    if "func.func" in line:
+      from_host_calls = set()   # SSA names are per function
+    call = _HOST_CALL.match(line)
+    if call:
+      from_host_calls.add(call.group(1))
+    move = _PLACEMENT.search(line)
+    if not move:
+      continue
+    operand, where, dims, dtype = move.groups()
     shape = tuple(int(d) for d in dims.split("x") if d)
-    if shape in shapes and where in out:
+    if (shape in shapes and where in out and
+        not (where == "pinned_host" and operand in from_host_calls)):
       out[where] += math.prod(shape) * _STABLEHLO_BYTES[dtype]
   return out
 
 
 def host_computations(lowered_text: str) -> int:
   """Calls run as host computations (`compute_on("device_host")`)."""
-  return len(re.findall(r'call @\S+\(.*_xla_compute_type = "host"',
-                        lowered_text))
+  return sum(bool(_HOST_CALL.match(line))
+             for line in lowered_text.splitlines())
