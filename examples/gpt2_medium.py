@@ -135,13 +135,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "by all-to-all, summed in float32")
   p.add_argument("--quantize-block", type=int, default=256,
                  help="elements per quantization block (default 256)")
-  p.add_argument("--offload", action="store_true",
+  p.add_argument("--offload", nargs="?", const="host",
+                 choices=["host", "disk"],
                  help="ZeRO-Offload: keep fp32 master shards and optimizer "
-                 "state in pinned host memory between steps (stage >= 1)")
-  p.add_argument("--update-on", choices=["device", "host"], default="device",
-                 help="with --offload: run the offloaded optimizer update on "
-                 "the host, where its state lives (only the gradient goes to "
-                 "the host; stage 3, or bf16 at stages 1-2)")
+                 "state in pinned host memory between steps (--offload or "
+                 "--offload host; stage >= 1); --offload disk "
+                 "(ZeRO-Infinity) keeps the optimizer state in files under "
+                 "--offload-dir instead, streamed through host memory a "
+                 "chunk at a time and updated on the host")
+  p.add_argument("--offload-dir", metavar="DIR",
+                 help="with --offload disk: an existing directory on a fast "
+                 "local disk for its files (scratch)")
+  p.add_argument("--update-on", choices=["device", "host"],
+                 help="with --offload host: run the offloaded optimizer "
+                 "update on the host, where its state lives (only the "
+                 "gradient goes to the host; stage 3, or bf16 at stages "
+                 "1-2). Default device; --offload disk updates on the host")
   p.add_argument("--checkpoint-dir", metavar="DIR",
                  help="save an (asynchronous) orbax checkpoint here every "
                  "--save-every steps and at the end")
@@ -156,6 +165,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.update_on == "host" and not args.offload:
     p.error("--update-on host runs the update where --offload keeps the "
             "optimizer state; add --offload")
+  if args.offload == "disk" and not args.offload_dir:
+    p.error("--offload disk keeps the optimizer state in files; add "
+            "--offload-dir DIR (an existing directory on a local disk)")
+  if args.offload_dir and args.offload != "disk":
+    p.error("--offload-dir is where --offload disk keeps its files; add "
+            "--offload disk")
+  if args.offload == "disk" and args.update_on == "device":
+    p.error("--offload disk updates on the host as the state streams from "
+            "disk; drop --update-on device")
   if (args.coordinator is None) != (args.num_processes is None) or (
       args.coordinator is None) != (args.process_id is None):
     p.error("multi-host needs all of --coordinator, --num-processes and "
@@ -341,6 +359,7 @@ def memory_summary(state, step, batch) -> dict:
   report = zerojax.memory_report(state)
   compiled = zerojax.compiled_footprint(step.lower(state, batch).compile())
   return {"persistent_bytes_per_device": int(report.persistent),
+          "persistent_by_kind": report.by_kind(),   # device, pinned_host, disk
           "compiled_footprint_bytes_per_device": int(compiled["footprint"]),
           "compiled": compiled, "report": str(report)}
 
@@ -463,7 +482,9 @@ def main(argv=None) -> dict:
                          quantize_block=args.quantize_block,
                          compute_dtype=run["precision"], accum_steps=args.accum,
                          clip_norm=args.clip or None, stacked=("blocks",),
-                         offload_optimizer=args.offload,
+                         offload_optimizer={None: False, "host": True,
+                                            "disk": "disk"}[args.offload],
+                         offload_dir=args.offload_dir,
                          update_on=args.update_on)
   num_params = state.layout.num_chunked_elements
   if args.resume:

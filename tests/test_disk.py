@@ -49,9 +49,10 @@ def test_the_stream_overlaps_and_bounds_what_it_holds(tmp_path):
   def read(i):
     assert i < 2 or written[i - 2].done(), f"read {i} before write {i - 2}"
     called[i].set()
-    return files.read(f"m{i}", (1000,), np.float32)
+    return disk.read_many(files, [f"m{i}"], [(1000,)], [np.float32])
 
-  def update(i, x):
+  def update(i, arrays):
+    (x,) = arrays   # a list: the update may empty it
     started[i].set()
     order.append(i)
     if i + 1 < n:   # the next read happens during this update
@@ -94,7 +95,8 @@ def test_a_failed_write_is_raised_not_dropped(tmp_path, monkeypatch):
     files.write(f"s{i}", np.zeros(10, np.float32)).result()
   monkeypatch.setattr(disk.os, "pwrite", full)
   with pytest.raises(OSError, match="no space left"):
-    files.stream(range(3), lambda i: files.read(f"s{i}", (10,), np.float32),
+    files.stream(range(3), lambda i: disk.read_many(
+                     files, [f"s{i}"], [(10,)], [np.float32]),
                  lambda i, x: np.zeros(10_000, np.float32),
                  lambda i, y: [files.write(f"s{i}", y)])
   files.close()

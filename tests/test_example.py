@@ -119,6 +119,19 @@ def test_offload_with_the_host_update_trains(tmp_path):
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
+def test_the_disk_tier_trains(tmp_path):
+  """`--offload disk --offload-dir DIR`: the optimizer state in files."""
+  live = tmp_path / "live"
+  live.mkdir()
+  out = _run(["--offload", "disk", "--offload-dir", str(live), "--steps",
+              "2"], tmp_path / "disk.json", tmp_path / "cache")
+  assert out["config"]["offload"] == "disk"
+  assert out["memory"]["persistent_by_kind"]["disk"] > 0
+  assert any(p.name.endswith(".bin") for p in live.iterdir())
+  losses = [s["loss"] for s in out["steps"]]
+  assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
 @pytest.mark.parametrize("flag,message", [
     ("replica=2", "needs replica=R,data=D with R x D = 8"),
     ("replica=3,data=4", "needs replica=R,data=D with R x D = 8"),
@@ -126,6 +139,8 @@ def test_offload_with_the_host_update_trains(tmp_path):
     (None, "--hpz shards the state over the replica axis too"),
     ("--quantize-block=0", "--quantize-block must be positive, got 0"),
     ("--update-on=host", "--update-on host runs the update where --offload"),
+    ("--offload=disk", "--offload disk keeps the optimizer state in files"),
+    ("--offload-dir=/tmp", "--offload-dir is where --offload disk keeps"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -66,6 +66,7 @@ def _as_dtype(name: str, value: Any):
 
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax.quantize.MODES
 UPDATE_PLACES = ("device", "host")   # ZeroConfig.update_on
+DISK = "disk"   # ZeroConfig.offload_optimizer's disk tier
 PLACEMENTS = ("manual", "auto", "planned")   # "planned": auto, after planning
 OFFLOAD_FIELDS = ("offload_optimizer", "offload_params", "offload_fraction")
 
@@ -133,11 +134,20 @@ class ZeroConfig:
       in `pinned_host` memory between steps (ZeRO-Offload); stages 1-3.
       The step updates offloaded chunks one at a time; `tx` must allow it
       (no `clip_by_global_norm` inside it: use `clip_norm`).
+      "disk" (ZeRO-Infinity's NVMe tier): the offloaded chunks' optimizer
+      state lives in raw files under `offload_dir` instead, streamed through
+      host memory a chunk at a time by each step's update, which runs on
+      the host (`update_on="host"`, implied); their master shards stay in
+      host memory. One process only; `train_step(..., donate=True)`.
+    offload_dir: with offload_optimizer="disk", the directory of its files
+      (a local NVMe disk): it must exist and be writable. The files are
+      scratch, rebuilt from a checkpoint by `checkpoint.restore`.
     offload_params: stage 3: keep the parameter (master) shards on host.
     offload_fraction: with `offload_optimizer`, the fraction of chunk bytes
       offloaded (largest chunks first).
     update_on: with `offload_optimizer`, where the offloaded chunks' optax
-      update runs. "device" (default): their master shard and optimizer
+      update runs. "device" (the default, but "host" for the disk tier):
+      their master shard and optimizer
       state come to the device for it and go back (for Adam, 12 bytes a
       parameter each way). "host": it runs on the host, where they live
       (DeepSpeed's CPU Adam, ColossalAI's HybridAdam): only the gradient
@@ -185,10 +195,11 @@ class ZeroConfig:
   loss_scale: Union[None, float, DynamicLossScale] = None
   frozen: Union[None, Callable, Any] = None
   stacked: Sequence[str] = ()
-  offload_optimizer: bool = False
+  offload_optimizer: Union[bool, str] = False
+  offload_dir: Optional[str] = None
   offload_params: bool = False
   offload_fraction: float = 1.0
-  update_on: str = "device"
+  update_on: Optional[str] = None
   placement: str = "manual"
   device_budget: Union[None, int, float] = None
   skip_nonfinite: bool = False
@@ -257,7 +268,10 @@ class ZeroConfig:
     if not 0.0 <= self.offload_fraction <= 1.0:
       raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
                        "in [0, 1].")
+    self._check_disk()
     for name in ("hpz", "offload_optimizer", "offload_params", "skip_nonfinite"):
+      if name == "offload_optimizer" and self.offload_optimizer == DISK:
+        continue
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
     if self.offload_optimizer and self.stage == 0:
@@ -300,11 +314,14 @@ class ZeroConfig:
                        "(or leave update_on='device').")
     if (self.update_on == "host" and self.stage in (1, 2)
         and not self.mixed_precision):
+      what = ("offload_optimizer='disk' (its update runs on the host)"
+              if self.disk else "update_on='host'")
       raise ValueError(
-          f"update_on='host' at stage {self.stage} needs 16-bit compute "
+          f"{what} at stage {self.stage} needs 16-bit compute "
           "(compute_dtype='bfloat16' or 'float16'): at float32 the master "
           "is the replicated compute copy, kept on the device. Use stage=3, "
-          "16-bit compute, or update_on='device'.")
+          "16-bit compute" + (", or offload_optimizer=True." if self.disk
+                              else ", or update_on='device'."))
     if self.hpz and self.replica_axis is None:
       raise ValueError("hpz=True shards the state over the replica axis too; "
                        "name it: replica_axis='replica' (of Mesh(devices."
@@ -319,6 +336,39 @@ class ZeroConfig:
         raise TypeError("frozen must be a callable params -> tree of bools, "
                         "or a tree of Python bools matching the parameters.")
       set_("frozen", _FrozenMask(tuple(bool(x) for x in leaves), treedef))
+
+  def _check_disk(self) -> None:
+    """The disk tier's fields; `update_on` left None becomes its place."""
+    disk = isinstance(self.offload_optimizer, str)
+    if disk and self.offload_optimizer != DISK:
+      raise ValueError(f"offload_optimizer={self.offload_optimizer!r} is not "
+                       "a tier; use True (host memory), 'disk' (files under "
+                       "offload_dir=) or False.")
+    if disk and self.offload_dir is None:
+      raise ValueError("offload_optimizer='disk' keeps optimizer state in "
+                       "files; give offload_dir= an existing writable "
+                       "directory (on a local NVMe disk).")
+    if not disk and self.offload_dir is not None:
+      raise ValueError(f"offload_dir={self.offload_dir!r} is read by "
+                       "offload_optimizer='disk' only; set that too, or drop "
+                       "offload_dir.")
+    if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+      raise TypeError(f"offload_dir={self.offload_dir!r} must be a directory "
+                      "path (a str).")
+    if disk and self.update_on == "device":
+      raise ValueError("offload_optimizer='disk' updates each chunk on the "
+                       "host as it streams from its files; drop "
+                       "update_on='device' (it means 'host' here).")
+    if disk and self.placement != "manual":
+      raise ValueError(f"placement={self.placement!r} plans host offload "
+                       "only; use placement='manual' with the disk tier.")
+    if self.update_on is None:
+      object.__setattr__(self, "update_on", "host" if disk else "device")
+
+  @property
+  def disk(self) -> bool:
+    """Whether offloaded optimizer state lives on disk (the disk tier)."""
+    return self.offload_optimizer == DISK
 
   @property
   def mixed_precision(self) -> bool:

@@ -22,7 +22,7 @@ import concurrent.futures as cf
 import errno
 import os
 import threading
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -68,59 +68,80 @@ class ChunkFiles:
   def path(self, key: str) -> str:
     return os.path.join(self.directory, f"{key}.bin")
 
-  def write(self, key: str, array: np.ndarray) -> cf.Future:
-    """Starts writing `array` (C-contiguous) to `key`'s file; the future
-    raises what the write raised (`OSError` with the file and the fix for
-    a full disk)."""
+  def write(self, key: str, array: np.ndarray,
+            at: Optional[Sequence[int]] = None) -> cf.Future:
+    """Starts writing `array` (C-contiguous) to `key`'s file: the whole
+    file, or with `at` the array's rows (`len(at)` equal parts) at those
+    byte offsets into it (one shard of an array sharded on its last axis:
+    `shard_offsets`). The future raises what the write raised (`OSError`
+    with the file and the fix for a full disk)."""
     data = memoryview(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-    path = self.path(key)
-    return self._pool.submit(self._write, path, data)
+    return self._pool.submit(self._write, self.path(key), data, at)
 
-  def read(self, key: str, shape: Sequence[int], dtype) -> cf.Future:
-    """Starts reading `key`'s file into a new array of `shape` and
-    `dtype`; the future raises when the file is shorter than that."""
+  def read(self, key: str, shape: Sequence[int], dtype,
+           at: Optional[Sequence[int]] = None) -> cf.Future:
+    """Starts reading `key`'s file (or with `at`, rows at those byte
+    offsets, as `write`) into a new array of `shape` and `dtype`; the
+    future raises when the file is shorter than that."""
     out = np.empty(shape, dtype)
-    return self._pool.submit(self._read, self.path(key), out)
+    return self._pool.submit(self._read, self.path(key), out, at)
 
-  def _write(self, path: str, data: memoryview) -> None:
+  @staticmethod
+  def _segments(data: memoryview, at) -> list:
+    if at is None:
+      return [(0, data)]
+    row = len(data) // len(at)
+    return [(offset, data[r * row:(r + 1) * row]) for r, offset in enumerate(at)]
+
+  def _write(self, path: str, data: memoryview, at) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-      offset = 0
-      while offset < len(data):
-        try:
-          offset += os.pwrite(fd, data[offset:offset + PIECE], offset)
-        except OSError as e:
-          if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(e.errno, f"no space left writing {path} ("
-                          f"{offset:,} of {len(data):,} bytes written); free "
-                          "space or choose another offload_dir, then restore "
-                          "from the last checkpoint") from None
-          raise
-      os.ftruncate(fd, len(data))
+      done = 0
+      for start, segment in self._segments(data, at):
+        offset = 0
+        while offset < len(segment):
+          try:
+            offset += os.pwrite(fd, segment[offset:offset + PIECE],
+                                start + offset)
+          except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+              raise OSError(e.errno, f"no space left writing {path} ("
+                            f"{done + offset:,} of {len(data):,} bytes "
+                            "written); free space or choose another "
+                            "offload_dir, then restore from the last "
+                            "checkpoint") from None
+            raise
+        done += len(segment)
+      if at is None:
+        os.ftruncate(fd, len(data))
     finally:
       os.close(fd)
 
-  def _read(self, path: str, out: np.ndarray) -> np.ndarray:
+  def _read(self, path: str, out: np.ndarray, at) -> np.ndarray:
     data = memoryview(out.view(np.uint8).reshape(-1))
     fd = os.open(path, os.O_RDONLY)
     try:
-      offset = 0
-      while offset < len(data):
-        got = os.preadv(fd, [data[offset:offset + PIECE]], offset)
-        if got == 0:
-          raise OSError(errno.EIO, f"{path} holds {offset:,} bytes, "
-                        f"{len(data):,} expected; restore from the last "
-                        "checkpoint (the disk tier's files are scratch)")
-        offset += got
+      for start, segment in self._segments(data, at):
+        offset = 0
+        while offset < len(segment):
+          got = os.preadv(fd, [segment[offset:offset + PIECE]], start + offset)
+          if got == 0:
+            raise OSError(errno.EIO, f"{path} is shorter than the "
+                          f"{len(data):,} bytes expected; restore from the "
+                          "last checkpoint (the disk tier's files are "
+                          "scratch)")
+          offset += got
     finally:
       os.close(fd)
     return out
 
   def stream(self, items: Iterable, read: Callable, update: Callable,
              write: Callable) -> None:
-    """For each item in order: `arrays = read(item).result()`, then
+    """For each item in order: `arrays = list(read(item).result())`, then
     `result = update(item, arrays)` in this thread, then
-    `write(item, result)` (a sequence of futures).
+    `write(item, result)` (a sequence of futures). The stream keeps no
+    reference to `arrays` or `result`: an update that empties the list
+    frees the arrays it read once it is done with them.
 
     Overlap with a bounded footprint: while item i is updated, item i-1's
     writes finish and then item i+1's read runs (it waits for them, in a
@@ -145,10 +166,9 @@ class ChunkFiles:
     try:
       start(0)
       for i, item in enumerate(items):
-        arrays = reads.pop(i).result()
-        start(i + 1)
-        writes.append(list(write(item, update(item, arrays))))
-        del arrays
+        start(i + 1)   # waits for item i-1's writes in its own thread
+        writes.append(list(write(item, update(item, list(
+            reads.pop(i).result())))))
     finally:
       errors = []
       for futures in writes:
@@ -167,10 +187,21 @@ class ChunkFiles:
     self._pool.shutdown(wait=True)
 
 
-def read_many(files: ChunkFiles, keys: Sequence[str], shapes, dtypes
-              ) -> cf.Future:
-  """One future for several files' arrays (a tuple, in `keys` order)."""
-  futures = [files.read(k, s, d) for k, s, d in zip(keys, shapes, dtypes)]
+def shard_offsets(shape: Sequence[int], itemsize: int, start: int,
+                  stop: int) -> list:
+  """Byte offsets of the rows of `array[..., start:stop]` in the file of a
+  C-order array of `shape`: where a shard on the last axis lies."""
+  rows, length = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+  return [(r * length + start) * itemsize for r in range(rows)]
+
+
+def read_many(files: ChunkFiles, keys: Sequence[str], shapes, dtypes,
+              at: Optional[Sequence] = None) -> cf.Future:
+  """One future for several files' arrays (a tuple, in `keys` order);
+  `at`: each one's row offsets, as `ChunkFiles.read`."""
+  at = [None] * len(keys) if at is None else at
+  futures = [files.read(k, s, d, a)
+             for k, s, d, a in zip(keys, shapes, dtypes, at)]
   done: cf.Future = cf.Future()
   left = [len(futures)]
   lock = threading.Lock()
@@ -184,10 +215,11 @@ def read_many(files: ChunkFiles, keys: Sequence[str], shapes, dtypes
       done.set_result(tuple(f.result() for f in futures))
     except BaseException as e:  # noqa: BLE001 - the reader's error
       done.set_exception(e)
+    futures.clear()   # each holds `finish`: no cycle keeps the arrays
 
-  for f in futures:
-    f.add_done_callback(finish)
   if not futures:
     done.set_result(())
+  for f in list(futures):
+    f.add_done_callback(finish)
   return done
 

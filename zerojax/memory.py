@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import offload, quantize
+from zerojax import disk_tier, offload, quantize
 from zerojax.state import ZeroTrainState, check_live
 
 CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
@@ -176,11 +176,12 @@ class MemoryReport:
         fmt(r) for r in rows]
     where = self.placement
     if where:
+      tier = "disk" if "disk" in where else "host"
       lines.append(
           f"optimizer state by chunk ({where['placement']} placement"
           + (f", device_budget={where['device_budget']!r}"
              if where["device_budget"] is not None else "") +
-          f"): host {_chunk_list(where['host'])}, device "
+          f"): {tier} {_chunk_list(where[tier])}, device "
           f"{_chunk_list(where['device'])}")
     w = self.wire
     if w:
@@ -212,11 +213,15 @@ def memory_report(state) -> MemoryReport:
   measured = {}
   for cat, tree in parts.items():
     kinds = defaultdict(int)
-    for leaf in jax.tree_util.tree_leaves(tree):
-      kinds[_kind(leaf)] += per_device_bytes(leaf)
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=disk_tier.is_on_disk):
+      if disk_tier.is_on_disk(leaf):   # this device's share of the file
+        kinds["disk"] += leaf.nbytes // state.num_state_shards
+      else:
+        kinds[_kind(leaf)] += per_device_bytes(leaf)
     measured[cat] = dict(kinds)
-  opt_bytes = sum(x.size * x.dtype.itemsize
-                  for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x))
+  opt_bytes = sum(
+      x.size * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(
+          state.opt_state, is_leaf=disk_tier.is_on_disk) if len(x.shape))
   psi = state.layout.num_chunked_elements
   padded = sum(int(np.prod(c.shape)) for c in state.layout.chunks)
   opt_bytes = round(opt_bytes / padded) if padded else 0
@@ -234,14 +239,15 @@ def memory_report(state) -> MemoryReport:
 
 def placement(state) -> dict:
   """{} without offload under manual placement; else which chunks' optimizer
-  state is on host and which on the device, and the placement fields."""
+  state is on host (under "disk" for the disk tier) and which on the
+  device, and the placement fields."""
   cfg = state.config
   if not cfg.offload_optimizer and cfg.placement == "manual":
     return {}
   host = sorted(offload.offloaded_chunks(state.layout, cfg.offload_fraction)
                 if cfg.offload_optimizer else ())
   return {"placement": cfg.placement, "device_budget": cfg.device_budget,
-          "host": host, "device": sorted(
+          "disk" if cfg.disk else "host": host, "device": sorted(
               set(range(len(state.layout.chunks))) - set(host))}
 
 

@@ -25,7 +25,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, memory, meshes, reshard
+from zerojax import disk_tier, frontend, memory, meshes, reshard
 from zerojax.config import shard_axes
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, chunk_spec, config_and_mesh,
@@ -70,7 +70,7 @@ def create(init_fn: Callable, rng: jax.Array, *,
   made = [make(rng) for make in chunks]
   master = tuple(m for m, _ in made)
   compute = tuple(c for _, c in made if c is not None)
-  return assemble(master, compute, rest_program(rng))
+  return disk_tier.spill(assemble(master, compute, rest_program(rng)))
 
 
 def create_footprint(init_fn: Callable, rng: jax.Array, *,

@@ -23,7 +23,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, meshes, offload, optim, optstate, precision, reshard
+from zerojax import (disk_tier, frontend, meshes, offload, optim, optstate,
+                     precision, reshard)
 from zerojax.config import FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
@@ -189,9 +190,10 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
   state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
-  return place(state.params, state.opt_state, state.step, extras,
-               static_extras, tx=state.tx, apply_fn=state.apply_fn,
-               config=config, mesh=mesh)
+  placed = place(state.params, state.opt_state, state.step, extras,
+                 static_extras, tx=state.tx, apply_fn=state.apply_fn,
+                 config=config, mesh=mesh)
+  return disk_tier.spill(placed)
 
 
 def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,

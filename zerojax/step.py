@@ -22,7 +22,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import collectives, compat, offload, optstate, precision
+from zerojax import (collectives, compat, disk, disk_tier, offload, optstate,
+                     precision)
 from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
@@ -33,14 +34,20 @@ from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
 def _gather_updated(state, shards):
   """Step 3 (`StagePolicy.regather`): replicated chunks from the updated
   shards, in the compute dtype when they fill the compute copy. Under hpZ
-  in two hops, over the replica axis and then within the data axis."""
+  in two hops, over the replica axis and then within the data axis. A
+  shard given as None (a disk-tier chunk, updated after the program) gives
+  None."""
   cfg, layout = state.config, state.layout
   dtype = cfg.compute_dtype if policy(cfg).compute_copy else None
-  split_specs = tuple(chunk_spec(len(c.shape), shard_axes(cfg))
-                      for c in layout.chunks)
+  todo = [c for c, s in enumerate(shards) if s is not None]
+  split_specs = tuple(chunk_spec(len(layout.chunks[c].shape), shard_axes(cfg))
+                      for c in todo)
   hops = (cfg.replica_axis, cfg.axis_name) if cfg.hpz else (cfg.axis_name,)
   # qwZ quantizes the 16-bit compute copy's gather, never the fp32 master's
   quant = collectives.Wire.of(cfg).weights if dtype is not None else None
+
+  if not todo:
+    return tuple(shards)
 
   def local(shards):
     out = []
@@ -51,9 +58,13 @@ def _gather_updated(state, shards):
       out.append(s)
     return tuple(out)
 
-  return jax.shard_map(local, mesh=state.mesh, in_specs=(split_specs,),
-                       out_specs=tuple(P() for _ in layout.chunks),
-                       check_vma=False)(shards)
+  gathered = jax.shard_map(local, mesh=state.mesh, in_specs=(split_specs,),
+                           out_specs=tuple(P() for _ in todo),
+                           check_vma=False)(tuple(shards[c] for c in todo))
+  out = [None] * len(shards)
+  for c, g in zip(todo, gathered):
+    out[c] = g
+  return tuple(out)
 
 
 def _update_groups(layout, cfg) -> list:
@@ -74,21 +85,30 @@ def _update_chunks(state, chunks, grads, master, opt, owners, keep):
   new optimizer-state leaves (by leaf index): those of `chunks` and those
   owned by no chunk (step counts, alike in every call)."""
   cfg, layout, tx = state.config, state.layout, state.tx
-  treedef = jax.tree_util.tree_structure(state.opt_state)
   # tx sees the statistics as views; other chunks' statistics are empty
   views = [x if c is None else
            jnp.reshape(x, layout.view_shape(c)) if c in chunks else
            jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)
            for x, c in zip(opt, owners)]
+  # the disk tier's statistics (`OnDisk`, no leaves) are other chunks' too
+  full, treedef = disk_tier.full_leaves(state.opt_state)
+  on_disk = [disk_tier.is_on_disk(x) for x in full]
+  if any(on_disk):
+    full_owners = optstate.owners(
+        layout, disk_tier.abstract(state.opt_state)).chunk
+    given = iter(views)
+    views = [jnp.zeros((0,) * len(layout.view_shape(c)), np.dtype(x.dtype))
+             if d else next(given) for x, c, d in zip(full, full_owners, on_disk)]
   params = layout.views(master, only=chunks)
   updates, new_opt = tx.update(
       layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks),
       jax.tree_util.tree_unflatten(treedef, views), params)
   new_master = layout.from_views(optax.apply_updates(params, updates), chunks)
   new_master = {c: keep(new_master[c], master[c]) for c in chunks}
+  new_leaves = [x for x, d in zip(jax.tree_util.tree_leaves(new_opt), on_disk)
+                if not d]
   new_opt = {j: keep(x if c is None else jnp.reshape(x, opt[j].shape), opt[j])
-             for j, (x, c) in enumerate(zip(jax.tree_util.tree_leaves(new_opt),
-                                            owners))
+             for j, (x, c) in enumerate(zip(new_leaves, owners))
              if c is None or c in chunks}
   return new_master, new_opt
 
@@ -109,9 +129,15 @@ def _update(state, grads, master, shardings, finite):
   `finite`: when steps may be skipped (loss scaling, `skip_nonfinite`),
   whether to keep the update (else the old values).
 
-  Returns the new master chunks, the new optimizer state, and what the
+  Under the disk tier (`config.disk`) the offloaded chunks are not updated
+  here: their gradient shards stay on the device for `_disk_update`, which
+  streams their statistics from their files after this program and moves
+  each gradient shard to the host for its chunk's update.
+
+  Returns the new master chunks, the new optimizer state, what the
   re-gather of stages 1-2 reads per chunk (the new master, or a host
-  update's compute-dtype shard, already on the device).
+  update's compute-dtype shard, already on the device; None for a disk
+  chunk), and the disk chunks' gradient shards (by chunk).
   """
   cfg, layout = state.config, state.layout
   owners = optstate.owners(layout, state.opt_state).chunk  # per leaf: chunk or None
@@ -121,9 +147,14 @@ def _update(state, grads, master, shardings, finite):
   keep = ((lambda new, old: new) if finite is None else
           (lambda new, old: jnp.where(finite, new, old)))
   new_master, new_opt, sent_back = list(master), list(opt), None
-  to_gather = list(master)
+  to_gather, pending = list(master), {}
   for n, (chunks, offloaded) in enumerate(_update_groups(layout, cfg)):
     stats = [j for j, c in enumerate(owners) if c in chunks]
+    if offloaded and cfg.disk:   # kept on the device until its update
+      (c,) = chunks
+      pending[c] = grads[c]
+      to_gather[c] = None
+      continue
     if offloaded and cfg.update_on == "host":
       (c,) = chunks
       m, leaves, to_gather[c] = _update_on_host(
@@ -166,7 +197,7 @@ def _update(state, grads, master, shardings, finite):
     if to_gather[c] is master[c]:
       to_gather[c] = x
   return (tuple(new_master), jax.tree_util.tree_unflatten(treedef, new_opt),
-          tuple(to_gather))
+          tuple(to_gather), pending)
 
 
 def _update_on_host(state, c, grads, master, opt, owners, finite, shardings):
@@ -214,6 +245,153 @@ def _update_on_host(state, c, grads, master, opt, owners, finite, shardings):
     compute = jax.device_put(compute, shardings.master[c].with_memory_kind(
         offload.DEVICE))
   return new_master, leaves, compute if regather else new_master
+
+
+def _disk_inputs(state, pending, finite) -> dict:
+  """What `_disk_update` needs from the step's program: the disk chunks'
+  gradient shards (on the device), the optimizer state's leaves owned by
+  no chunk (step counts) as they were before the step, by position among
+  the leaves with each `OnDisk` one (`disk_tier.full_leaves`), and the
+  finite flag (None when no step is skipped)."""
+  flat, _ = disk_tier.full_leaves(state.opt_state)
+  owners = optstate.owners(state.layout,
+                           disk_tier.abstract(state.opt_state)).chunk
+  counts = {j: x for j, (x, c) in enumerate(zip(flat, owners))
+            if c is None and not disk_tier.is_on_disk(x) and np.size(x)}
+  return {"grads": pending, "counts": counts, "finite": finite}
+
+
+def _skeleton(state) -> ZeroTrainState:
+  """`state` as `ShapeDtypeStruct`s, its `OnDisk`s included: the static
+  parts and shapes the disk tier's programs are built from."""
+  full = state.replace(opt_state=disk_tier.abstract(state.opt_state))
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), full)
+
+
+def _disk_chunk_program(skeleton, c: int) -> Callable:
+  """The jitted host update of disk chunk `c`: `(statistics by position,
+  counts by position, gradient shard, master shard, finite) -> (new master
+  shard, new leaves by position, the re-gather's input)`, the very
+  computation of the host tier's `_update_on_host`."""
+  shardings = state_shardings(skeleton)
+  owners = optstate.owners(skeleton.layout, skeleton.opt_state).chunk
+  template = jax.tree_util.tree_leaves(skeleton.opt_state)
+  n = len(skeleton.layout.chunks)
+
+  def run(stats, counts, grad, master, finite):
+    opt = [stats[j] if j in stats else counts[j] if j in counts else t
+           for j, t in enumerate(template)]
+    return _update_on_host(skeleton, c, [grad if i == c else None
+                                         for i in range(n)],
+                           [master if i == c else None for i in range(n)],
+                           opt, owners, finite, shardings)
+  # the statistics, gradient and master shard are the caller's to give up
+  return jax.jit(run, donate_argnums=(0, 2, 3))
+
+
+def _disk_update(state, inputs, programs: dict) -> ZeroTrainState:
+  """The disk chunks' updates after the step's program (`config.disk`):
+  one chunk at a time, its statistics read from their files into host
+  memory (the next chunk's read overlapping this one's update, the last
+  chunk's write overlapping it too: `disk.ChunkFiles.stream`), updated on
+  the host by `_disk_chunk_program`, written back. Then, at stages 1-2,
+  the disk chunks' new compute-dtype shards are gathered into the compute
+  copy. `programs` caches the jitted programs per state structure."""
+  cfg, layout = state.config, state.layout
+  files = disk_tier.files(cfg)
+  flat, treedef = disk_tier.full_leaves(state.opt_state)
+  skeleton = _skeleton(state)
+  owners = optstate.owners(layout, skeleton.opt_state).chunk
+  opt_at = jax.tree_util.tree_leaves(state_shardings(skeleton).opt_state)
+  structure = jax.tree_util.tree_structure(state)
+  mine = {c: [j for j, o in enumerate(owners)
+              if o == c and disk_tier.is_on_disk(flat[j])]
+          for c in inputs["grads"]}
+  master, regather, counts = list(state.master), {}, {}
+
+  def program(c):
+    key = (structure, c)
+    if key not in programs:
+      programs[key] = _disk_chunk_program(skeleton, c)
+    return programs[key]
+
+  def pieces(j):
+    """{first element on the last axis: (its devices, row offsets)} of
+    statistic j's shards in this process."""
+    x = flat[j]
+    out = {}
+    for device, index in opt_at[j].addressable_devices_indices_map(
+        x.shape).items():
+      start, stop, _ = index[-1].indices(x.shape[-1])
+      devices, _ = out.setdefault(start, ([], disk.shard_offsets(
+          x.shape, np.dtype(x.dtype).itemsize, start, stop)))
+      devices.append(device)
+    return out
+
+  def read(c):
+    """Statistic by statistic, shard by shard: no array is assembled."""
+    want = [(j, start, at) for j in mine[c]
+            for start, (_, at) in pieces(j).items()]
+    return disk.read_many(
+        files, [flat[j].key for j, _, _ in want],
+        [flat[j].shape[:-1] + (shard_len(j),) for j, _, _ in want],
+        [np.dtype(flat[j].dtype) for j, _, _ in want],
+        [at for _, _, at in want])
+
+  def shard_len(j):
+    x = flat[j]
+    index = next(iter(opt_at[j].addressable_devices_indices_map(
+        x.shape).values()))
+    start, stop, _ = index[-1].indices(x.shape[-1])
+    return stop - start
+
+  def update(c, arrays):
+    stats, k = {}, 0
+    for j in mine[c]:
+      parts = []
+      for devices, _ in pieces(j).values():
+        host, arrays[k] = arrays[k], None   # freed once on its devices
+        k += 1
+        parts += [jax.device_put(host, jax.sharding.SingleDeviceSharding(
+            d, memory_kind=opt_at[j].memory_kind)) for d in devices]
+        del host
+      stats[j] = jax.make_array_from_single_device_arrays(
+          flat[j].shape, opt_at[j], parts)
+      del parts
+    master[c], leaves, regather[c] = program(c)(
+        stats, inputs["counts"], inputs["grads"].pop(c), master[c],
+        inputs["finite"])
+    del stats
+    for j in inputs["counts"]:
+      counts.setdefault(j, leaves[j])
+    out = []
+    for j in mine[c]:   # each shard written from its own buffer
+      x = flat[j]
+      for s in leaves.pop(j).addressable_shards:
+        if s.replica_id == 0:
+          start, stop, _ = s.index[-1].indices(x.shape[-1])
+          out.append((x.key, np.asarray(s.data), disk.shard_offsets(
+              x.shape, np.dtype(x.dtype).itemsize, start, stop)))
+    return out
+
+  def write(c, written):
+    return [files.write(key, array, at) for key, array, at in written]
+
+  files.stream(sorted(mine), read, update, write)
+  compute = state.compute
+  if policy(cfg).regather:
+    key = (structure, "regather")
+    if key not in programs:
+      programs[key] = jax.jit(functools.partial(_gather_updated, skeleton))
+    gathered = programs[key](tuple(regather.get(c) for c in
+                                   range(len(layout.chunks))))
+    compute = tuple(x if g is None else g
+                    for x, g in zip(state.compute, gathered))
+  for j, x in counts.items():
+    flat[j] = x
+  return state.replace(master=tuple(master), compute=compute,
+                       opt_state=jax.tree_util.tree_unflatten(treedef, flat))
 
 
 def _global_norm(grads) -> jax.Array:
@@ -270,8 +448,8 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
                    for m in state.master)
   else:
     master = state.master
-  new_master, opt_state, to_gather = _update(state, grads, master,
-                                             shardings, finite)
+  new_master, opt_state, to_gather, pending = _update(state, grads, master,
+                                                      shardings, finite)
   loss_scale = state.loss_scale
   if loss_scale is not None:
     loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
@@ -282,8 +460,9 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
   compute = state.compute
   if pol.regather:
     gathered = _gather_updated(state, to_gather)
-    if pol.compute_copy:
-      compute = gathered
+    if pol.compute_copy:   # a disk chunk's: after `_disk_update`
+      compute = tuple(state.compute[c] if g is None else g
+                      for c, g in enumerate(gathered))
     else:
       new_master = gathered
   if isinstance(aux, dict):
@@ -295,6 +474,8 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
       master=new_master, compute=compute, opt_state=opt_state,
       loss_scale=loss_scale, extras={**state.extras, **fields})
   new_state = offload.place(new_state, shardings)
+  if cfg.disk:
+    return new_state, metrics, _disk_inputs(state, pending, finite)
   return new_state, metrics
 
 
@@ -416,8 +597,16 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, {}),
                    donate_argnums=(0,) if donate else ())
 
+  programs: dict = {}   # the disk tier's, per state structure
+
   def prepare(state, batch):
     check_state(state, "step()", mutable)
+    if state.config.disk and not donate:
+      raise ValueError(
+          "train_step(donate=False) keeps the input state, but a disk-tier "
+          "state (offload_optimizer='disk') has its statistics rewritten in "
+          "their files by every step; use donate=True (the default), and "
+          "checkpoint.save to keep a state to go back to.")
     return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
@@ -427,7 +616,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       check_state(state, "step()", mutable)
       state = planner.place_as_planned(state, loss_fn, batch,
                                        has_aux=has_aux, mutable=mutable)
-    return jitted(state, prepare(state, batch), rng)
+    out = jitted(state, prepare(state, batch), rng)
+    if state.config.disk:
+      new_state, metrics, inputs = out
+      return _disk_update(new_state, inputs, programs), metrics
+    return out
 
   step.lower = lambda state, batch, rng=None: jitted.lower(
       state, prepare(state, batch), rng)

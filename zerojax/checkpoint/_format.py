@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import optstate
+from zerojax import disk_tier, optstate
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
 from zerojax.state import ZeroTrainState
@@ -27,8 +27,10 @@ def params_shapes(layout) -> Any:
 
 def chunk_form(state: ZeroTrainState) -> dict:
   """What a save writes: the state's own arrays, as they are sharded."""
+  # a disk tier's statistics: read-only maps of their files
   out = {"step": state.step, "master": list(state.master),
-         "rest": list(state.rest), "opt_state": non_empty(state.opt_state)}
+         "rest": list(state.rest),
+         "opt_state": non_empty(disk_tier.mapped(state))}
   if state.loss_scale is not None:
     out["loss_scale"] = {"scale": state.loss_scale.scale,
                          "good_steps": state.loss_scale.good_steps}

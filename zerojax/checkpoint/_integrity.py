@@ -60,6 +60,9 @@ def checksums(tree) -> dict:
   distinct shards, in place (XLA's CPU integer reduction is about 25x
   slower than numpy's: 0.9 s against 0.05 s for GPT-2 small's state)."""
   arrays = by_path(tree)
+  # numpy arrays (a disk tier's maps of its files) are summed as they are
+  in_numpy = {k: x for k, x in arrays.items() if isinstance(x, np.ndarray)}
+  arrays = {k: x for k, x in arrays.items() if k not in in_numpy}
   on_cpu = sorted(k for k, x in arrays.items()
                   if all(d.platform == "cpu" for d in x.sharding.device_set))
   out = {k: int(v) for k, v in jax.device_get(_device_sums(
@@ -71,6 +74,7 @@ def checksums(tree) -> dict:
     partial = np.sum(np.asarray(multihost_utils.process_allgather(partial),
                                 np.uint64), axis=0)
   out.update(zip(on_cpu, (int(v) % 2 ** 32 for v in partial)))
+  out.update({k: _host_sum(x) % 2 ** 32 for k, x in in_numpy.items()})
   return out
 
 

@@ -14,7 +14,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, meshes, optstate, precision, reshard
+from zerojax import (disk_tier, frontend, meshes, optstate, precision,
+                     reshard)
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
@@ -22,7 +23,7 @@ from zerojax.checkpoint._format import (
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, verify)
 from zerojax.checkpoint._save import wait
-from zerojax.config import OFFLOAD_FIELDS, shard_axes
+from zerojax.config import DISK, OFFLOAD_FIELDS, shard_axes
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
 from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh,
@@ -182,14 +183,22 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   if (fields.get("placement", "manual") == "manual" and
       not fields.get("offload_optimizer") and "update_on" not in config_fields):
     fields["update_on"] = "device"   # a saved host update needs the offload
+  if fields.get("offload_optimizer") == DISK:
+    if "update_on" not in config_fields:
+      fields["update_on"] = None   # the disk tier's own: on the host
+  elif "offload_dir" not in config_fields:
+    fields.pop("offload_dir", None)   # a saved disk tier's, not wanted here
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
-    return _restore_chunk_form(path, saved, meta["layout"],
-                               meta.get("checksums"),
-                               in_views=meta["format"] == VIEW_FORMAT, **target)
-  return _restore_tree_form(path, saved, **target)
+    state = _restore_chunk_form(path, saved, meta["layout"],
+                                meta.get("checksums"),
+                                in_views=meta["format"] == VIEW_FORMAT,
+                                **target)
+  else:
+    state = _restore_tree_form(path, saved, **target)
+  return disk_tier.spill(state)   # a disk tier's statistics: to fresh files
 
 
 def _loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:

@@ -131,7 +131,10 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
     keep: after this save, keep only the newest `keep` checkpoints in
       `directory` (older ones are deleted); None keeps them all. Each call's
       own `keep` applies.
-    wait: block until the write is committed.
+    wait: block until the write is committed. Always so for a disk-tier
+      state (`offload_optimizer="disk"`): its statistics are written from
+      their files, which the next step rewrites, so the save returns once
+      it is committed.
 
   Returns:
     The step written. Call `wait(directory)` before another process reads
@@ -172,7 +175,7 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
   _PENDING[directory] = step
   mgr.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
-  if wait:
+  if wait or state.config.disk:
     _finish(directory)
   return step
 

@@ -1,0 +1,236 @@
+"""The disk tier (`offload_optimizer="disk"`, ZeRO-Infinity): the
+offloaded chunks' statistics in files, streamed through host memory by
+each step's update. Bit-identical to the host tier, checkpoints in and out
+of it, the host memory it holds, a process killed mid-update, and bad
+input."""
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax
+from zerojax import disk_tier
+import disk_worker
+from models import (assert_matches_reference, make_problem, reference_run,
+                    zero_run)
+
+TX = optax.adam(1e-2)
+WORKER = os.path.join(os.path.dirname(__file__), "disk_worker.py")   # one object: zerojax probes each (tx, tree) once
+_problem = functools.lru_cache(maxsize=None)(make_problem)
+
+
+def _shard(stage, **fields):
+  model, params, _, _ = _problem("transformer", steps=3)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=TX)
+  return zerojax.shard(plain, stage=stage, **fields)
+
+
+def _params(state):
+  return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
+
+
+@pytest.mark.parametrize("stage,fields", [
+    (1, dict(compute_dtype="bfloat16", skip_nonfinite=True)),
+    (2, dict(compute_dtype="bfloat16", accum_steps=2)),
+    (3, dict(compute_dtype="float32", accum_steps=2)),
+    (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
+])
+def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
+  """The same update as the host tier's (`_update_on_host`), compiled as a
+  program of its own: XLA's algebraic simplifier rewrites adam's
+  bias-corrected division differently there (m·(1/c1) / (√v̂+ε) against
+  m / (c1·(√v̂+ε))), so after a step the master may differ by an ulp of
+  itself plus one of the update (lr = 1e-2); the statistics are
+  bit-identical. At float32 both go on matching plain optax."""
+  _, params, loss_fn, batches = _problem("transformer", steps=3)
+  host_state = _shard(stage, offload_optimizer=True, update_on="host",
+                      **fields)
+  state = _shard(stage, offload_optimizer="disk", offload_dir=str(tmp_path),
+                 **fields)
+  on_disk = disk_tier.entries(state.opt_state)
+  assert on_disk and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      f"{x.key}.bin" for _, x in on_disk)
+  host, host_losses = zero_run(host_state, loss_fn, batches[:1])
+  disk, disk_losses = zero_run(state, loss_fn, batches[:1])
+  np.testing.assert_array_equal(disk_losses, host_losses)
+  got = jax.tree_util.tree_leaves(disk_tier.mapped(disk))
+  want = jax.tree_util.tree_leaves(host.opt_state)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  for g, w in zip(disk.master, host.master):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2 ** -22,
+                               atol=2 * np.spacing(np.float32(1e-2)))
+  if fields["compute_dtype"] == "float32":
+    disk, more = zero_run(disk, loss_fn, batches[1:])
+    ref_losses, ref_params = reference_run(loss_fn, params, TX, batches)
+    assert_matches_reference(np.concatenate([disk_losses, more]),
+                             _params(disk), ref_losses, ref_params)
+
+
+def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
+  """Saved from the files (maps of them, never the whole state in memory),
+  restored into a fresh disk tier (going on exactly as the saved state
+  does), into host memory on 4 devices, and with no offload."""
+  _, _, loss_fn, batches = _problem("transformer", steps=3)
+  live, again_dir = tmp_path / "live", tmp_path / "again"
+  live.mkdir(), again_dir.mkdir()
+  state, _ = zero_run(_shard(3, offload_optimizer="disk",
+                             offload_dir=str(live)), loss_fn, batches[:1])
+  zerojax.checkpoint.save(tmp_path / "ckpt", state)   # returns committed
+  plain = train_state.TrainState.create(
+      apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
+  state, losses = zero_run(state, loss_fn, batches[1:])
+  mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+  for overrides in (dict(offload_dir=str(again_dir)),
+                    dict(offload_optimizer=True, mesh=mesh4),
+                    dict(offload_optimizer=False)):
+    restored = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
+                                          **overrides)
+    assert restored.config.disk == ("offload_dir" in overrides)
+    if restored.config.disk:
+      assert sorted(p.name for p in again_dir.iterdir()) == sorted(
+          f"{x.key}.bin" for _, x in disk_tier.entries(restored.opt_state))
+    restored, again = zero_run(restored, loss_fn, batches[1:])
+    check = (np.testing.assert_array_equal if restored.config.disk else
+             functools.partial(np.testing.assert_allclose, rtol=1e-5,
+                               atol=1e-7))
+    check(again, losses)
+    jax.tree_util.tree_map(check, _params(restored), _params(state))
+
+
+def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
+  """SIGKILL after the first shard of step 2's statistics is written: the
+  live files are a mix of two steps (scratch); the checkpoint of step 1
+  restores (its files rebuilt in the same directory) and goes on exactly
+  as an uninterrupted run."""
+  live, ckpt = tmp_path / "live", tmp_path / "ckpt"
+  live.mkdir()
+  done = subprocess.run([sys.executable, WORKER, "kill", str(live), str(ckpt)],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+  left = sorted(p.name for p in live.iterdir())
+  assert len(left) == 6   # adam's two moments of three chunks, half rewritten
+
+  plain, loss_fn, batches, fields = disk_worker.problem()
+  reference = zerojax.shard(plain, offload_optimizer="disk",
+                            offload_dir=str(tmp_path), **fields)
+  reference, want = zero_run(reference, loss_fn, batches)
+  restored = zerojax.checkpoint.restore(ckpt, like=plain, offload_dir=str(live))
+  assert int(restored.step) == 1
+  restored, got = zero_run(restored, loss_fn, batches[1:])
+  np.testing.assert_array_equal(got, want[1:])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(restored),
+                         _params(reference))
+
+
+def _tiny_disk(tmp_path, **fields):
+  plain, _, _, base = disk_worker.problem()
+  return zerojax.shard(plain, offload_optimizer="disk", **{
+      "offload_dir": str(tmp_path), **base, **fields})
+
+
+def test_bad_directories_are_refused_with_nothing_left(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist; create it"):
+    _tiny_disk(tmp_path / "missing")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(NotADirectoryError, match="is not a directory"):
+    _tiny_disk(tmp_path / "file")
+  read_only = tmp_path / "ro"
+  read_only.mkdir()
+  read_only.chmod(0o500)
+  try:
+    if not os.access(read_only, os.W_OK):   # root writes anywhere
+      with pytest.raises(PermissionError, match="cannot take the disk tier"):
+        _tiny_disk(read_only)
+  finally:
+    read_only.chmod(0o700)
+
+
+def test_a_full_disk_is_an_error_never_a_partial_tier(tmp_path, monkeypatch):
+  """At `shard`: the files written so far are removed. During a step: the
+  step raises (the state is then gone, as the message says)."""
+  from zerojax import disk
+  full_at = {"writes": 3}   # the directory's probe, then two files
+  write = disk.os.pwrite
+
+  def pwrite(fd, data, offset):
+    full_at["writes"] -= 1
+    if full_at["writes"] < 0:
+      raise OSError(28, "No space left on device")
+    return write(fd, data, offset)
+
+  monkeypatch.setattr(disk.os, "pwrite", pwrite)
+  with pytest.raises(OSError, match="no space left .*restore from the last"):
+    _tiny_disk(tmp_path)
+  assert list(tmp_path.iterdir()) == []
+  full_at["writes"] = 8   # a probe and six files, then the step's probe
+  state = _tiny_disk(tmp_path)
+  _, loss_fn, batches, _ = disk_worker.problem()
+  with pytest.raises(OSError, match="no space left"):
+    zerojax.train_step(loss_fn)(state, batches[0])
+
+
+@pytest.mark.parametrize("fields,error,message", [
+    (dict(offload_optimizer="disk"), ValueError, "give offload_dir="),
+    (dict(offload_optimizer="nvme", offload_dir="/tmp"), ValueError,
+     "offload_optimizer='nvme' is not a tier"),
+    (dict(offload_optimizer=True, offload_dir="/tmp"), ValueError,
+     "offload_dir='/tmp' is read by offload_optimizer='disk' only"),
+    (dict(offload_optimizer="disk", offload_dir=7), TypeError,
+     "offload_dir=7 must be a directory path"),
+    (dict(offload_optimizer="disk", offload_dir="/tmp", update_on="device"),
+     ValueError, "drop update_on='device'"),
+    (dict(offload_optimizer="disk", offload_dir="/tmp", placement="auto",
+          device_budget=2 ** 30), ValueError, "use placement='manual'"),
+    (dict(stage=2, offload_optimizer="disk", offload_dir="/tmp"), ValueError,
+     "offload_optimizer='disk' (its update runs on the host) at stage 2 "
+     "needs 16-bit compute"),
+])
+def test_bad_disk_settings_are_refused(fields, error, message):
+  with pytest.raises(error, match=re.escape(message)):
+    zerojax.ZeroConfig(**fields)
+
+
+def test_a_disk_tier_needs_a_donating_step(tmp_path):
+  state = _tiny_disk(tmp_path)
+  _, loss_fn, batches, _ = disk_worker.problem()
+  step = zerojax.train_step(loss_fn, donate=False)
+  with pytest.raises(ValueError, match="use donate=True"):
+    step(state, batches[0])
+  assert len(list(tmp_path.iterdir())) == 6   # the state is untouched
+  zerojax.train_step(loss_fn)(state, batches[0])
+
+
+def test_the_update_holds_few_chunks_in_host_memory(tmp_path):
+  """Four chunks of 8 MiB of statistics each: the disk update's peak RSS
+  (sampled every 0.2 ms) is at most 2.5 chunks' statistics above the
+  step's own peak (`tests/disk_worker.py rss`; glibc's mmap threshold
+  fixed so freed arrays leave RSS at once)."""
+  done = subprocess.run(
+      [sys.executable, WORKER, "rss", str(tmp_path)], capture_output=True,
+      text=True, timeout=300,
+      env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  seen = json.loads(done.stdout.strip().splitlines()[-1])
+  above = seen["peak"] - max(seen["step_peak"], seen["start"])
+  assert above <= 2.5 * seen["chunk"], seen
+
+
+def test_memory_report_counts_the_files_as_disk(tmp_path):
+  state = _tiny_disk(tmp_path, stage=3)
+  report = zerojax.memory_report(state)
+  assert report.measured["optimizer state"]["disk"] == (
+      disk_tier.disk_bytes(state) // state.num_state_shards) == 2 * 64 * 64 * 4 * 3 // 8
+  assert report.placement["disk"] == [0, 1, 2]
+  assert "disk 3 chunk(s): 0, 1, 2" in str(report)
