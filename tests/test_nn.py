@@ -19,9 +19,13 @@ def _all_gathers(hlo):
   return hlo.count("all-gather-start(") + hlo.count(" all-gather(")
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
-@pytest.mark.parametrize("layerwise", [True, False])
-def test_layerwise_matches_plain_optax(layerwise, scan):
+@pytest.mark.parametrize("scan,layerwise,offload", [
+    (True, True, {}), (True, False, {}), (False, True, {}), (False, False, {}),
+    # an unrolled block's shards in host memory: their cotangent goes there
+    (False, True, {"offload_optimizer": True, "offload_params": True}),
+], ids=["scanned-layerwise", "scanned", "unrolled-layerwise", "unrolled",
+        "unrolled-layerwise-offload"])
+def test_layerwise_matches_plain_optax(layerwise, scan, offload):
   model = ScannedLM(layers=3, layerwise=layerwise, scan=scan)
   batches = _batches(model.vocab)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
@@ -31,7 +35,8 @@ def test_layerwise_matches_plain_optax(layerwise, scan):
   loss_fn = _loss_fn(model)
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=3,
-                        stacked=("blocks",) if scan else (), accum_steps=2)
+                        stacked=("blocks",) if scan else (), accum_steps=2,
+                        **offload)
   if not scan:   # every block has chunks of its own, opted in or not
     assert {c.stack for c in state.layout.chunks} == {
         None, "blocks_0", "blocks_1", "blocks_2"}

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax import collectives
+from zerojax.offload import HOST_SPACE
 
 CHUNK_KEY = "__zerojax_chunk_"
 SLOT_KEY = "__zerojax_slot_"   # a host chunk's gradient slot (offload_params)
@@ -255,7 +256,11 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
         finally:
           _AFTER.reset(token)
 
+      spaces = []   # per variable of the block: its memory space
+
       def forward(module, *values):
+        spaces[:] = [getattr(getattr(x, "aval", None), "memory_space", None)
+                     for x in jax.tree_util.tree_leaves(module.variables)]
         token = _AFTER.set(_anchor(values))
         try:
           return nn.vjp(call, module, *values)
@@ -267,7 +272,16 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
         if after is not None:   # the re-gathers wait for the cotangent
           vjp_fn = jax.tree_util.tree_map(
               lambda r: r if _anchor(r) is None else tie(r, after), vjp_fn)
-        return vjp_fn(cotangent)
+        grads = vjp_fn(cotangent)
+        # a shard in host memory (offload) takes its (unused: the gradient
+        # goes to a device slot) cotangent there, as JAX requires
+        leaves, treedef = jax.tree_util.tree_flatten(grads[0])
+        if len(leaves) == len(spaces) and HOST_SPACE in spaces:
+          leaves = [jax.device_put(g, HOST_SPACE) if space == HOST_SPACE else g
+                    for g, space in zip(leaves, spaces)]
+          grads = (jax.tree_util.tree_unflatten(treedef, leaves),) + tuple(
+              grads[1:])
+        return grads
 
       return nn.custom_vjp(tied, forward_fn=forward, backward_fn=backward)(
           self, *args, *kwargs.values())

@@ -67,7 +67,7 @@ import numpy as np
 
 HOST = "pinned_host"
 DEVICE = "device"
-_HOST_SPACE = getattr(getattr(jax, "memory", None), "Space", None) and \
+HOST_SPACE = getattr(getattr(jax, "memory", None), "Space", None) and \
     jax.memory.Space.Host
 
 
@@ -108,7 +108,7 @@ def place(tree: Any, shardings: Any) -> Any:
   left as it is, so the lowered program's moves are the real transfers."""
   def one(x, s):
     if s.memory_kind == HOST:
-      if getattr(getattr(x, "aval", None), "memory_space", None) == _HOST_SPACE:
+      if getattr(getattr(x, "aval", None), "memory_space", None) == HOST_SPACE:
         return x
       return jax.device_put(x, s)
     return jax.lax.with_sharding_constraint(x, s)
