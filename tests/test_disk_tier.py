@@ -35,6 +35,13 @@ def _shard(stage, **fields):
   return zerojax.shard(plain, stage=stage, **fields)
 
 
+def _files(state) -> list:
+  """The names of the files the state's `OnDisk`s name."""
+  return sorted(f"{x.key}.bin" for x in jax.tree_util.tree_leaves(
+      (state.opt_state, state.master), is_leaf=disk_tier.is_on_disk)
+                if disk_tier.is_on_disk(x))
+
+
 def _params(state):
   return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
@@ -57,18 +64,18 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
                       **fields)
   state = _shard(stage, offload_optimizer="disk", offload_dir=str(tmp_path),
                  **fields)
-  on_disk = disk_tier.entries(state.opt_state)
-  assert on_disk and sorted(p.name for p in tmp_path.iterdir()) == sorted(
-      f"{x.key}.bin" for _, x in on_disk)
+  assert sorted(p.name for p in tmp_path.iterdir()) == _files(state)
+  # the fp32 master is on disk too where only the update reads it
+  assert any(map(disk_tier.is_on_disk, state.master)) == (stage < 3)
   host, host_losses = zero_run(host_state, loss_fn, batches[:1])
   disk, disk_losses = zero_run(state, loss_fn, batches[:1])
   np.testing.assert_array_equal(disk_losses, host_losses)
-  got = jax.tree_util.tree_leaves(disk_tier.mapped(disk))
+  got = jax.tree_util.tree_leaves(disk_tier.mapped(disk, disk.opt_state))
   want = jax.tree_util.tree_leaves(host.opt_state)
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  for g, w in zip(disk.master, host.master):
+  for g, w in zip(disk_tier.loaded_master(disk), host.master):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2 ** -22,
                                atol=2 * np.spacing(np.float32(1e-2)))
   if fields["compute_dtype"] == "float32":
@@ -99,8 +106,7 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
                                           **overrides)
     assert restored.config.disk == ("offload_dir" in overrides)
     if restored.config.disk:
-      assert sorted(p.name for p in again_dir.iterdir()) == sorted(
-          f"{x.key}.bin" for _, x in disk_tier.entries(restored.opt_state))
+      assert sorted(p.name for p in again_dir.iterdir()) == _files(restored)
     restored, again = zero_run(restored, loss_fn, batches[1:])
     check = (np.testing.assert_array_equal if restored.config.disk else
              functools.partial(np.testing.assert_allclose, rtol=1e-5,
@@ -234,3 +240,31 @@ def test_memory_report_counts_the_files_as_disk(tmp_path):
       disk_tier.disk_bytes(state) // state.num_state_shards) == 2 * 64 * 64 * 4 * 3 // 8
   assert report.placement["disk"] == [0, 1, 2]
   assert "disk 3 chunk(s): 0, 1, 2" in str(report)
+
+
+def test_a_checkpoint_holds_a_master_that_was_on_disk(tmp_path):
+  """Stage 2, bf16: the fp32 master is on disk too. Saved, restored into a
+  fresh disk tier it goes on exactly as the saved state; restored without
+  offload its parameters are the saved ones."""
+  _, _, loss_fn, batches = _problem("transformer", steps=3)
+  live, again_dir = tmp_path / "live", tmp_path / "again"
+  live.mkdir(), again_dir.mkdir()
+  state, _ = zero_run(_shard(2, compute_dtype="bfloat16",
+                             offload_optimizer="disk", offload_dir=str(live)),
+                      loss_fn, batches[:1])
+  zerojax.checkpoint.save(tmp_path / "ckpt", state)
+  saved = _params(state)
+  plain = train_state.TrainState.create(
+      apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
+  plainly = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
+                                       offload_optimizer=False)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(plainly),
+                         saved)
+  restored = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
+                                        offload_dir=str(again_dir))
+  assert all(map(disk_tier.is_on_disk, restored.master))
+  state, losses = zero_run(state, loss_fn, batches[1:])
+  restored, again = zero_run(restored, loss_fn, batches[1:])
+  np.testing.assert_array_equal(again, losses)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(restored),
+                         _params(state))

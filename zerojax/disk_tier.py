@@ -3,15 +3,18 @@ statistics live in files, and moving them between files and the state.
 
 The offloaded chunks' optimizer statistics (`offload.offloaded_chunks`;
 adam's m and v) are written once, at `shard` / `restore`, to raw files
-under `ZeroConfig.offload_dir` (`disk.ChunkFiles`), one file per statistic
-holding the whole array in C order, and the state keeps an `OnDisk` in
-their place: a pytree node with no children, so `jax.jit`, the shardings,
-the owners table and every tree walk pass over it, and the jitted step
-never sees those arrays. Each step then streams them (`step._disk_update`):
-read chunk c+1 while c is updated on the host, write c while c+1 is.
+under `ZeroConfig.offload_dir` (`disk.ChunkFiles`), one file per array
+holding it whole in C order, and the state keeps an `OnDisk` in their
+place: a pytree node with no children, so `jax.jit`, the shardings, the
+owners table and every tree walk pass over it, and the jitted step never
+sees those arrays. Each step then streams them (`step._disk_update`): read
+chunk c+1 while c is updated on the host, write c while c+1 is, each
+shard from and to its own buffer.
 
-Their master shards stay in host memory (`pinned_host`, as in the host
-tier): stage 3's gathers read them every step.
+Their fp32 master shards go to disk too where the master is only the
+update's (stages 1-2 with 16-bit compute: the forward reads the compute
+copy). At stage 3 the master shard is the parameter every step gathers:
+it stays in host memory (`pinned_host`, as in the host tier).
 
 The files are scratch. A step rewrites them in place (the state's keys do
 not change), so the state before a step is gone once it starts, as under
@@ -29,6 +32,7 @@ import jax
 import numpy as np
 
 from zerojax import disk, offload, optstate
+from zerojax.policy import policy
 
 _FILES: dict = {}   # absolute directory -> its ChunkFiles (one thread pool)
 
@@ -88,67 +92,156 @@ def full_leaves(opt_state) -> tuple:
   return jax.tree_util.tree_flatten(opt_state, is_leaf=is_on_disk)
 
 
-def abstract(opt_state) -> Any:
-  """The optimizer state with each `OnDisk` as a `ShapeDtypeStruct`: what
-  `optstate.owners` and `tx` read for the whole state."""
+def abstract(tree) -> Any:
+  """`tree` (the optimizer state, the master chunks) with each `OnDisk` as
+  a `ShapeDtypeStruct`: what `optstate.owners` and `tx` read for the whole
+  state."""
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype))
-      if is_on_disk(x) else x, opt_state, is_leaf=is_on_disk)
+      if is_on_disk(x) else x, tree, is_leaf=is_on_disk)
+
+
+def _pieces(x: OnDisk, sharding) -> dict:
+  """{first element on the last axis: (its devices in this process, the
+  shard's shape, its rows' byte offsets in the file)}."""
+  out = {}
+  for device, index in sharding.addressable_devices_indices_map(
+      x.shape).items():
+    start, stop, _ = index[-1].indices(x.shape[-1])
+    out.setdefault(start, ([], x.shape[:-1] + (stop - start,), disk.shard_offsets(
+        x.shape, np.dtype(x.dtype).itemsize, start, stop)))[0].append(device)
+  return out
+
+
+def read_shards(files: disk.ChunkFiles, wanted: list):
+  """Starts reading this process's shards of each `(OnDisk, sharding)` in
+  `wanted`, each once (replicas share it): one future of their numpy
+  arrays, in order (what `assemble` takes). No array is assembled whole."""
+  pieces = [(x, p) for x, at in wanted for p in _pieces(x, at).values()]
+  return disk.read_many(files, [x.key for x, _ in pieces],
+                        [shape for _, (_, shape, _) in pieces],
+                        [np.dtype(x.dtype) for x, _ in pieces],
+                        [rows for _, (_, _, rows) in pieces])
+
+
+def assemble(wanted: list, arrays: list) -> list:
+  """The jax arrays (in their shardings, host memory kinds included) of the
+  `(OnDisk, sharding)`s in `wanted` from `read_shards`' numpy shards,
+  emptying `arrays` as it goes so each numpy shard is freed once on its
+  devices."""
+  out, k = [], 0
+  for x, sharding in wanted:
+    parts = []
+    for devices, _, _ in _pieces(x, sharding).values():
+      host, arrays[k] = arrays[k], None
+      k += 1
+      parts += [jax.device_put(host, jax.sharding.SingleDeviceSharding(
+          d, memory_kind=sharding.memory_kind)) for d in devices]
+      del host
+    out.append(jax.make_array_from_single_device_arrays(x.shape, sharding,
+                                                        parts))
+  return out
+
+
+def write_shards(files: disk.ChunkFiles, written: list) -> list:
+  """Starts writing each `(OnDisk, jax array)` in `written` back to its
+  file, shard by shard from the array's own buffers (each distinct shard
+  once); returns the futures."""
+  futures = []
+  for x, array in written:
+    for s in array.addressable_shards:
+      if s.replica_id == 0:
+        start, stop, _ = s.index[-1].indices(x.shape[-1])
+        futures.append(files.write(x.key, np.asarray(s.data), disk.shard_offsets(
+            x.shape, np.dtype(x.dtype).itemsize, start, stop)))
+  return futures
+
+
+def master_on_disk(config) -> bool:
+  """Whether the disk chunks' master shards are on disk too: stages 1-2
+  with 16-bit compute, where only the update reads the fp32 master."""
+  return config.disk and policy(config).compute_copy
 
 
 def spill(state) -> Any:
-  """`state` with its disk chunks' statistics written to files and held as
-  `OnDisk`s (a state whose config is not the disk tier: itself). One
-  statistic at a time passes through host memory as a numpy array; its
-  device arrays are deleted once written."""
+  """`state` with its disk chunks' statistics (and master shards, where
+  `master_on_disk`) written to files and held as `OnDisk`s (a state whose
+  config is not the disk tier: itself). One array at a time passes
+  through host memory as a numpy array; its device arrays are deleted
+  once written. An abstract state (`ShapeDtypeStruct`s: `shard_shape`)
+  gets its `OnDisk`s and nothing is written."""
   cfg = state.config
   if not cfg.disk:
     return state
+  abstract_state = all(isinstance(x, jax.ShapeDtypeStruct)
+                       for x in jax.tree_util.tree_leaves(state))
   if jax.process_count() > 1:
     raise ValueError("offload_optimizer='disk' runs in one process for now "
                      f"(this job has {jax.process_count()}); use "
                      "offload_optimizer=True (host memory) across processes.")
   chunks = disk_chunks(state.layout, cfg)
-  target = files(cfg)
+  target = None if abstract_state else files(cfg)
   flat, treedef = full_leaves(state.opt_state)
   owners = optstate.owners(state.layout, abstract(state.opt_state)).chunk
   prefix = uuid.uuid4().hex[:12]
+  to_disk = [(f"s{j}", c) for j, c in enumerate(owners)] + (
+      [("master", c) for c in range(len(state.master))]
+      if master_on_disk(cfg) else [])
+  arrays = flat + list(state.master)
   out = []
   try:
-    for j, (x, c) in enumerate(zip(flat, owners)):
+    for x, (name, c) in zip(arrays, to_disk):
       if c not in chunks or is_on_disk(x):
         out.append(x)
         continue
-      key = f"{prefix}-c{c}-s{j}"
+      key = f"{prefix}-c{c}-{name}"
       out.append(OnDisk(key, tuple(x.shape), np.dtype(x.dtype).name))
-      target.write(key, np.asarray(x)).result()
+      if target is not None:
+        target.write(key, np.asarray(x)).result()
   except BaseException:
-    for x in out:   # no partial tier left behind (a full disk, say)
+    for x in out if target is not None else ():   # no partial tier left
       if is_on_disk(x) and os.path.exists(target.path(x.key)):
         os.unlink(target.path(x.key))
     raise
-  for x, kept in zip(flat, out):
-    if is_on_disk(kept) and not is_on_disk(x):
+  out += arrays[len(out):]
+  for x, kept in zip(arrays, out):
+    if is_on_disk(kept) and isinstance(x, jax.Array):
       x.delete()
-  return state.replace(opt_state=jax.tree_util.tree_unflatten(treedef, out))
+  return state.replace(
+      opt_state=jax.tree_util.tree_unflatten(treedef, out[:len(flat)]),
+      master=tuple(out[len(flat):]))
 
 
-def mapped(state) -> Any:
-  """The optimizer state with each `OnDisk` as a read-only `np.memmap` of
-  its file (what a checkpoint save writes: pages read as needed, never the
-  whole state in memory at once)."""
+def mapped(state, tree) -> Any:
+  """`tree` (of `state`: its optimizer state, its master chunks) with each
+  `OnDisk` as a read-only `np.memmap` of its file (what a checkpoint save
+  writes: pages read as needed, never the whole state in memory at
+  once)."""
   if not state.config.disk:
-    return state.opt_state
+    return tree
   target = files(state.config)
   return jax.tree_util.tree_map(
       lambda x: np.memmap(target.path(x.key), np.dtype(x.dtype), "r",
                           shape=x.shape) if is_on_disk(x) else x,
-      state.opt_state, is_leaf=is_on_disk)
+      tree, is_leaf=is_on_disk)
+
+
+def loaded_master(state) -> tuple:
+  """The master chunks with those on disk read into their shardings (for
+  `gather_params` and exports, which build the whole tree anyway)."""
+  if not any(is_on_disk(x) for x in state.master):
+    return state.master
+  from zerojax.state import state_shardings   # it imports this module
+  where = state_shardings(state.replace(master=abstract(state.master))).master
+  return tuple(jax.device_put(np.asarray(m), s) if is_on_disk(x) else x
+               for x, m, s in zip(state.master, mapped(state, state.master),
+                                  where))
 
 
 def disk_bytes(state) -> int:
-  """Bytes of optimizer state in the disk tier's files."""
-  return sum(x.nbytes for _, x in entries(state.opt_state))
+  """Bytes in the disk tier's files: statistics and master shards."""
+  return sum(x.nbytes for x in jax.tree_util.tree_leaves(
+      (state.opt_state, state.master), is_leaf=is_on_disk) if is_on_disk(x))
 
 
 def remove(state) -> None:
@@ -156,7 +249,10 @@ def remove(state) -> None:
   disk-tier state that it will not step again."""
   if state.config.disk:
     target = files(state.config)
-    for _, x in entries(state.opt_state):
+    for x in jax.tree_util.tree_leaves((state.opt_state, state.master),
+                                       is_leaf=is_on_disk):
+      if not is_on_disk(x):
+        continue
       try:
         os.unlink(target.path(x.key))
       except FileNotFoundError:

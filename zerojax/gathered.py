@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend
+from zerojax import disk_tier, frontend
 from zerojax.layout import ChunkLayout
 from zerojax.state import ZeroTrainState, check_live
 
@@ -27,8 +27,8 @@ def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
                     f"{type(state).__name__}.")
   check_live(state, "gather_params()")
   dtype = None if dtype is None else jnp.dtype(dtype)
-  return _gather_program(state.layout, state.mesh, dtype)(state.master,
-                                                           state.rest)
+  return _gather_program(state.layout, state.mesh, dtype)(
+      disk_tier.loaded_master(state), state.rest)
 
 
 def gather_model(state: ZeroTrainState, dtype: Any = None):

@@ -169,7 +169,7 @@ class ModelCall:
     self.params_in, self.rest, self.scale = params_in, rest, scale
     self.host, self.with_rng = host, with_rng
     # a slot holds the gradient of a shard that is not differentiated
-    self.slot_dtypes = [m.dtype for m in state.master]
+    self.slot_dtypes = [np.dtype(m.dtype) for m in state.master]
 
   def differentiated(self) -> tuple:
     """Per chunk, what the gradient is taken with respect to: the chunk (or

@@ -132,6 +132,8 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   kind = lambda s, host: s.with_memory_kind(offload.HOST if host else offload.DEVICE)
 
   def master_rule(c, x):
+    if disk_tier.is_on_disk(x):   # in its file (stays itself, no leaves)
+      return x
     return kind(split(x) if pol.master_sharded else rep, c in host_master)
 
   opt, opt_def = jax.tree_util.tree_flatten(state.opt_state)
@@ -208,9 +210,9 @@ def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
   _, shapes, where = plan_state(state.params, state.opt_state, state.step, extras,
                                 static_extras, tx=state.tx, apply_fn=state.apply_fn,
                                 config=config, mesh=mesh)
-  return jax.tree_util.tree_map(
+  return disk_tier.spill(jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      shapes, where)
+      shapes, where))
 
 
 def _from_front_end(state, tx, optimizer, config_fields):

@@ -264,7 +264,8 @@ def _disk_inputs(state, pending, finite) -> dict:
 def _skeleton(state) -> ZeroTrainState:
   """`state` as `ShapeDtypeStruct`s, its `OnDisk`s included: the static
   parts and shapes the disk tier's programs are built from."""
-  full = state.replace(opt_state=disk_tier.abstract(state.opt_state))
+  full = state.replace(opt_state=disk_tier.abstract(state.opt_state),
+                       master=disk_tier.abstract(state.master))
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), full)
 
@@ -290,24 +291,57 @@ def _disk_chunk_program(skeleton, c: int) -> Callable:
   return jax.jit(run, donate_argnums=(0, 2, 3))
 
 
+def disk_update_programs(state) -> dict:
+  """{disk chunk: (its jitted host update, its arguments as
+  `ShapeDtypeStruct`s)} of a disk-tier state (real or `shard_shape`'s):
+  for `.lower(...).compile()` (its host bytes) and `.trace(...).lower(
+  lowering_platforms=("cuda",))` (its host <-> device moves)."""
+  skeleton = _skeleton(state)
+  where = state_shardings(skeleton)
+  flat = jax.tree_util.tree_leaves(skeleton.opt_state)
+  opt_at = jax.tree_util.tree_leaves(where.opt_state)
+  owners = optstate.owners(state.layout, skeleton.opt_state).chunk
+  full, _ = disk_tier.full_leaves(state.opt_state)
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  counts = {j: sds(x, opt_at[j]) for j, (x, c) in enumerate(zip(flat, owners))
+            if c is None and np.size(x)}
+  guard = state.loss_scale is not None or state.config.skip_nonfinite
+  finite = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(
+      state.mesh, P())) if guard else None)
+  out = {}
+  for c in sorted(disk_tier.disk_chunks(state.layout, state.config)):
+    device = where.master[c].with_memory_kind(offload.DEVICE)
+    stats = {j: sds(flat[j], opt_at[j]) for j, o in enumerate(owners)
+             if o == c and disk_tier.is_on_disk(full[j])}
+    out[c] = (_disk_chunk_program(skeleton, c),
+              (stats, counts, sds(skeleton.master[c], device),
+               sds(skeleton.master[c], where.master[c]), finite))
+  return out
+
+
 def _disk_update(state, inputs, programs: dict) -> ZeroTrainState:
   """The disk chunks' updates after the step's program (`config.disk`):
-  one chunk at a time, its statistics read from their files into host
-  memory (the next chunk's read overlapping this one's update, the last
-  chunk's write overlapping it too: `disk.ChunkFiles.stream`), updated on
-  the host by `_disk_chunk_program`, written back. Then, at stages 1-2,
-  the disk chunks' new compute-dtype shards are gathered into the compute
-  copy. `programs` caches the jitted programs per state structure."""
+  one chunk at a time, its statistics (and its master shard, where that is
+  on disk too) read from their files into host memory, shard by shard (the
+  next chunk's read overlapping this one's update, the last chunk's write
+  overlapping it too: `disk.ChunkFiles.stream`), updated on the host by
+  `_disk_chunk_program`, written back. Then, at stages 1-2, the disk
+  chunks' new compute-dtype shards are gathered into the compute copy.
+  `programs` caches the jitted programs per state structure."""
   cfg, layout = state.config, state.layout
   files = disk_tier.files(cfg)
   flat, treedef = disk_tier.full_leaves(state.opt_state)
   skeleton = _skeleton(state)
   owners = optstate.owners(layout, skeleton.opt_state).chunk
-  opt_at = jax.tree_util.tree_leaves(state_shardings(skeleton).opt_state)
+  where = state_shardings(skeleton)
+  opt_at = jax.tree_util.tree_leaves(where.opt_state)
   structure = jax.tree_util.tree_structure(state)
-  mine = {c: [j for j, o in enumerate(owners)
-              if o == c and disk_tier.is_on_disk(flat[j])]
-          for c in inputs["grads"]}
+  # per chunk: (position among the statistics, or "master"; OnDisk; sharding)
+  entries = {c: [(j, flat[j], opt_at[j]) for j, o in enumerate(owners)
+                 if o == c and disk_tier.is_on_disk(flat[j])] +
+             ([("master", state.master[c], where.master[c])]
+              if disk_tier.is_on_disk(state.master[c]) else [])
+             for c in inputs["grads"]}
   master, regather, counts = list(state.master), {}, {}
 
   def program(c):
@@ -316,69 +350,28 @@ def _disk_update(state, inputs, programs: dict) -> ZeroTrainState:
       programs[key] = _disk_chunk_program(skeleton, c)
     return programs[key]
 
-  def pieces(j):
-    """{first element on the last axis: (its devices, row offsets)} of
-    statistic j's shards in this process."""
-    x = flat[j]
-    out = {}
-    for device, index in opt_at[j].addressable_devices_indices_map(
-        x.shape).items():
-      start, stop, _ = index[-1].indices(x.shape[-1])
-      devices, _ = out.setdefault(start, ([], disk.shard_offsets(
-          x.shape, np.dtype(x.dtype).itemsize, start, stop)))
-      devices.append(device)
-    return out
-
   def read(c):
-    """Statistic by statistic, shard by shard: no array is assembled."""
-    want = [(j, start, at) for j in mine[c]
-            for start, (_, at) in pieces(j).items()]
-    return disk.read_many(
-        files, [flat[j].key for j, _, _ in want],
-        [flat[j].shape[:-1] + (shard_len(j),) for j, _, _ in want],
-        [np.dtype(flat[j].dtype) for j, _, _ in want],
-        [at for _, _, at in want])
-
-  def shard_len(j):
-    x = flat[j]
-    index = next(iter(opt_at[j].addressable_devices_indices_map(
-        x.shape).values()))
-    start, stop, _ = index[-1].indices(x.shape[-1])
-    return stop - start
+    return disk_tier.read_shards(files, [(x, at) for _, x, at in entries[c]])
 
   def update(c, arrays):
-    stats, k = {}, 0
-    for j in mine[c]:
-      parts = []
-      for devices, _ in pieces(j).values():
-        host, arrays[k] = arrays[k], None   # freed once on its devices
-        k += 1
-        parts += [jax.device_put(host, jax.sharding.SingleDeviceSharding(
-            d, memory_kind=opt_at[j].memory_kind)) for d in devices]
-        del host
-      stats[j] = jax.make_array_from_single_device_arrays(
-          flat[j].shape, opt_at[j], parts)
-      del parts
-    master[c], leaves, regather[c] = program(c)(
-        stats, inputs["counts"], inputs["grads"].pop(c), master[c],
+    loaded = dict(zip([e for e, _, _ in entries[c]], disk_tier.assemble(
+        [(x, at) for _, x, at in entries[c]], arrays)))
+    shard = loaded.pop("master", master[c])
+    new_master, leaves, regather[c] = program(c)(
+        loaded, inputs["counts"], inputs["grads"].pop(c), shard,
         inputs["finite"])
-    del stats
+    del loaded, shard
     for j in inputs["counts"]:
       counts.setdefault(j, leaves[j])
-    out = []
-    for j in mine[c]:   # each shard written from its own buffer
-      x = flat[j]
-      for s in leaves.pop(j).addressable_shards:
-        if s.replica_id == 0:
-          start, stop, _ = s.index[-1].indices(x.shape[-1])
-          out.append((x.key, np.asarray(s.data), disk.shard_offsets(
-              x.shape, np.dtype(x.dtype).itemsize, start, stop)))
-    return out
+    if not disk_tier.is_on_disk(master[c]):
+      master[c] = new_master
+    return [(x, leaves.pop(e) if e != "master" else new_master)
+            for e, x, _ in entries[c]]
 
   def write(c, written):
-    return [files.write(key, array, at) for key, array, at in written]
+    return disk_tier.write_shards(files, written)
 
-  files.stream(sorted(mine), read, update, write)
+  files.stream(sorted(entries), read, update, write)
   compute = state.compute
   if policy(cfg).regather:
     key = (structure, "regather")

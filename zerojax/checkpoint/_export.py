@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zerojax import reshard
+from zerojax import disk_tier, reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
@@ -49,7 +49,8 @@ def _tree_form(state: ZeroTrainState) -> dict:
   chunk."""
   layout, axis = state.layout, shard_axes(state.config)
   abstract = params_shapes(layout)
-  params = reshard.to_tree(layout, state.master, state.rest, axis)
+  params = reshard.to_tree(layout, disk_tier.loaded_master(state),
+                           state.rest, axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)
   out = {"step": state.step, "params": params, "opt_state": opt_state}

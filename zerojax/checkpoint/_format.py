@@ -28,9 +28,10 @@ def params_shapes(layout) -> Any:
 def chunk_form(state: ZeroTrainState) -> dict:
   """What a save writes: the state's own arrays, as they are sharded."""
   # a disk tier's statistics: read-only maps of their files
-  out = {"step": state.step, "master": list(state.master),
+  out = {"step": state.step, "master": list(disk_tier.mapped(state,
+                                                             state.master)),
          "rest": list(state.rest),
-         "opt_state": non_empty(disk_tier.mapped(state))}
+         "opt_state": non_empty(disk_tier.mapped(state, state.opt_state))}
   if state.loss_scale is not None:
     out["loss_scale"] = {"scale": state.loss_scale.scale,
                          "good_steps": state.loss_scale.good_steps}

@@ -1,0 +1,232 @@
+"""The disk tier (ZeRO-Infinity, `offload_optimizer="disk"`) against the
+host tier (`offload_optimizer=True, update_on="host"`), on the transformer
+written one module per block (`benchmarks.user_models`; at stage 3 each
+block is a chunk, `zerojax.nn.layerwise`; at stage 2 `chunk_size` is
+2**19 elements, so a few blocks' worth: the disk tier streams a chunk at a
+time and holds two).
+
+  device / host   per device, from compiled programs (abstract states,
+                  nothing allocated): `zerojax.compiled_footprint`'s
+                  `device` for the step's program; host = the host-resident
+                  arguments and outputs of that program (the host tier's
+                  master and statistics; the disk tier's stage-3 master)
+                  plus, for the disk tier, its stream: the largest chunk's
+                  host update program (its statistics, master and gradient
+                  shard in host memory) and the next chunk's read
+  largest model   the budget is a machine whose host memory the host tier
+                  fills at the config's depth L0 (host budget = its host
+                  bytes there) and whose device would hold the host tier's
+                  step at 4·L0 (device budget = its device bytes there):
+                  how deep each tier goes on it. Depth is swept: a line
+                  through L0 and 2·L0 predicts each tier's deepest fitting
+                  model, compiles at that depth and the next confirm it;
+                  then one step of the disk tier runs, allocated, at its
+                  depth
+  PCIe bytes      per parameter per step, the chunk-shaped host <-> device
+                  moves of the programs lowered for a GPU (`hlo.host_moves`):
+                  the step, and for the disk tier each chunk's host update
+  disk bytes      per parameter per step: every disk chunk's files read
+                  and written once
+  step time       the small config, allocated, interleaved rounds of the
+                  two tiers' whole steps (the disk tier's stream included);
+                  on this machine the files mostly stay in the page cache
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zerojax
+from zerojax import disk_tier
+from zerojax import step as zstep
+from benchmarks import memory, speed
+from benchmarks import variants as V
+from benchmarks.hlo import host_moves
+from benchmarks.user_models import CONFIGS
+
+SETTINGS = {   # stage -> ZeroConfig fields beside the tier's
+    2: {"compute_dtype": jnp.bfloat16, "chunk_size": 2 ** 19},
+    3: {"compute_dtype": jnp.float32},
+}
+
+
+def _tier(tier: str, directory: str) -> dict:
+  if tier == "host":
+    return {"offload_optimizer": True, "update_on": "host"}
+  return {"offload_optimizer": "disk", "offload_dir": directory}
+
+
+def _build(cfg, stage, tier, directory, *, batch, seq, n, materialize=False):
+  return V.build(f"zero-{stage}", cfg, global_batch=batch, seq=seq,
+                 num_devices=n, materialize=materialize,
+                 options=memory.sweep_options(),
+                 **SETTINGS[stage], **_tier(tier, directory))
+
+
+def _host(fp: dict) -> int:
+  return fp["host_argument"] + fp["host_output"] - fp["host_alias"]
+
+
+def footprint(cfg, stage: int, tier: str, directory: str, *, batch: int,
+              seq: int, n: int) -> dict:
+  """Device and host bytes per device of one tier at `cfg`'s depth, and
+  its PCIe and disk bytes per parameter per step."""
+  v = _build(cfg, stage, tier, directory, batch=batch, seq=seq, n=n)
+  fp = zerojax.compiled_footprint(v.compiled())
+  shapes = [c.shape for c in v.layout.chunks]
+  params = v.layout.num_chunked_elements
+  moved = host_moves(v.trace().lower(lowering_platforms=("cuda",)).as_text(),
+                     shapes)
+  out = {"layers": cfg.layers, "num_params": cfg.num_params,
+         "chunks": len(v.layout.chunks), "device": fp["device"],
+         "step_host": _host(fp), "stream": 0, "disk_bytes_per_param": 0.0}
+  if tier == "disk":
+    updates, reads = [], []
+    for c, (program, args) in zstep.disk_update_programs(v.state).items():
+      text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      m = host_moves(text, shapes)
+      moved = {k: moved[k] + m[k] for k in moved}
+      # its host update: the arrays it holds there, the gradient brought over
+      updates.append(_host(zerojax.compiled_footprint(
+          program.lower(*args).compile())) + m["pinned_host"] // n)
+      stats, master = args[0], args[3]   # what its files hold
+      files = list(stats.values()) + (
+          [master] if disk_tier.master_on_disk(v.state.config) else [])
+      reads.append(sum(x.size * x.dtype.itemsize for x in files) // n)
+    on_disk = disk_tier.disk_bytes(v.state)
+    out["stream"] = max(updates) + max(reads)
+    out["disk_bytes_per_param"] = 2 * on_disk / params
+    out["disk_bytes_per_device"] = on_disk // n
+  out["host"] = out["step_host"] + out["stream"]
+  out["pcie_to_host"] = moved["pinned_host"] / params
+  out["pcie_to_device"] = moved["device"] / params
+  v.release()
+  del v
+  gc.collect()
+  return out
+
+
+def largest(cfg, stage: int, tier: str, directory: str, budget: dict, *,
+            batch: int, seq: int, n: int) -> dict:
+  """The deepest `cfg` (its width) whose step fits both budgets."""
+  seen = {}
+
+  def at(layers):
+    if layers not in seen:
+      seen[layers] = footprint(cfg.replace(layers=layers), stage, tier,
+                               directory, batch=batch, seq=seq, n=n)
+    return seen[layers]
+
+  def fits(layers):
+    f = at(layers)
+    return f["device"] <= budget["device"] and f["host"] <= budget["host"]
+
+  a, b = cfg.layers, 2 * cfg.layers
+  depth = []
+  for key in ("device", "host"):
+    slope = (at(b)[key] - at(a)[key]) / (b - a)
+    depth.append(a + int((budget[key] - at(a)[key]) // slope) if slope > 0
+                 else 10 ** 6)
+  layers = max(1, min(depth))
+  while layers > 1 and not fits(layers):
+    layers -= 1
+  while fits(layers + 1):
+    layers += 1
+  return {"layers": layers, "num_params": cfg.replace(layers=layers).num_params,
+          "fits": fits(layers), **{k: at(layers)[k] for k in ("device", "host")},
+          "next": {k: at(layers + 1)[k] for k in ("device", "host")},
+          "points": {str(k): {"device": v["device"], "host": v["host"]}
+                     for k, v in sorted(seen.items())}}
+
+
+def one_step(cfg, stage: int, directory: str, *, batch: int, seq: int,
+             n: int) -> float:
+  """The loss of one allocated disk-tier step of `cfg`."""
+  v = _build(cfg, stage, "disk", directory, batch=batch, seq=seq, n=n,
+             materialize=True)
+  step = zerojax.train_step(_loss(cfg, stage))
+  state, metrics = step(v.state, v.batch)
+  loss = float(metrics["loss"])
+  disk_tier.remove(state)
+  return loss
+
+
+def _loss(cfg, stage: int):
+  """The loss `V.build` gave the variant (stage 3: blocks `layerwise`)."""
+  cfg = cfg.for_variant(f"zero-{stage}", None)
+  return cfg.make_loss_fn(cfg.make_model())
+
+
+class _Whole:
+  """A tier's whole step (the disk tier's stream included) for
+  `speed.time_variants`."""
+
+  def __init__(self, cfg, stage, tier, directory, *, batch, seq, n):
+    v = _build(cfg, stage, tier, directory, batch=batch, seq=seq, n=n,
+               materialize=True)
+    self.state, self.batch = v.state, v.batch
+    self.step = zerojax.train_step(_loss(cfg, stage))
+
+  def run_once(self):
+    self.state, metrics = self.step(self.state, self.batch)
+    jax.block_until_ready((self.state, metrics))
+
+
+def step_times(cfg, stage: int, directory: str, *, batch: int, seq: int,
+               n: int, rounds: int) -> dict:
+  built = {tier: _Whole(cfg, stage, tier, directory, batch=batch, seq=seq, n=n)
+           for tier in ("host", "disk")}
+  times = speed.time_variants(built, rounds)
+  disk_tier.remove(built["disk"].state)
+  median = {k: statistics.median(t) for k, t in times.items()}
+  return {"times_s": times, "median_s": median,
+          "ratio": median["disk"] / median["host"],
+          "min_ratio": min(times["disk"]) / min(times["host"])}
+
+
+def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,
+        speed_batch: int, speed_seq: int, rounds: int,
+        stages: tuple = (2, 3), directory: Optional[str] = None) -> dict:
+  """The disk suite; see the module docstring."""
+  cfg = CONFIGS[config]
+  with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    out = {"config": config, "width": cfg.width, "layers": cfg.layers,
+           "global_batch": batch, "seq": seq, "devices": n, "stages": {}}
+    for stage in stages:
+      rows = {t: footprint(cfg, stage, t, tmp, batch=batch, seq=seq, n=n)
+              for t in ("host", "disk")}
+      budget = {"host": rows["host"]["host"],
+                "device": footprint(cfg.replace(layers=4 * cfg.layers), stage,
+                                    "host", tmp, batch=batch, seq=seq,
+                                    n=n)["device"]}
+      fit = {t: largest(cfg, stage, t, tmp, budget, batch=batch, seq=seq, n=n)
+             for t in ("host", "disk")}
+      fit["disk"]["loss_of_one_step"] = one_step(
+          cfg.replace(layers=fit["disk"]["layers"]), stage, tmp, batch=batch,
+          seq=seq, n=n)
+      out["stages"][str(stage)] = {
+          "rows": rows, "budget": budget, "largest": fit,
+          "size_ratio": fit["disk"]["num_params"] / fit["host"]["num_params"],
+          "speed": {"config": speed_config, "global_batch": speed_batch,
+                    "seq": speed_seq, "rounds": rounds,
+                    **step_times(CONFIGS[speed_config], stage, tmp,
+                                 batch=speed_batch, seq=speed_seq, n=n,
+                                 rounds=rounds)}}
+  return out
+
+
+def goal_checks(result: dict) -> list:
+  """[(what, measured, bound, met)]: >= 3x the parameters on the same
+  machine."""
+  checks = []
+  for stage, r in result["stages"].items():
+    checks.append((f"largest model, disk / host tier, stage {stage}, same "
+                   f"device and host budget ({result['config']} width)",
+                   r["size_ratio"], 3.0, r["size_ratio"] >= 3.0))
+  return checks
