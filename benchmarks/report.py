@@ -15,8 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 MODES = ("quick", "full", "smoke", "gpu", "gpu-smoke")
-SUITES = ("speed", "memory", "comm", "offload", "checkpoint", "throughput",
-          "frontends", "hybrid", "quantized")
+SUITES = ("speed", "memory", "comm", "offload", "disk", "checkpoint",
+          "throughput", "frontends", "hybrid", "quantized")
 MIB = 2 ** 20
 COLORS = {"zero-0": "#9ecae1", "zero-1": "#6baed6", "zero-2": "#3182bd",
           "zero-3": "#08519c", "plain-dp": "#969696", "gspmd-fsdp": "#e6550d",
@@ -46,7 +46,8 @@ def _goals_table(results: dict) -> list:
   lines = ["| goal | measured | bound | met |", "|---|---:|---:|:---:|"]
   for what, value, bound, met in rows:
     bound_txt = (f"±{bound - 1:.0%} of 1" if "theory" in what
-                 else f"≥ {bound:.2f}" if "offload" in what or "MFU" in what
+                 else f"≥ {bound:.2f}" if ("offload" in what or "MFU" in what
+                                           or "largest" in what)
                  else f"≤ {bound:.2f}")
     lines.append(f"| {what} | {value:.3f} | {bound_txt} | "
                  f"{'yes' if met else '**no**'} |")
@@ -275,6 +276,56 @@ def _offload_md(r: dict, mode: str) -> list:
   return lines
 
 
+def _disk_md(r: dict, mode: str) -> list:
+  lines = [f"### Disk tier against host offload ({r['config']}, written one "
+           f"module per block: width {r['width']}, {r['layers']} layers at "
+           f"the start; batch {r['global_batch']}×{r['seq']}, {r['devices']} "
+           "devices)", "",
+           "Per device, from compiled programs (abstract states): `device` as "
+           "in the offload suite; `host` = the step program's host-resident "
+           "arguments and outputs plus, for the disk tier, its stream (the "
+           "largest chunk's host update: its statistics, master and gradient "
+           "in host memory; and the next chunk's read). The host tier is "
+           "`offload_optimizer=True, update_on=\"host\"`. Bytes per "
+           "parameter per step: PCIe from the programs lowered for a GPU "
+           "(the step, and each disk chunk's host update), disk = every disk "
+           "chunk's files read and written once. `python -m benchmarks.run "
+           f"--{mode} --suites disk` (`benchmarks/disk.py`).", ""]
+  for stage, x in r["stages"].items():
+    rows, fit, b, sp = x["rows"], x["largest"], x["budget"], x["speed"]
+    lines += [f"Stage {stage}:", "",
+              "| tier | chunks | device MiB | host MiB (of it: stream) | "
+              "PCIe to host B | PCIe to device B | disk B |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for tier, row in rows.items():
+      lines.append(
+          f"| {tier} | {row['chunks']} | {_mib(row['device'])} | "
+          f"{_mib(row['host'])} ({_mib(row['stream'])}) | "
+          f"{row['pcie_to_host']:.2f} | {row['pcie_to_device']:.2f} | "
+          f"{row['disk_bytes_per_param']:.2f} |")
+    lines += ["", f"One machine: host memory {_mib(b['host'])} MiB per device "
+              f"(the host tier's at {r['layers']} layers) and device memory "
+              f"{_mib(b['device'])} MiB (the host tier's step at "
+              f"{4 * r['layers']} layers). Deepest model that fits both:", "",
+              "| tier | layers | Ψ | device MiB | host MiB | next depth: "
+              "device, host MiB |", "|---|---:|---:|---:|---:|---|"]
+    for tier, f in fit.items():
+      lines.append(f"| {tier} | {f['layers']}{'' if f['fits'] else ' (none fits)'}"
+                   f" | {f['num_params']:,} | {_mib(f['device'])} | "
+                   f"{_mib(f['host'])} | {_mib(f['next']['device'])}, "
+                   f"{_mib(f['next']['host'])} |")
+    loss = fit["disk"].get("loss_of_one_step")
+    lines += ["", f"**{x['size_ratio']:.2f}×** the parameters with the disk "
+              "tier" + (f"; one step of it at {fit['disk']['layers']} layers "
+                        f"ran, loss {loss:.3f}" if loss is not None else "")
+              + ". Step time on this machine (" + sp["config"] +
+              f", {sp['rounds']} interleaved rounds, files in the page "
+              f"cache): disk / host = {sp['ratio']:.2f} (medians), "
+              f"{sp['min_ratio']:.2f} (minima).", ""]
+  lines += [f"![disk]({mode}_disk.png)", ""]
+  return lines
+
+
 def _checkpoint_md(r: dict, mode: str) -> list:
   lines = ["### Checkpoints: zerojax stage 3 vs plain orbax", "",
            "Save and restore of the fp32 + AdamW state, each measurement in a "
@@ -436,6 +487,8 @@ def markdown(out: str) -> str:
       lines += _comm_md(results["comm"], mode)
     if "offload" in results:
       lines += _offload_md(results["offload"], mode)
+    if "disk" in results:
+      lines += _disk_md(results["disk"], mode)
     if "checkpoint" in results:
       lines += _checkpoint_md(results["checkpoint"], mode)
     if "throughput" in results:
@@ -555,6 +608,31 @@ def plot_offload(r: dict, path: str):
   ax.set_title(f"Stage 3, {r['devices']} devices: {r['size_ratio']:.2f}× the "
                "parameters with optimizer offload", fontsize=10)
   _finish_line_plot(fig, ax, path)
+
+
+def plot_disk(r: dict, path: str):
+  """Host MiB per device against depth, each tier and stage, with the host
+  budget: where each tier's line crosses it."""
+  stages = list(r["stages"])
+  fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4),
+                           squeeze=False)
+  for ax, stage in zip(axes[0], stages):
+    x = r["stages"][stage]
+    for tier, color in (("host", "#e6550d"), ("disk", COLORS["zero-3"])):
+      pts = sorted((int(k), v["host"]) for k, v in
+                   x["largest"][tier]["points"].items())
+      ax.plot([p[0] for p in pts], [p[1] / MIB for p in pts], marker="o",
+              color=color, label=f"{tier}: {x['largest'][tier]['layers']} "
+              "layers fit")
+    ax.axhline(x["budget"]["host"] / MIB, color="k", ls="--", lw=0.8,
+               label="host budget")
+    ax.set_xlabel(f"layers (width {r['width']})")
+    ax.set_ylabel("host MiB per device")
+    ax.set_title(f"Stage {stage}: {x['size_ratio']:.2f}× the parameters "
+                 "with the disk tier", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+  _save(fig, path)
 
 
 def plot_checkpoint(r: dict, path: str):
@@ -798,6 +876,8 @@ def write(out: str, mode: str):
     plot_depth(results["memory"], os.path.join(out, f"{mode}_depth.png"))
   if "offload" in results:
     plot_offload(results["offload"], os.path.join(out, f"{mode}_offload.png"))
+  if "disk" in results:
+    plot_disk(results["disk"], os.path.join(out, f"{mode}_disk.png"))
   if "checkpoint" in results:
     plot_checkpoint(results["checkpoint"],
                     os.path.join(out, f"{mode}_checkpoint.png"))

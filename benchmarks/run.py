@@ -16,7 +16,9 @@ memory against ZeRO's
 formulas plus a depth sweep (`memory`), collectives per step against ZeRO's
 communication volume plus a chunk-size sweep (`comm`); on request only,
 host offload at stage 3 (`offload`: device/host bytes, the largest model
-under a fixed device budget, step-time cost) and checkpoint save / restore
+under a fixed device budget, step-time cost), the disk tier against host
+offload (`disk`: the largest model on one machine, PCIe and disk bytes,
+step time) and checkpoint save / restore
 against plain orbax (`checkpoint`, each measurement in a fresh process). Writes
 `<mode>_<suite>.json`, `<mode>_*.png` and a README.md summarising every
 result file in the output folder (see `benchmarks.report`). The exit status
@@ -48,11 +50,12 @@ import jax  # noqa: E402
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
-from benchmarks import checkpoint, frontends, gpu, hybrid, quantized  # noqa: E402
+from benchmarks import checkpoint, disk, frontends, gpu, hybrid  # noqa: E402
+from benchmarks import quantized  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
 EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid",
-                "quantized")  # when named
+                "quantized", "disk")  # when named
 CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
 # The user-written models against plain DP, not GSPMD FSDP: the comparison
 # the issue sets goals for, at half the time.
@@ -82,6 +85,9 @@ MODES = {
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
         offload=dict(config="tiny", batch=8, seq=16, speed_config="tiny",
                      speed_batch=8, speed_seq=16, rounds=1),
+        disk=dict(config="transformer-tiny", batch=8, seq=16, stages=(3,),
+                  speed_config="transformer-tiny", speed_batch=8,
+                  speed_seq=16, rounds=1),
     ),
     # GPT: 128 tokens per device: the per-step cost of the optimizer and of
     # parameter movement weighs heavily against so little compute.
@@ -99,6 +105,9 @@ MODES = {
         offload=dict(config="gpt2-medium", batch=8, seq=256,
                      speed_config="cpu-1m", speed_batch=16, speed_seq=64,
                      rounds=9),
+        disk=dict(config="transformer-6m", batch=16, seq=32, stages=(2, 3),
+                  speed_config="transformer-6m", speed_batch=16, speed_seq=32,
+                  rounds=5),
     ),
     # The same model at 1024 tokens per device for speed; GPT-2 small and
     # medium for memory and communication (compiled, and allocated only where
@@ -117,6 +126,9 @@ MODES = {
         offload=dict(config="gpt2-medium", batch=8, seq=256,
                      speed_config="cpu-1m", speed_batch=64, speed_seq=128,
                      rounds=9),
+        disk=dict(config="transformer-6m", batch=16, seq=32, stages=(2, 3),
+                  speed_config="transformer-6m", speed_batch=16, speed_seq=32,
+                  rounds=9),
     ),
 }
 NUM_DEVICES = 8
@@ -305,6 +317,17 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     result.update(meta=meta, goals=offload.goal_checks(result))
     _write(out, f"{mode}_offload.json", result)
     written["offload"] = result
+
+  if "disk" in suites:
+    dp = plan["disk"]
+    _log(f"disk tier ({dp['config']}, stages {dp['stages']})")
+    result = disk.run(dp["config"], batch=dp["batch"], seq=dp["seq"],
+                      n=NUM_DEVICES, speed_config=dp["speed_config"],
+                      speed_batch=dp["speed_batch"], speed_seq=dp["speed_seq"],
+                      rounds=dp["rounds"], stages=dp["stages"])
+    result.update(meta=meta, goals=disk.goal_checks(result))
+    _write(out, f"{mode}_disk.json", result)
+    written["disk"] = result
 
   if "checkpoint" in suites:
     rows = [checkpoint.run(c, log=_log, rounds=checkpoint.ROUNDS[mode])

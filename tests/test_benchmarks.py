@@ -550,3 +550,30 @@ def test_group_sizes_in_every_replica_group_form(groups, size):
   XLA) named mesh axes."""
   assert hlo._group_size(f"channel_id=1, {groups}, use_global_device_ids=true",
                          8) == size
+
+
+def test_disk_suite_measures_bytes_and_depth_and_reports(tmp_path):
+  """The disk suite's smoke run (stage 3, the tiny transformer): per
+  parameter per step 4 B of gradient to host and none back under both
+  tiers, 16 B of adam statistics read and written by the disk tier; its
+  stream counted in its host bytes; one allocated step at its depth; the
+  report and the plot."""
+  from benchmarks import disk
+  result = disk.run("transformer-tiny", batch=8, seq=16, n=8,
+                    speed_config="transformer-tiny", speed_batch=8,
+                    speed_seq=16, rounds=1, stages=(3,))
+  x = result["stages"]["3"]
+  host, on_disk = x["rows"]["host"], x["rows"]["disk"]
+  for row in (host, on_disk):
+    assert (row["pcie_to_host"], row["pcie_to_device"]) == (4.0, 0.0)
+  assert host["disk_bytes_per_param"] == 0 and host["stream"] == 0
+  assert on_disk["disk_bytes_per_param"] == 16.0 and on_disk["stream"] > 0
+  # the disk tier's step keeps only the master shards on host (4 of 12 B)
+  assert on_disk["step_host"] * 3 == host["step_host"]
+  assert x["largest"]["host"]["layers"] == result["layers"]   # by definition
+  assert math.isfinite(x["largest"]["disk"]["loss_of_one_step"])
+  goals = disk.goal_checks(result)
+  assert [g[1] for g in goals] == [x["size_ratio"]]
+  text = _quick_report(tmp_path, "disk", result, goals)
+  assert "Disk tier against host offload" in text and "| disk |" in text
+  assert (tmp_path / "quick_disk.png").exists()
