@@ -192,9 +192,12 @@ def step_times(cfg, stage: int, directory: str, *, batch: int, seq: int,
 
 def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,
         speed_batch: int, speed_seq: int, rounds: int,
-        stages: tuple = (2, 3), directory: Optional[str] = None) -> dict:
-  """The disk suite; see the module docstring."""
+        stages: tuple = (2, 3), layers: Optional[int] = None,
+        directory: Optional[str] = None) -> dict:
+  """The disk suite; see the module docstring. `layers`: the config's
+  depth L0 instead of its own."""
   cfg = CONFIGS[config]
+  cfg = cfg if layers is None else cfg.replace(layers=layers)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     out = {"config": config, "width": cfg.width, "layers": cfg.layers,
            "global_batch": batch, "seq": seq, "devices": n, "stages": {}}

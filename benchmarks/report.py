@@ -611,27 +611,30 @@ def plot_offload(r: dict, path: str):
 
 
 def plot_disk(r: dict, path: str):
-  """Host MiB per device against depth, each tier and stage, with the host
-  budget: where each tier's line crosses it."""
+  """Host and device MiB per device against depth, each tier and stage,
+  with the budgets: a tier's depth ends where either line crosses its
+  budget."""
   stages = list(r["stages"])
-  fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4),
-                           squeeze=False)
-  for ax, stage in zip(axes[0], stages):
+  fig, axes = plt.subplots(2, len(stages), figsize=(6 * len(stages), 7),
+                           squeeze=False, sharex="col")
+  for col, stage in enumerate(stages):
     x = r["stages"][stage]
-    for tier, color in (("host", "#e6550d"), ("disk", COLORS["zero-3"])):
-      pts = sorted((int(k), v["host"]) for k, v in
-                   x["largest"][tier]["points"].items())
-      ax.plot([p[0] for p in pts], [p[1] / MIB for p in pts], marker="o",
-              color=color, label=f"{tier}: {x['largest'][tier]['layers']} "
-              "layers fit")
-    ax.axhline(x["budget"]["host"] / MIB, color="k", ls="--", lw=0.8,
-               label="host budget")
-    ax.set_xlabel(f"layers (width {r['width']})")
-    ax.set_ylabel("host MiB per device")
-    ax.set_title(f"Stage {stage}: {x['size_ratio']:.2f}× the parameters "
-                 "with the disk tier", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    for row, kind in enumerate(("host", "device")):
+      ax = axes[row][col]
+      for tier, color in (("host", "#e6550d"), ("disk", COLORS["zero-3"])):
+        pts = sorted((int(k), v[kind]) for k, v in
+                     x["largest"][tier]["points"].items())
+        ax.plot([p[0] for p in pts], [p[1] / MIB for p in pts], marker="o",
+                color=color, label=f"{tier} tier: "
+                f"{x['largest'][tier]['layers']} layers fit")
+      ax.axhline(x["budget"][kind] / MIB, color="k", ls="--", lw=0.8,
+                 label=f"{kind} budget")
+      ax.set_ylabel(f"{kind} MiB per device")
+      ax.legend(fontsize=8)
+      ax.grid(alpha=0.3)
+    axes[0][col].set_title(f"Stage {stage}: {x['size_ratio']:.2f}× the "
+                           "parameters with the disk tier", fontsize=10)
+    axes[1][col].set_xlabel(f"layers (width {r['width']})")
   _save(fig, path)
 
 
