@@ -28,8 +28,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "disk_worker.py")   # one objec
 _problem = functools.lru_cache(maxsize=None)(make_problem)
 
 
-def _shard(stage, **fields):
-  model, params, _, _ = _problem("transformer", steps=3)
+def _shard(stage, kind="transformer", **fields):
+  model, params, _, _ = _problem(kind, steps=3)
+  if kind == "scan_transformer":
+    fields["stacked"] = ("blocks",)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
   return zerojax.shard(plain, stage=stage, **fields)
@@ -51,6 +53,9 @@ def _params(state):
     (2, dict(compute_dtype="bfloat16", accum_steps=2)),
     (3, dict(compute_dtype="float32", accum_steps=2)),
     (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
+    # a [layers, length] chunk, streamed a layer at a time
+    (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
+    (3, dict(compute_dtype="float32", kind="scan_transformer")),
 ])
 def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   """The same update as the host tier's (`_update_on_host`), compiled as a
@@ -59,7 +64,8 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   m / (c1·(√v̂+ε))), so after a step the master may differ by an ulp of
   itself plus one of the update (lr = 1e-2); the statistics are
   bit-identical. At float32 both go on matching plain optax."""
-  _, params, loss_fn, batches = _problem("transformer", steps=3)
+  _, params, loss_fn, batches = _problem(fields.get("kind", "transformer"),
+                                         steps=3)
   host_state = _shard(stage, offload_optimizer=True, update_on="host",
                       **fields)
   state = _shard(stage, offload_optimizer="disk", offload_dir=str(tmp_path),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -101,59 +101,72 @@ def abstract(tree) -> Any:
       if is_on_disk(x) else x, tree, is_leaf=is_on_disk)
 
 
-def _pieces(x: OnDisk, sharding) -> dict:
+def _pieces(x: OnDisk, sharding, row: Optional[int] = None) -> dict:
   """{first element on the last axis: (its devices in this process, the
-  shard's shape, its rows' byte offsets in the file)}."""
+  shard's shape, its rows' byte offsets in the file)}; with `row`, of row
+  `row` of a `[layers, length]` array only (shape `[1, ...]`)."""
   out = {}
   for device, index in sharding.addressable_devices_indices_map(
       x.shape).items():
     start, stop, _ = index[-1].indices(x.shape[-1])
-    out.setdefault(start, ([], x.shape[:-1] + (stop - start,), disk.shard_offsets(
-        x.shape, np.dtype(x.dtype).itemsize, start, stop)))[0].append(device)
+    if start not in out:
+      rows = disk.shard_offsets(x.shape, np.dtype(x.dtype).itemsize, start,
+                                stop)
+      shape = x.shape[:-1] + (stop - start,)
+      if row is not None:
+        rows, shape = rows[row:row + 1], (1,) + shape[1:]
+      out[start] = ([], shape, rows)
+    out[start][0].append(device)
   return out
 
 
-def read_shards(files: disk.ChunkFiles, wanted: list):
+def read_shards(files: disk.ChunkFiles, wanted: list,
+                row: Optional[int] = None):
   """Starts reading this process's shards of each `(OnDisk, sharding)` in
-  `wanted`, each once (replicas share it): one future of their numpy
-  arrays, in order (what `assemble` takes). No array is assembled whole."""
-  pieces = [(x, p) for x, at in wanted for p in _pieces(x, at).values()]
+  `wanted` (with `row`: of that layer only), each once (replicas share
+  it): one future of their numpy arrays, in order (what `assemble` takes).
+  No array is assembled whole."""
+  pieces = [(x, p) for x, at in wanted for p in _pieces(x, at, row).values()]
   return disk.read_many(files, [x.key for x, _ in pieces],
                         [shape for _, (_, shape, _) in pieces],
                         [np.dtype(x.dtype) for x, _ in pieces],
                         [rows for _, (_, _, rows) in pieces])
 
 
-def assemble(wanted: list, arrays: list) -> list:
+def assemble(wanted: list, arrays: list, row: Optional[int] = None) -> list:
   """The jax arrays (in their shardings, host memory kinds included) of the
-  `(OnDisk, sharding)`s in `wanted` from `read_shards`' numpy shards,
-  emptying `arrays` as it goes so each numpy shard is freed once on its
-  devices."""
+  `(OnDisk, sharding)`s in `wanted` (with `row`: that layer, `[1, length]`)
+  from `read_shards`' numpy shards, emptying `arrays` as it goes so each
+  numpy shard is freed once on its devices."""
   out, k = [], 0
   for x, sharding in wanted:
     parts = []
-    for devices, _, _ in _pieces(x, sharding).values():
+    for devices, _, _ in _pieces(x, sharding, row).values():
       host, arrays[k] = arrays[k], None
       k += 1
       parts += [jax.device_put(host, jax.sharding.SingleDeviceSharding(
           d, memory_kind=sharding.memory_kind)) for d in devices]
       del host
-    out.append(jax.make_array_from_single_device_arrays(x.shape, sharding,
+    shape = x.shape if row is None else (1,) + x.shape[1:]
+    out.append(jax.make_array_from_single_device_arrays(shape, sharding,
                                                         parts))
   return out
 
 
-def write_shards(files: disk.ChunkFiles, written: list) -> list:
+def write_shards(files: disk.ChunkFiles, written: list,
+                 row: Optional[int] = None) -> list:
   """Starts writing each `(OnDisk, jax array)` in `written` back to its
-  file, shard by shard from the array's own buffers (each distinct shard
-  once); returns the futures."""
+  file (with `row`: the array is that layer), shard by shard from the
+  array's own buffers (each distinct shard once); returns the futures."""
   futures = []
   for x, array in written:
     for s in array.addressable_shards:
       if s.replica_id == 0:
         start, stop, _ = s.index[-1].indices(x.shape[-1])
-        futures.append(files.write(x.key, np.asarray(s.data), disk.shard_offsets(
-            x.shape, np.dtype(x.dtype).itemsize, start, stop)))
+        rows = disk.shard_offsets(x.shape, np.dtype(x.dtype).itemsize, start,
+                                  stop)
+        futures.append(files.write(x.key, np.asarray(s.data), rows if row is None
+                                   else rows[row:row + 1]))
   return futures
 
 
