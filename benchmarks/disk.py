@@ -40,11 +40,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import zerojax
 from zerojax import disk_tier
-from zerojax import step as zstep
+from zerojax import disk_stream
 from benchmarks import memory, speed
 from benchmarks import variants as V
 from benchmarks.hlo import host_moves
@@ -88,7 +87,7 @@ def footprint(cfg, stage: int, tier: str, directory: str, *, batch: int,
          "step_host": _host(fp), "stream": 0, "disk_bytes_per_param": 0.0}
   if tier == "disk":
     updates, reads = [], []
-    for c, (program, args) in zstep.disk_update_programs(v.state).items():
+    for c, (program, args) in disk_stream.update_programs(v.state).items():
       text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       m = host_moves(text, shapes)
       moved = {k: moved[k] + m[k] for k in moved}

@@ -69,7 +69,7 @@ def rss(live: str) -> None:
   import time
   import jax
   import zerojax
-  from zerojax import step as step_module
+  from zerojax import disk_stream
   state, loss_fn, batches, fields = problem(width=1024, layers=4)
   state = zerojax.shard(state, offload_optimizer="disk", offload_dir=live,
                         **fields)
@@ -79,7 +79,7 @@ def rss(live: str) -> None:
     with open("/proc/self/statm") as f:
       return int(f.read().split()[1]) * page
 
-  update, seen, peak = step_module._disk_update, {}, [0]
+  update, seen, peak = disk_stream.run, {}, [0]
 
   def measured(*args):
     jax.block_until_ready(args[:2])   # the step's own program has run
@@ -89,7 +89,7 @@ def rss(live: str) -> None:
     seen.update(peak=max(peak[0], now()), end=now())
     return out
 
-  step_module._disk_update = measured
+  disk_stream.run = measured
   step = zerojax.train_step(loss_fn)
   for batch in batches[:2]:   # these compile
     state, _ = step(state, batch)

@@ -58,7 +58,7 @@ def _params(state):
     (3, dict(compute_dtype="float32", kind="scan_transformer")),
 ])
 def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
-  """The same update as the host tier's (`_update_on_host`), compiled as a
+  """The same update as the host tier's (`update_on_host`), compiled as a
   program of its own: XLA's algebraic simplifier rewrites adam's
   bias-corrected division differently there (m·(1/c1) / (√v̂+ε) against
   m / (c1·(√v̂+ε))), so after a step the master may differ by an ulp of

@@ -7,7 +7,7 @@ under `ZeroConfig.offload_dir` (`disk.ChunkFiles`), one file per array
 holding it whole in C order, and the state keeps an `OnDisk` in their
 place: a pytree node with no children, so `jax.jit`, the shardings, the
 owners table and every tree walk pass over it, and the jitted step never
-sees those arrays. Each step then streams them (`step._disk_update`): read
+sees those arrays. Each step then streams them (`disk_stream.run`): read
 chunk c+1 while c is updated on the host, write c while c+1 is, each
 shard from and to its own buffer.
 

@@ -17,7 +17,7 @@ for the bytes moved (DeepSpeed's Twin-Flow `ratio`, Gemini's
 Device residency inside the step (jax 0.10.2; not yet measured on an
 accelerator):
   - Optimizer state: the step updates the device-resident chunks in one optax
-    call, then each offloaded chunk in its own call (`step._update`): the
+    call, then each offloaded chunk in its own call (`update.update`): the
     chunk's state is `device_put` to device memory, updated, and put back to
     `pinned_host`, and the next chunk's host arrays pass through an
     optimization barrier with the previous chunk's written-back state, so
@@ -34,7 +34,7 @@ accelerator):
     (`collectives.gather_from_host`); for layer chunks that is one layer's
     shard at a time, inside the layer loop (`zerojax.nn.layerwise`), again in
     the rematerialised backward. The gradient goes to a device-side slot, so
-    gradient shards stay on the device. The update (`step._update`) brings
+    gradient shards stay on the device. The update (`update.update`) brings
     the master shards over with their chunk's optimizer state (one chunk at a
     time when that is offloaded, written back to host after its chunk's
     update at stage 3; otherwise all of them for the one update call, back
@@ -49,7 +49,7 @@ accelerator):
     `tests/test_offload.py`). `zerojax.compiled_footprint`'s
     `device` figure there is the footprint less the host-resident arguments
     and outputs.
-  - `update_on="host"` (`step._update_on_host`) instead runs each
+  - `update_on="host"` (`update.update_on_host`) instead runs each
     offloaded chunk's update as a host computation: only its gradient shard
     goes to host, and at stages 1-2 only its compute-dtype parameter shard
     comes back.
