@@ -63,9 +63,10 @@ def is_on_disk(x) -> bool:
 
 
 def files(config) -> disk.ChunkFiles:
-  """The `ChunkFiles` of `config.offload_dir` (checked: clear errors for a
-  missing, non-directory or unwritable one)."""
-  path = disk.check_directory(config.offload_dir)
+  """The `ChunkFiles` of `config.offload_dir`, made (and the directory
+  checked: clear errors for a missing, non-directory or unwritable one)
+  the first time, not at every step."""
+  path = os.path.abspath(config.offload_dir)
   if path not in _FILES:
     _FILES[path] = disk.ChunkFiles(path)
   return _FILES[path]
@@ -76,13 +77,6 @@ def disk_chunks(layout, config) -> frozenset:
   if not config.disk:
     return frozenset()
   return offload.offloaded_chunks(layout, config.offload_fraction)
-
-
-def entries(opt_state) -> list:
-  """`(position, OnDisk)` of the statistics on disk, positions counted over
-  the state's leaves with each `OnDisk` as one (`full_leaves`' order)."""
-  flat = jax.tree_util.tree_leaves(opt_state, is_leaf=is_on_disk)
-  return [(j, x) for j, x in enumerate(flat) if is_on_disk(x)]
 
 
 def full_leaves(opt_state) -> tuple:
@@ -251,10 +245,15 @@ def loaded_master(state) -> tuple:
                                   where))
 
 
+def _on_disk(state) -> list:
+  """The state's `OnDisk`s: statistics and master shards."""
+  return [x for x in jax.tree_util.tree_leaves(
+      (state.opt_state, state.master), is_leaf=is_on_disk) if is_on_disk(x)]
+
+
 def disk_bytes(state) -> int:
   """Bytes in the disk tier's files: statistics and master shards."""
-  return sum(x.nbytes for x in jax.tree_util.tree_leaves(
-      (state.opt_state, state.master), is_leaf=is_on_disk) if is_on_disk(x))
+  return sum(x.nbytes for x in _on_disk(state))
 
 
 def remove(state) -> None:
@@ -262,10 +261,7 @@ def remove(state) -> None:
   disk-tier state that it will not step again."""
   if state.config.disk:
     target = files(state.config)
-    for x in jax.tree_util.tree_leaves((state.opt_state, state.master),
-                                       is_leaf=is_on_disk):
-      if not is_on_disk(x):
-        continue
+    for x in _on_disk(state):
       try:
         os.unlink(target.path(x.key))
       except FileNotFoundError:
