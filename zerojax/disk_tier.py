@@ -154,13 +154,12 @@ def write_shards(files: disk.ChunkFiles, written: list,
   array's own buffers (each distinct shard once); returns the futures."""
   futures = []
   for x, array in written:
+    pieces = _pieces(x, array.sharding, row)
     for s in array.addressable_shards:
       if s.replica_id == 0:
-        start, stop, _ = s.index[-1].indices(x.shape[-1])
-        rows = disk.shard_offsets(x.shape, np.dtype(x.dtype).itemsize, start,
-                                  stop)
-        futures.append(files.write(x.key, np.asarray(s.data), rows if row is None
-                                   else rows[row:row + 1]))
+        start, _, _ = s.index[-1].indices(x.shape[-1])
+        futures.append(files.write(x.key, np.asarray(s.data),
+                                   pieces[start][2]))
   return futures
 
 
