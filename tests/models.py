@@ -240,6 +240,17 @@ def reference_run(loss_fn, params, tx, batches, compute_dtype=jnp.float32,
   return np.array(losses), params
 
 
+# (stage, ZeroConfig fields) the offloaded updates (`update_on="host"`, the
+# disk tier) are checked at: each stage, bf16 and float32, skipped steps,
+# accumulation, part of the chunks offloaded
+OFFLOADED_UPDATE_CASES = (
+    (1, dict(compute_dtype="bfloat16", skip_nonfinite=True)),
+    (2, dict(compute_dtype="bfloat16", accum_steps=2)),
+    (3, dict(compute_dtype="float32", accum_steps=2)),
+    (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
+)
+
+
 def zero_run(state, loss_fn, batches, after_step=None):
   """Trains a ZeroTrainState on `batches` with one `zerojax.train_step`;
   returns (state, losses). `after_step(state)`, if given, sees the state

@@ -20,8 +20,8 @@ from flax.training import train_state
 import zerojax
 from zerojax import disk_tier
 import disk_worker
-from models import (assert_matches_reference, make_problem, reference_run,
-                    zero_run)
+from models import (OFFLOADED_UPDATE_CASES, assert_matches_reference,
+                    make_problem, reference_run, zero_run)
 
 TX = optax.adam(1e-2)
 WORKER = os.path.join(os.path.dirname(__file__), "disk_worker.py")   # one object: zerojax probes each (tx, tree) once
@@ -46,15 +46,11 @@ def _params(state):
   return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
 
-@pytest.mark.parametrize("stage,fields", [
-    (1, dict(compute_dtype="bfloat16", skip_nonfinite=True)),
-    (2, dict(compute_dtype="bfloat16", accum_steps=2)),
-    (3, dict(compute_dtype="float32", accum_steps=2)),
-    (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
+@pytest.mark.parametrize("stage,fields", OFFLOADED_UPDATE_CASES + (
     # a [layers, length] chunk, streamed a layer at a time
     (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
     (3, dict(compute_dtype="float32", kind="scan_transformer")),
-])
+))
 def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   """The same update as the host tier's (`update_on_host`), compiled as a
   program of its own: XLA's algebraic simplifier rewrites adam's

@@ -13,8 +13,9 @@ from flax.training import train_state
 
 import zerojax
 from benchmarks.hlo import host_computations, host_moves
-from models import (ScannedLM, assert_matches_reference, lm_batches,
-                    lm_loss_fn, make_problem, reference_run, zero_run)
+from models import (OFFLOADED_UPDATE_CASES, ScannedLM,
+                    assert_matches_reference, lm_batches, lm_loss_fn,
+                    make_problem, reference_run, zero_run)
 
 TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
 _problem = functools.lru_cache(maxsize=None)(make_problem)
@@ -31,12 +32,7 @@ def _params(state):
   return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
 
-@pytest.mark.parametrize("stage,fields", [
-    (1, dict(compute_dtype="bfloat16", skip_nonfinite=True)),
-    (2, dict(compute_dtype="bfloat16", accum_steps=2)),
-    (3, dict(compute_dtype="float32", accum_steps=2)),
-    (3, dict(compute_dtype="bfloat16", offload_fraction=0.5)),
-])
+@pytest.mark.parametrize("stage,fields", OFFLOADED_UPDATE_CASES)
 def test_the_host_update_is_bit_identical_to_the_device_update(stage, fields):
   _, params, loss_fn, batches = _problem("transformer", steps=3)
   device, device_losses = zero_run(_shard(stage, **fields), loss_fn, batches)
