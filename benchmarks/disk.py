@@ -9,7 +9,8 @@ time and holds two).
                   nothing allocated): `zerojax.compiled_footprint`'s
                   `device` for the step's program; host = the host-resident
                   arguments and outputs of that program (the host tier's
-                  master and statistics; the disk tier's stage-3 master)
+                  master and statistics; the disk tier's stage-3 fp32
+                  master, or its bf16 compute copy)
                   plus, for the disk tier, its stream: the largest chunk's
                   host update program (its statistics, master and gradient
                   shard in host memory) and the next chunk's read
@@ -22,9 +23,11 @@ time and holds two).
                   model, compiles at that depth and the next confirm it;
                   then one step of the disk tier runs, allocated, at its
                   depth
-  PCIe bytes      per parameter per step, the chunk-shaped host <-> device
-                  moves of the programs lowered for a GPU (`hlo.host_moves`):
-                  the step, and for the disk tier each chunk's host update
+  PCIe bytes      per parameter per step, the chunk- and shard-shaped host
+                  <-> device moves of the programs lowered for a GPU
+                  (`hlo.host_moves`): the step (at stage 3 its gathers of
+                  host shards, forward and rematerialised backward), and
+                  for the disk tier each chunk's host update
   disk bytes      per parameter per step: every disk chunk's files read
                   and written once
   step time       the small config, allocated, interleaved rounds of the
@@ -49,9 +52,13 @@ from benchmarks import variants as V
 from benchmarks.hlo import host_moves
 from benchmarks.user_models import CONFIGS
 
-SETTINGS = {   # stage -> ZeroConfig fields beside the tier's
-    2: {"compute_dtype": jnp.bfloat16, "chunk_size": 2 ** 19},
-    3: {"compute_dtype": jnp.float32},
+CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)
+    "2 bf16": (2, {"compute_dtype": jnp.bfloat16, "chunk_size": 2 ** 19}),
+    # ZeRO-Infinity's setting: 16-bit compute, the fp32 master and adam's
+    # statistics on disk, the gathers reading a bf16 copy in host memory
+    "3 bf16": (3, {"compute_dtype": jnp.bfloat16}),
+    # fp32 compute: the master is the gathered parameter, kept in host memory
+    "3 fp32": (3, {"compute_dtype": jnp.float32}),
 }
 
 
@@ -61,27 +68,30 @@ def _tier(tier: str, directory: str) -> dict:
   return {"offload_optimizer": "disk", "offload_dir": directory}
 
 
-def _build(cfg, stage, tier, directory, *, batch, seq, n, materialize=False):
+def _build(cfg, case, tier, directory, *, batch, seq, n, materialize=False):
+  stage, fields = CASES[case]
   return V.build(f"zero-{stage}", cfg, global_batch=batch, seq=seq,
                  num_devices=n, materialize=materialize,
-                 options=memory.sweep_options(),
-                 **SETTINGS[stage], **_tier(tier, directory))
+                 options=memory.sweep_options(), **fields,
+                 **_tier(tier, directory))
 
 
 def _host(fp: dict) -> int:
   return fp["host_argument"] + fp["host_output"] - fp["host_alias"]
 
 
-def footprint(cfg, stage: int, tier: str, directory: str, *, batch: int,
+def footprint(cfg, case: str, tier: str, directory: str, *, batch: int,
               seq: int, n: int) -> dict:
   """Device and host bytes per device of one tier at `cfg`'s depth, and
   its PCIe and disk bytes per parameter per step."""
-  v = _build(cfg, stage, tier, directory, batch=batch, seq=seq, n=n)
+  v = _build(cfg, case, tier, directory, batch=batch, seq=seq, n=n)
   fp = zerojax.compiled_footprint(v.compiled())
   shapes = [c.shape for c in v.layout.chunks]
   params = v.layout.num_chunked_elements
+  # the step's gathers from host memory move shards (stage 3)
+  pieces = [s[:-1] + (s[-1] // n,) for s in shapes]
   moved = host_moves(v.trace().lower(lowering_platforms=("cuda",)).as_text(),
-                     shapes)
+                     shapes, pieces, n)
   out = {"layers": cfg.layers, "num_params": cfg.num_params,
          "chunks": len(v.layout.chunks), "device": fp["device"],
          "step_host": _host(fp), "stream": 0, "disk_bytes_per_param": 0.0}
@@ -111,14 +121,14 @@ def footprint(cfg, stage: int, tier: str, directory: str, *, batch: int,
   return out
 
 
-def largest(cfg, stage: int, tier: str, directory: str, budget: dict, *,
+def largest(cfg, case: str, tier: str, directory: str, budget: dict, *,
             batch: int, seq: int, n: int) -> dict:
   """The deepest `cfg` (its width) whose step fits both budgets."""
   seen = {}
 
   def at(layers):
     if layers not in seen:
-      seen[layers] = footprint(cfg.replace(layers=layers), stage, tier,
+      seen[layers] = footprint(cfg.replace(layers=layers), case, tier,
                                directory, batch=batch, seq=seq, n=n)
     return seen[layers]
 
@@ -144,21 +154,21 @@ def largest(cfg, stage: int, tier: str, directory: str, budget: dict, *,
                      for k, v in sorted(seen.items())}}
 
 
-def one_step(cfg, stage: int, directory: str, *, batch: int, seq: int,
+def one_step(cfg, case: str, directory: str, *, batch: int, seq: int,
              n: int) -> float:
   """The loss of one allocated disk-tier step of `cfg`."""
-  v = _build(cfg, stage, "disk", directory, batch=batch, seq=seq, n=n,
+  v = _build(cfg, case, "disk", directory, batch=batch, seq=seq, n=n,
              materialize=True)
-  step = zerojax.train_step(_loss(cfg, stage))
+  step = zerojax.train_step(_loss(cfg, case))
   state, metrics = step(v.state, v.batch)
   loss = float(metrics["loss"])
   disk_tier.remove(state)
   return loss
 
 
-def _loss(cfg, stage: int):
+def _loss(cfg, case: str):
   """The loss `V.build` gave the variant (stage 3: blocks `layerwise`)."""
-  cfg = cfg.for_variant(f"zero-{stage}", None)
+  cfg = cfg.for_variant(f"zero-{CASES[case][0]}", None)
   return cfg.make_loss_fn(cfg.make_model())
 
 
@@ -166,20 +176,20 @@ class _Whole:
   """A tier's whole step (the disk tier's stream included) for
   `speed.time_variants`."""
 
-  def __init__(self, cfg, stage, tier, directory, *, batch, seq, n):
-    v = _build(cfg, stage, tier, directory, batch=batch, seq=seq, n=n,
+  def __init__(self, cfg, case, tier, directory, *, batch, seq, n):
+    v = _build(cfg, case, tier, directory, batch=batch, seq=seq, n=n,
                materialize=True)
     self.state, self.batch = v.state, v.batch
-    self.step = zerojax.train_step(_loss(cfg, stage))
+    self.step = zerojax.train_step(_loss(cfg, case))
 
   def run_once(self):
     self.state, metrics = self.step(self.state, self.batch)
     jax.block_until_ready((self.state, metrics))
 
 
-def step_times(cfg, stage: int, directory: str, *, batch: int, seq: int,
+def step_times(cfg, case: str, directory: str, *, batch: int, seq: int,
                n: int, rounds: int) -> dict:
-  built = {tier: _Whole(cfg, stage, tier, directory, batch=batch, seq=seq, n=n)
+  built = {tier: _Whole(cfg, case, tier, directory, batch=batch, seq=seq, n=n)
            for tier in ("host", "disk")}
   times = speed.time_variants(built, rounds)
   disk_tier.remove(built["disk"].state)
@@ -191,7 +201,7 @@ def step_times(cfg, stage: int, directory: str, *, batch: int, seq: int,
 
 def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,
         speed_batch: int, speed_seq: int, rounds: int,
-        stages: tuple = (2, 3), layers: Optional[int] = None,
+        cases: tuple = tuple(CASES), layers: Optional[int] = None,
         directory: Optional[str] = None) -> dict:
   """The disk suite; see the module docstring. `layers`: the config's
   depth L0 instead of its own."""
@@ -199,25 +209,25 @@ def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,
   cfg = cfg if layers is None else cfg.replace(layers=layers)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     out = {"config": config, "width": cfg.width, "layers": cfg.layers,
-           "global_batch": batch, "seq": seq, "devices": n, "stages": {}}
-    for stage in stages:
-      rows = {t: footprint(cfg, stage, t, tmp, batch=batch, seq=seq, n=n)
+           "global_batch": batch, "seq": seq, "devices": n, "cases": {}}
+    for case in cases:
+      rows = {t: footprint(cfg, case, t, tmp, batch=batch, seq=seq, n=n)
               for t in ("host", "disk")}
       budget = {"host": rows["host"]["host"],
-                "device": footprint(cfg.replace(layers=4 * cfg.layers), stage,
+                "device": footprint(cfg.replace(layers=4 * cfg.layers), case,
                                     "host", tmp, batch=batch, seq=seq,
                                     n=n)["device"]}
-      fit = {t: largest(cfg, stage, t, tmp, budget, batch=batch, seq=seq, n=n)
+      fit = {t: largest(cfg, case, t, tmp, budget, batch=batch, seq=seq, n=n)
              for t in ("host", "disk")}
       fit["disk"]["loss_of_one_step"] = one_step(
-          cfg.replace(layers=fit["disk"]["layers"]), stage, tmp, batch=batch,
+          cfg.replace(layers=fit["disk"]["layers"]), case, tmp, batch=batch,
           seq=seq, n=n)
-      out["stages"][str(stage)] = {
+      out["cases"][case] = {
           "rows": rows, "budget": budget, "largest": fit,
           "size_ratio": fit["disk"]["num_params"] / fit["host"]["num_params"],
           "speed": {"config": speed_config, "global_batch": speed_batch,
                     "seq": speed_seq, "rounds": rounds,
-                    **step_times(CONFIGS[speed_config], stage, tmp,
+                    **step_times(CONFIGS[speed_config], case, tmp,
                                  batch=speed_batch, seq=speed_seq, n=n,
                                  rounds=rounds)}}
   return out
@@ -227,8 +237,8 @@ def goal_checks(result: dict) -> list:
   """[(what, measured, bound, met)]: >= 3x the parameters on the same
   machine."""
   checks = []
-  for stage, r in result["stages"].items():
-    checks.append((f"largest model, disk / host tier, stage {stage}, same "
+  for case, r in result["cases"].items():
+    checks.append((f"largest model, disk / host tier, stage {case}, same "
                    f"device and host budget ({result['config']} width)",
                    r["size_ratio"], 3.0, r["size_ratio"] >= 3.0))
   return checks

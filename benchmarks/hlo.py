@@ -421,7 +421,8 @@ _HOST_CALL = re.compile(r'^\s*(%[\w.]+)(?::\d+)? = (?:func\.)?call @\S+\(.*'
 _STABLEHLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "f64": 8}
 
 
-def host_moves(lowered_text: str, shapes) -> Dict[str, int]:
+def host_moves(lowered_text: str, shapes, shard_shapes=(),
+               devices: int = 1) -> Dict[str, int]:
   """Bytes moved to each memory kind ({"pinned_host", "device"}) by the
   memory-kind annotations (`jax.device_put` to a memory kind) of arrays of
   one of `shapes` (e.g. the chunk shapes) in a program's StableHLO text,
@@ -429,8 +430,12 @@ def host_moves(lowered_text: str, shapes) -> Dict[str, int]:
   on CPU the moves lower to nothing). Shapes there are global, so the bytes
   are for all devices together. The host annotation of a host
   computation's own result (jax 0.11+ writes one) moves nothing and is not
-  counted."""
+  counted. `shard_shapes`: shapes of one device's piece of a chunk, as a
+  move inside `shard_map` shows it (a stage-3 gather of a shard kept in
+  host memory), counted `devices` times (a move in a loop body, e.g. a
+  scanned stack's per-layer gather, is counted once)."""
   shapes = {tuple(s) for s in shapes}
+  pieces = {tuple(s) for s in shard_shapes} - shapes
   out = {"pinned_host": 0, "device": 0}
   from_host_calls = set()
   for line in lowered_text.splitlines():
@@ -444,9 +449,10 @@ def host_moves(lowered_text: str, shapes) -> Dict[str, int]:
       continue
     operand, where, dims, dtype = move.groups()
     shape = tuple(int(d) for d in dims.split("x") if d)
-    if (shape in shapes and where in out and
+    times = 1 if shape in shapes else devices if shape in pieces else 0
+    if (times and where in out and
         not (where == "pinned_host" and operand in from_host_calls)):
-      out[where] += math.prod(shape) * _STABLEHLO_BYTES[dtype]
+      out[where] += times * math.prod(shape) * _STABLEHLO_BYTES[dtype]
   return out
 
 

@@ -291,7 +291,7 @@ def _disk_md(r: dict, mode: str) -> list:
            "(the step, and each disk chunk's host update), disk = every disk "
            "chunk's files read and written once. `python -m benchmarks.run "
            f"--{mode} --suites disk` (`benchmarks/disk.py`).", ""]
-  for stage, x in r["stages"].items():
+  for stage, x in _disk_cases(r).items():
     rows, fit, b, sp = x["rows"], x["largest"], x["budget"], x["speed"]
     lines += [f"Stage {stage}:", "",
               "| tier | chunks | device MiB | host MiB (of it: stream) | "
@@ -324,6 +324,12 @@ def _disk_md(r: dict, mode: str) -> list:
               f"{sp['min_ratio']:.2f} (minima).", ""]
   lines += [f"![disk]({mode}_disk.png)", ""]
   return lines
+
+
+def _disk_cases(r: dict) -> dict:
+  """{"<stage> <precision>": result} (results before session 13 named the
+  stage only)."""
+  return r.get("cases") or r["stages"]
 
 
 def _checkpoint_md(r: dict, mode: str) -> list:
@@ -614,11 +620,10 @@ def plot_disk(r: dict, path: str):
   """Host and device MiB per device against depth, each tier and stage,
   with the budgets: a tier's depth ends where either line crosses its
   budget."""
-  stages = list(r["stages"])
-  fig, axes = plt.subplots(2, len(stages), figsize=(6 * len(stages), 7),
+  cases = _disk_cases(r)
+  fig, axes = plt.subplots(2, len(cases), figsize=(6 * len(cases), 7),
                            squeeze=False, sharex="col")
-  for col, stage in enumerate(stages):
-    x = r["stages"][stage]
+  for col, (stage, x) in enumerate(cases.items()):
     for row, kind in enumerate(("host", "device")):
       ax = axes[row][col]
       for tier, color in (("host", "#e6550d"), ("disk", COLORS["zero-3"])):

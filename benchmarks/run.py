@@ -85,7 +85,8 @@ MODES = {
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
         offload=dict(config="tiny", batch=8, seq=16, speed_config="tiny",
                      speed_batch=8, speed_seq=16, rounds=1),
-        disk=dict(config="transformer-tiny", batch=8, seq=16, stages=(3,),
+        disk=dict(config="transformer-tiny", batch=8, seq=16,
+                  cases=("3 bf16",),
                   speed_config="transformer-tiny", speed_batch=8,
                   speed_seq=16, rounds=1),
     ),
@@ -109,7 +110,8 @@ MODES = {
         # backend runs stage 2 (24 blocks die in an all-gather rendezvous
         # here, with or without offload)
         disk=dict(config="transformer-6m", layers=4, batch=16, seq=32,
-                  stages=(2, 3), speed_config="transformer-6m",
+                  cases=("2 bf16", "3 bf16", "3 fp32"),
+                  speed_config="transformer-6m",
                   speed_batch=16, speed_seq=32, rounds=5),
     ),
     # The same model at 1024 tokens per device for speed; GPT-2 small and
@@ -130,7 +132,8 @@ MODES = {
                      speed_config="cpu-1m", speed_batch=64, speed_seq=128,
                      rounds=9),
         disk=dict(config="transformer-6m", layers=4, batch=16, seq=32,
-                  stages=(2, 3), speed_config="transformer-6m",
+                  cases=("2 bf16", "3 bf16", "3 fp32"),
+                  speed_config="transformer-6m",
                   speed_batch=16, speed_seq=32, rounds=9),
     ),
 }
@@ -323,11 +326,11 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
 
   if "disk" in suites:
     dp = plan["disk"]
-    _log(f"disk tier ({dp['config']}, stages {dp['stages']})")
+    _log(f"disk tier ({dp['config']}, stages {dp['cases']})")
     result = disk.run(dp["config"], batch=dp["batch"], seq=dp["seq"],
                       n=NUM_DEVICES, speed_config=dp["speed_config"],
                       speed_batch=dp["speed_batch"], speed_seq=dp["speed_seq"],
-                      rounds=dp["rounds"], stages=dp["stages"],
+                      rounds=dp["rounds"], cases=dp["cases"],
                       layers=dp.get("layers"))
     result.update(meta=meta, goals=disk.goal_checks(result))
     _write(out, f"{mode}_disk.json", result)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -50,6 +51,7 @@ def _params(state):
     # a [layers, length] chunk, streamed a layer at a time
     (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
     (3, dict(compute_dtype="float32", kind="scan_transformer")),
+    (3, dict(compute_dtype="bfloat16", kind="scan_transformer")),
 ))
 def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   """The same update as the host tier's (`update_on_host`), compiled as a
@@ -65,11 +67,22 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   state = _shard(stage, offload_optimizer="disk", offload_dir=str(tmp_path),
                  **fields)
   assert sorted(p.name for p in tmp_path.iterdir()) == _files(state)
-  # the fp32 master is on disk too where only the update reads it
-  assert any(map(disk_tier.is_on_disk, state.master)) == (stage < 3)
+  # the fp32 master is on disk too where only the update reads it: with
+  # 16-bit compute (at stage 3 the gathers read a sharded compute copy)
+  half = fields["compute_dtype"] != "float32"
+  assert any(map(disk_tier.is_on_disk, state.master)) == half
   host, host_losses = zero_run(host_state, loss_fn, batches[:1])
   disk, disk_losses = zero_run(state, loss_fn, batches[:1])
   np.testing.assert_array_equal(disk_losses, host_losses)
+  if stage == 3 and half:   # the copy the next step gathers: the new master's
+    assert len(disk.compute) == len(disk.master)
+    for x, m in zip(disk.compute, disk_tier.loaded_master(disk)):
+      if x is None:
+        assert not disk_tier.is_on_disk(m)
+        continue
+      assert x.sharding.memory_kind == "pinned_host" and x.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(x),
+                                    np.asarray(m).astype(jnp.bfloat16))
   got = jax.tree_util.tree_leaves(disk_tier.mapped(disk, disk.opt_state))
   want = jax.tree_util.tree_leaves(host.opt_state)
   assert len(got) == len(want)
@@ -242,14 +255,16 @@ def test_memory_report_counts_the_files_as_disk(tmp_path):
   assert "disk 3 chunk(s): 0, 1, 2" in str(report)
 
 
-def test_a_checkpoint_holds_a_master_that_was_on_disk(tmp_path):
-  """Stage 2, bf16: the fp32 master is on disk too. Saved, restored into a
-  fresh disk tier it goes on exactly as the saved state; restored without
-  offload its parameters are the saved ones."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_holds_a_master_that_was_on_disk(stage, tmp_path):
+  """bf16: the fp32 master is on disk too (at stage 3 beside its sharded
+  bf16 copy in host memory, rebuilt from the master on restore). Saved,
+  restored into a fresh disk tier it goes on exactly as the saved state;
+  restored without offload its parameters are the saved ones."""
   _, _, loss_fn, batches = _problem("transformer", steps=3)
   live, again_dir = tmp_path / "live", tmp_path / "again"
   live.mkdir(), again_dir.mkdir()
-  state, _ = zero_run(_shard(2, compute_dtype="bfloat16",
+  state, _ = zero_run(_shard(stage, compute_dtype="bfloat16",
                              offload_optimizer="disk", offload_dir=str(live)),
                       loss_fn, batches[:1])
   zerojax.checkpoint.save(tmp_path / "ckpt", state)
@@ -268,3 +283,41 @@ def test_a_checkpoint_holds_a_master_that_was_on_disk(tmp_path):
   np.testing.assert_array_equal(again, losses)
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(restored),
                          _params(state))
+
+
+def test_stage_3_bf16_create_and_eval_read_the_sharded_compute_copy(tmp_path):
+  """Stage 3, bf16: `create` makes the same state as `shard` (the master on
+  disk, its bf16 shards in host memory), `eval_step` reads the copy, and
+  `memory_report` counts it as host memory beside the files."""
+  model, params, loss_fn, batches = _problem("transformer", steps=3)
+  fields = dict(compute_dtype="bfloat16", offload_optimizer="disk")
+  (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+  shard = _shard(3, offload_dir=str(tmp_path / "a"), **fields)
+  made = zerojax.create(
+      lambda r: model.init(r, batches[0]["tokens"][:1])["params"],
+      jax.random.key(0), apply_fn=model.apply, tx=TX, stage=3,
+      offload_dir=str(tmp_path / "b"), **fields)
+  assert all(map(disk_tier.is_on_disk, made.master))
+  for x, m, s in zip(made.compute, disk_tier.loaded_master(made),
+                     shard.compute):
+    assert x.sharding == s.sharding and x.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(x),
+                                  np.asarray(m).astype(jnp.bfloat16))
+  # create's init is jitted, the problem's is not: equal to float rounding
+  jax.tree_util.tree_map(functools.partial(np.testing.assert_allclose,
+                                           rtol=1e-6, atol=1e-7),
+                         _params(made), _params(shard))
+  host = _shard(3, compute_dtype="bfloat16", offload_optimizer=True,
+                update_on="host")
+  evaluate = zerojax.eval_step(lambda p, b: {"loss": jax.vmap(
+      lambda t, y: loss_fn(p, {"tokens": t[None], "targets": y[None]}))(
+          b["tokens"], b["targets"])})
+  np.testing.assert_array_equal(np.asarray(evaluate(made, batches[0])["loss"]),
+                                np.asarray(evaluate(host, batches[0])["loss"]))
+  report = zerojax.memory_report(made)
+  assert report.measured["compute parameters"] == {
+      "pinned_host": sum(x.nbytes for x in made.compute) // 8}
+  assert report.measured["master parameters"] == {
+      "disk": sum(x.nbytes for x in made.master) // 8}
+  disk_tier.remove(shard)
+  disk_tier.remove(made)

@@ -143,7 +143,9 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
   read overlapping this one's update, the previous item's write overlapping
   it too: `disk.ChunkFiles.stream`), updated on the host by
   `_disk_chunk_program`, written back. Then, at stages 1-2, the disk
-  chunks' new compute-dtype shards are gathered into the compute copy.
+  chunks' new compute-dtype shards are gathered into the compute copy; at
+  stage 3 (`StagePolicy.sharded_compute`) each is the chunk's new sharded
+  compute copy, put in place as it comes.
   `programs` caches the jitted programs per state structure."""
   cfg, layout = state.config, state.layout
   files = disk_tier.files(cfg)
@@ -164,6 +166,8 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
            for l in (range(layout.chunks[c].layers) if layout.chunks[c].layers
                      else (None,))]
   master, regather, counts = list(state.master), {}, {}
+  compute = list(state.compute)
+  sharded_compute = policy(cfg).sharded_compute
 
   def program(c, l):
     key = (structure, c, l is not None)
@@ -195,7 +199,9 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
       counts.setdefault(j, leaves[j])
     if not disk_tier.is_on_disk(master[c]):
       master[c] = new_master if l is None else put(master[c], new_master, l)
-    if l is None:
+    if sharded_compute:   # stage 3: the copy the next step gathers
+      compute[c] = gathered if l is None else put(compute[c], gathered, l)
+    elif l is None:
       regather[c] = gathered
     else:
       regather.setdefault(c, []).append(gathered)
@@ -207,7 +213,6 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
     return disk_tier.write_shards(files, written, l)
 
   files.stream(items, read, update, write)
-  compute = state.compute
   if policy(cfg).regather:
     key = (structure, "regather")
     if key not in programs:
@@ -216,9 +221,8 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
     shards = tuple(jnp.concatenate(s, 0) if isinstance(s, list) else s
                    for s in shards)
     gathered = programs[key](shards)
-    compute = tuple(x if g is None else g
-                    for x, g in zip(state.compute, gathered))
+    compute = [x if g is None else g for x, g in zip(compute, gathered)]
   for j, x in counts.items():
     flat[j] = x
-  return state.replace(master=tuple(master), compute=compute,
+  return state.replace(master=tuple(master), compute=tuple(compute),
                        opt_state=jax.tree_util.tree_unflatten(treedef, flat))

@@ -12,9 +12,11 @@ chunk c+1 while c is updated on the host, write c while c+1 is, each
 shard from and to its own buffer.
 
 Their fp32 master shards go to disk too where the master is only the
-update's (stages 1-2 with 16-bit compute: the forward reads the compute
-copy). At stage 3 the master shard is the parameter every step gathers:
-it stays in host memory (`pinned_host`, as in the host tier).
+update's: with 16-bit compute the forward reads a compute copy (stages
+1-2: the replicated one; stage 3: a sharded one per disk chunk in host
+memory, `StagePolicy.sharded_compute`, which the update rewrites). At
+stage 3 with fp32 compute the master shard is the parameter every step
+gathers: it stays in host memory (`pinned_host`, as in the host tier).
 
 The files are scratch. A step rewrites them in place (the state's keys do
 not change), so the state before a step is gone once it starts, as under
@@ -164,9 +166,10 @@ def write_shards(files: disk.ChunkFiles, written: list,
 
 
 def master_on_disk(config) -> bool:
-  """Whether the disk chunks' master shards are on disk too: stages 1-2
-  with 16-bit compute, where only the update reads the fp32 master."""
-  return config.disk and policy(config).compute_copy
+  """Whether the disk chunks' master shards are on disk too: under 16-bit
+  compute, where only the update reads the fp32 master."""
+  pol = policy(config)
+  return config.disk and (pol.compute_copy or pol.sharded_compute)
 
 
 def spill(state) -> Any:

@@ -66,7 +66,7 @@ def _evaluate(fn, mutable, state, batch, rng):
   cfg, layout = state.config, state.layout
   pol = policy(cfg)
   batch_ax = batch_axes(cfg)
-  params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
+  params_in = grads.forward_params(state)
   host = grads.host_chunks(state)
   with_rng = rng is not None
   scalar = []   # per output value: a scalar (averaged) or per-example

@@ -53,7 +53,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   batch_ax = batch_axes(cfg)   # the data axis, and the replica axis (HSDP)
   split = tuple(chunk_spec(len(c.shape), shard_axes(cfg)) for c in layout.chunks)
   replicated = tuple(P() for _ in layout.chunks)
-  params_in = state.compute if pol.forward is Forward.COMPUTE else state.master
+  params_in = forward_params(state)
   scale = (state.loss_scale.scale if state.loss_scale is not None
            else jnp.ones((), jnp.float32))
   with_rng = rng is not None
@@ -104,12 +104,28 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   return grads, loss, taken_once(aux, scalar), fields
 
 
+def forward_params(state) -> tuple:
+  """Per chunk, what the forward reads (`StagePolicy.forward`): the compute
+  copy, or the master; at stage 3 a chunk's sharded compute copy where it
+  has one (`StagePolicy.sharded_compute`: its master is on disk)."""
+  pol = policy(state.config)
+  if pol.forward is Forward.COMPUTE:
+    return state.compute
+  if pol.sharded_compute:
+    return tuple(m if x is None else x
+                 for m, x in zip(state.master, state.compute))
+  return state.master
+
+
 def host_chunks(state) -> frozenset:
-  """Chunks whose master shards stay in host memory until their gather."""
+  """Chunks whose gathered shards (`forward_params`) stay in host memory
+  until their gather."""
   if not policy(state.config).gathers_params:
     return frozenset()
-  return frozenset(c for c, s in enumerate(state_shardings(state).master)
-                   if s.memory_kind == offload.HOST)
+  where = state_shardings(state)
+  return frozenset(c for c, (m, x) in enumerate(zip(
+      where.master, where.compute or (None,) * len(where.master)))
+                   if (m if x is None else x).memory_kind == offload.HOST)
 
 
 def secondary_partition(state, params_in, host) -> tuple:

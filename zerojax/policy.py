@@ -14,6 +14,8 @@ reduction in `grads` (`ZeroConfig.hpz`).
          sharded (16-bit)  replicated 16-bit           compute copy
   2      as stage 1                                    as stage 1         reduce-scatter per micro-batch
   3      sharded           -                sharded    gathered shards    the gather's transpose
+         on disk (16-bit   sharded 16-bit,             compute shards
+         disk tier)        host memory                 gathered
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ class StagePolicy:
       into the compute copy under 16-bit compute, else into the master.
     gathers_params: parameters are gathered for the forward (stage 3):
       layer stacks and unrolled blocks may be gathered per layer / block.
+    sharded_compute: a persistent sharded compute-dtype copy of each disk
+      chunk is kept in host memory, and the gathers read it (stage 3 under
+      the disk tier with 16-bit compute: its fp32 master lives on disk,
+      read by the update only, as at stages 1-2).
   """
   stage: int
   forward: Forward
@@ -68,6 +74,7 @@ class StagePolicy:
   update_slice: bool
   regather: bool
   gathers_params: bool
+  sharded_compute: bool = False
 
   @property
   def grads_sharded(self) -> bool:
@@ -91,4 +98,5 @@ def policy(config: ZeroConfig) -> StagePolicy:
       optimizer_sharded=stage >= 1,
       update_slice=middle and not mixed,
       regather=middle,
-      gathers_params=stage == 3)
+      gathers_params=stage == 3,
+      sharded_compute=stage == 3 and mixed and config.disk)

@@ -25,11 +25,11 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import disk_tier, frontend, memory, meshes, reshard
+from zerojax import disk_tier, frontend, memory, meshes, offload, reshard
 from zerojax.config import shard_axes
 from zerojax.policy import policy
-from zerojax.state import (ZeroTrainState, chunk_spec, config_and_mesh,
-                           fresh_state, plan_layout, state_shardings)
+from zerojax.state import (ZeroTrainState, chunk_spec, compute_chunks,
+                           config_and_mesh, fresh_state, plan_layout, state_shardings)
 
 
 @dataclasses.dataclass
@@ -37,7 +37,8 @@ class _ChunkPrograms:
   """The jitted programs that make one chunk: `start(rng)` gives the master
   chunk (all of it when replicated, zeros when sharded), each of `leaves`
   maps `(rng, master) -> master` adding one leaf's window (master donated),
-  and `cast(master)` gives the replicated 16-bit compute copy, if kept."""
+  and `cast(master)` gives the 16-bit compute copy, if kept (replicated;
+  sharded in host memory under `StagePolicy.sharded_compute`)."""
   start: Callable
   leaves: list
   cast: Optional[Callable]
@@ -69,8 +70,13 @@ def create(init_fn: Callable, rng: jax.Array, *,
       init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
   made = [make(rng) for make in chunks]
   master = tuple(m for m, _ in made)
-  compute = tuple(c for _, c in made if c is not None)
-  return disk_tier.spill(assemble(master, compute, rest_program(rng)))
+  return disk_tier.spill(assemble(master, _compute(made), rest_program(rng)))
+
+
+def _compute(made: list) -> tuple:
+  """`state.compute` from the made `(master, compute or None)` pairs."""
+  return (tuple(c for _, c in made)
+          if any(c is not None for _, c in made) else ())
 
 
 def create_footprint(init_fn: Callable, rng: jax.Array, *,
@@ -110,8 +116,7 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
   held += memory.per_device_bytes(rest)
   # the assembling program's arguments are the chunks held so far (donated)
   held = 0
-  run(assemble, tuple(m for m, _ in made),
-      tuple(c for _, c in made if c is not None), rest)
+  run(assemble, tuple(m for m, _ in made), _compute(made), rest)
   return {"peak": peak, "programs": prints}
 
 
@@ -128,6 +133,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
                        meshes.axes_size(mesh, axes))
   rep = NamedSharding(mesh, P())
   pol = policy(config)
+  with_compute = compute_chunks(layout, config)
 
   def leaves_of(rng):
     return layout.treedef.flatten_up_to(init_fn(rng))
@@ -138,8 +144,10 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
         if pol.master_sharded else P())
     start, fills = reshard.pack_programs(layout, c, sharding, axes,
                                          leaves_of=leaves_of)
-    cast = (reshard.cast_program(config.compute_dtype, rep)
-            if pol.compute_copy else None)
+    cast = (reshard.cast_program(config.compute_dtype, rep
+                                 if pol.compute_copy else
+                                 sharding.with_memory_kind(offload.HOST))
+            if c in with_compute else None)
     return _ChunkPrograms(start, [fill for _, fill in fills], cast)
 
   def make_rest(rng):
@@ -159,7 +167,7 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   rest_program = jax.jit(make_rest, out_shardings=rep)
   shapes = [jax.eval_shape(make, rng) for make in chunks]
   args = (tuple(m for m, _ in shapes),
-          tuple(c for _, c in shapes if c is not None),
+          _compute(shapes),
           jax.eval_shape(make_rest, rng))
   out = state_shardings(jax.eval_shape(assemble, *args))
   return (chunks, rest_program,

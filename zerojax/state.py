@@ -9,7 +9,10 @@ What each stage stores (N devices on the data axis, see docs/design.md):
   stage 1/2, 16-bit compute: `master` (fp32) sharded, `compute` (16-bit)
     replicated, optimizer state sharded.
   stage 3: `master` sharded, optimizer state sharded; no persistent 16-bit
-    copy (the step casts each shard before gathering it).
+    copy (the step casts each shard before gathering it), except under the
+    disk tier with 16-bit compute: each disk chunk's fp32 master is on disk
+    and `compute` holds its sharded 16-bit copy in host memory, which the
+    step gathers (`StagePolicy.sharded_compute`).
 """
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ class ZeroTrainState(struct.PyTreeNode):
     step: number of updates applied.
     master: chunk arrays of the trainable parameters in their own dtype.
     compute: replicated compute-dtype chunks (stages 1-2 under 16-bit
-      compute only), else `()`.
+      compute); at stage 3 under the disk tier with 16-bit compute, per
+      chunk its sharded compute-dtype copy in host memory (disk chunks) or
+      None; else `()`.
     rest: leaves kept outside the chunks (frozen, non-floating), replicated.
     opt_state: the optax state over the chunk views (`ChunkLayout.views`),
       each chunk's statistics kept in the chunk's shape (`optstate.stored`;
@@ -140,10 +145,15 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   opt_where = [kind(opt_rule(x), c in host_opt) for x, c in
                zip(opt, optstate.owners(layout, state.opt_state).chunk)]
 
+  def compute_rule(x):
+    if x is None:
+      return None
+    return kind(split(x), True) if pol.sharded_compute else rep
+
   return state.replace(
       step=rep,
       master=tuple(master_rule(c, x) for c, x in enumerate(state.master)),
-      compute=tuple(rep for _ in state.compute),
+      compute=tuple(compute_rule(x) for x in state.compute),
       rest=tuple(rep for _ in state.rest),
       opt_state=jax.tree_util.tree_unflatten(opt_def, opt_where),
       loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
@@ -362,12 +372,10 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
   content, computed from shapes only (`labels`: as in `plan_layout`)."""
   layout = plan_layout(tx, params, config,
                        meshes.axes_size(mesh, shard_axes(config)), labels)
-  with_compute = policy(config).compute_copy
-
   def build(params, step, extras):
     master, rest = layout.split(params)
-    compute = (tuple(c.astype(config.compute_dtype) for c in master)
-               if with_compute else ())
+    compute = compute_copy(master, compute_chunks(layout, config),
+                           lambda c, m: m.astype(config.compute_dtype))
     return fresh_state(master, compute, rest, step=step, extras=extras,
                        static_extras=static_extras, layout=layout, tx=tx,
                        apply_fn=apply_fn, config=config, mesh=mesh)
@@ -376,6 +384,36 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
   # the user's optimizer state must match tx (raises naming what differs)
   optstate.check_tree_state(layout, opt_state, shapes.opt_state)
   return layout, shapes, state_shardings(shapes)
+
+
+def compute_chunks(layout, config) -> frozenset:
+  """The chunks with a persistent compute-dtype copy (`state.compute`):
+  every chunk at stages 1-2 under 16-bit compute, the disk chunks under
+  `StagePolicy.sharded_compute`, else none."""
+  pol = policy(config)
+  if pol.compute_copy:
+    return frozenset(range(len(layout.chunks)))
+  if pol.sharded_compute:
+    return disk_tier.disk_chunks(layout, config)
+  return frozenset()
+
+
+def compute_copy(master, chunks: frozenset, make: Callable) -> tuple:
+  """`state.compute` for `master`: per chunk `make(c, master[c])` where `c`
+  is in `chunks` and None elsewhere; `()` when `chunks` is empty."""
+  if not chunks:
+    return ()
+  return tuple(make(c, m) if c in chunks else None
+               for c, m in enumerate(master))
+
+
+def cast_compute(master, where: tuple, config) -> tuple:
+  """The compute copy of the master chunks (arrays), cast into its
+  shardings `where` (`state_shardings(...).compute`: None for a chunk
+  without one)."""
+  return compute_copy(master, frozenset(
+      c for c, s in enumerate(where) if s is not None),
+      lambda c, m: reshard.cast_program(config.compute_dtype, where[c])(m))
 
 
 def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
@@ -396,8 +434,7 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
   return shapes.replace(
       step=reshard.copy(jnp.asarray(step, jnp.int32), where.step),
       master=master,
-      compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
-                    for m, s in zip(master, where.compute)),
+      compute=cast_compute(master, where.compute, config),
       rest=put(rest, where.rest),
       opt_state=opt,
       loss_scale=put(precision.init(config.loss_scale), where.loss_scale),

@@ -204,8 +204,10 @@ def update_on_host(state, c, grads, master, opt, owners, finite, shardings):
   returns the new master shard and the new optimizer-state leaves (of `c`,
   and the step counts, on the device), all in host memory but the counts,
   and what the re-gather of stages 1-2 reads: the new master cast to the
-  compute dtype, moved to the device (at stage 3 the next step's gathers
-  read the host shard, so nothing comes back)."""
+  compute dtype, moved to the device. At stage 3 the next step's gathers
+  read a host shard, so nothing comes back: the new master, or under
+  `StagePolicy.sharded_compute` (a disk chunk) its compute-dtype copy, in
+  host memory."""
   cfg = state.config
   opt_at = jax.tree_util.tree_leaves(shardings.opt_state)
   on_host = lambda x, s: jax.device_put(x, s.with_memory_kind(offload.HOST))
@@ -219,7 +221,8 @@ def update_on_host(state, c, grads, master, opt, owners, finite, shardings):
           master[c],
           None if finite is None else on_host(
               finite, NamedSharding(state.mesh, P())))
-  regather = policy(cfg).regather
+  pol = policy(cfg)
+  regather, cast = pol.regather, pol.regather or pol.sharded_compute
   others = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in opt]
 
   def update(stats, grad, shard, finite):
@@ -232,13 +235,13 @@ def update_on_host(state, c, grads, master, opt, owners, finite, shardings):
     master_here = [shard if i == c else None for i in range(len(master))]
     masters, leaves = update_chunks(state, frozenset([c]), grads_here,
                                      master_here, opt_here, owners, keep)
-    compute = masters[c].astype(cfg.compute_dtype) if regather else None
+    compute = masters[c].astype(cfg.compute_dtype) if cast else None
     return masters[c], leaves, compute
 
   new_master, leaves, compute = compat.on_host(update)(*args)
   leaves = {j: x if owners[j] == c else
             jax.device_put(x, opt_at[j]) for j, x in leaves.items()}
-  if compute is not None:
+  if regather:
     compute = jax.device_put(compute, shardings.master[c].with_memory_kind(
         offload.DEVICE))
-  return new_master, leaves, compute if regather else new_master
+  return new_master, leaves, compute if cast else new_master

@@ -26,7 +26,7 @@ from zerojax.checkpoint._save import wait
 from zerojax.config import DISK, OFFLOAD_FIELDS, shard_axes
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
-from zerojax.state import (ZeroTrainState, check_tx, config_and_mesh,
+from zerojax.state import (ZeroTrainState, cast_compute, check_tx, config_and_mesh,
                            extra_fields, place, plan_state)
 
 
@@ -268,8 +268,7 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
   master = tuple(saved_list(loaded.get("master", [])))
   state = shapes.replace(
       step=loaded["step"], master=master,
-      compute=tuple(reshard.cast_program(config.compute_dtype, s)(m)
-                    for m, s in zip(master, where.compute)),
+      compute=cast_compute(master, where.compute, config),
       rest=tuple(saved_list(loaded.get("rest", []))),
       opt_state=loaded["opt_state"],
       loss_scale=jax.tree_util.tree_map(
