@@ -210,7 +210,6 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import zerojax  # noqa: E402

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 

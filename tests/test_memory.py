@@ -5,7 +5,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax.training import train_state

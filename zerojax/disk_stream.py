@@ -37,8 +37,7 @@ def step_inputs(state, pending, finite) -> dict:
   flat, _ = disk_tier.full_leaves(state.opt_state)
   owners = optstate.owners(state.layout,
                            disk_tier.abstract(state.opt_state)).chunk
-  counts = {j: x for j, (x, c) in enumerate(zip(flat, owners))
-            if c is None and not disk_tier.is_on_disk(x) and np.size(x)}
+  counts = {j: flat[j] for j in optstate.counts(flat, owners)}
   return {"grads": pending, "counts": counts, "finite": finite}
 
 
@@ -93,8 +92,7 @@ def _disk_program_and_args(skeleton, state, c: int) -> tuple:
   owners = optstate.owners(skeleton.layout, skeleton.opt_state).chunk
   full, _ = disk_tier.full_leaves(state.opt_state)
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  counts = {j: sds(x, opt_at[j]) for j, (x, o) in enumerate(zip(flat, owners))
-            if o is None and np.size(x)}
+  counts = {j: sds(flat[j], opt_at[j]) for j in optstate.counts(flat, owners)}
   guard = state.loss_scale is not None or state.config.skip_nonfinite
   finite = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(
       state.mesh, P())) if guard else None)

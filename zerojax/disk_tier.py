@@ -76,9 +76,7 @@ def files(config) -> disk.ChunkFiles:
 
 def disk_chunks(layout, config) -> frozenset:
   """The chunks whose statistics live on disk."""
-  if not config.disk:
-    return frozenset()
-  return offload.offloaded_chunks(layout, config.offload_fraction)
+  return offload.optimizer_chunks(layout, config) if config.disk else frozenset()
 
 
 def full_leaves(opt_state) -> tuple:

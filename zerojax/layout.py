@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.chunking import repeated_blocks, search_chunk_size  # noqa: F401
+from zerojax.chunking import search_chunk_size
 
 
 def _round_up(x: int, m: int) -> int:

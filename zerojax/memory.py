@@ -244,8 +244,7 @@ def placement(state) -> dict:
   cfg = state.config
   if not cfg.offload_optimizer and cfg.placement == "manual":
     return {}
-  host = sorted(offload.offloaded_chunks(state.layout, cfg.offload_fraction)
-                if cfg.offload_optimizer else ())
+  host = sorted(offload.optimizer_chunks(state.layout, cfg))
   return {"placement": cfg.placement, "device_budget": cfg.device_budget,
           "disk" if cfg.disk else "host": host, "device": sorted(
               set(range(len(state.layout.chunks))) - set(host))}

@@ -83,6 +83,15 @@ def offloaded_chunks(layout, fraction: float) -> frozenset:
   return frozenset(chosen) if fraction > 0 else frozenset()
 
 
+def optimizer_chunks(layout, config) -> frozenset:
+  """The chunks whose optimizer state is offloaded (to host memory, or to
+  disk under the disk tier): `offloaded_chunks` of the config's
+  `offload_fraction` under `offload_optimizer`, else none."""
+  if not config.offload_optimizer:
+    return frozenset()
+  return offloaded_chunks(layout, config.offload_fraction)
+
+
 def check_backend(mesh) -> None:
   """Offload needs a `pinned_host` memory on every device of the mesh."""
   for device in mesh.devices.flat:
@@ -91,6 +100,15 @@ def check_backend(mesh) -> None:
       raise ValueError(f"offload needs memory kind {HOST!r}, which "
                        f"{device} does not have (it has {sorted(kinds)}); "
                        "turn offload_optimizer/offload_params off.")
+
+
+def has_host_memory(mesh) -> bool:
+  """Whether every device of the mesh has `pinned_host` memory."""
+  try:
+    check_backend(mesh)
+  except ValueError:
+    return False
+  return True
 
 
 def to_device(tree: Any, shardings: Any) -> Any:

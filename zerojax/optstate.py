@@ -46,6 +46,15 @@ class Owners:
   members: tuple
 
 
+def counts(flat: list, chunk: tuple) -> list:
+  """Positions in the flattened optimizer state `flat` (`chunk`: its
+  `Owners.chunk`) of the leaves that are no chunk's statistic and not
+  empty: the step counts (and other scalars), which every chunk's update
+  reads and writes."""
+  return [j for j, (x, c) in enumerate(zip(flat, chunk))
+          if c is None and np.size(x)]
+
+
 def owners(layout: ChunkLayout, opt_state: Any) -> Owners:
   """The `Owners` of an optax state over chunk views: statistics in view
   shape or, as `stored` keeps them, in chunk shape; leaves may be missing

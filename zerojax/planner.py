@@ -108,7 +108,7 @@ def offload_ladder(state: ZeroTrainState) -> list:
           "offload_fraction": 1.0}
   pol = policy(cfg)
   # replicated optimizer state (stage 0) has no shard to offload
-  if not pol.optimizer_sharded or not _has_host_memory(state.mesh):
+  if not pol.optimizer_sharded or not offload.has_host_memory(state.mesh):
     return [none]
   sizes = [int(np.prod(c.shape)) * c.dtype.itemsize for c in layout.chunks]
   total = sum(sizes)
@@ -262,18 +262,10 @@ def _host_bytes(abstract) -> int:
                            if x.sharding.memory_kind == offload.HOST])
 
 
-def _has_host_memory(mesh) -> bool:
-  try:
-    offload.check_backend(mesh)
-  except ValueError:
-    return False
-  return True
-
-
 def _why_no_more(state) -> str:
   if not policy(state.config).optimizer_sharded:
     return "Stage 0 cannot offload (use stage >= 1). "
-  if not _has_host_memory(state.mesh):
+  if not offload.has_host_memory(state.mesh):
     return (f"The devices have no {offload.HOST!r} memory, so nothing can be "
             "offloaded. ")
   return ""

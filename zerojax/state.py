@@ -130,8 +130,7 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
       return split(x)
     return rep
 
-  host_opt = (offload.offloaded_chunks(layout, cfg.offload_fraction)
-              if cfg.offload_optimizer else frozenset())
+  host_opt = offload.optimizer_chunks(layout, cfg)
   host_master = (frozenset(range(len(layout.chunks))) if cfg.offload_params
                  else host_opt if pol.master_sharded else frozenset())
   kind = lambda s, host: s.with_memory_kind(offload.HOST if host else offload.DEVICE)
@@ -283,10 +282,8 @@ def _most_offload(config: ZeroConfig, mesh, config_fields) -> ZeroConfig:
     raise ValueError(f"placement='auto' sets {', '.join(given)} itself (the "
                      "planner's choice); drop them, or use placement='manual'.")
   device_budget_bytes(config, mesh)
-  try:
-    offload.check_backend(mesh)
-  except ValueError:
-    return config   # no host memory: nothing to offload, the plan agrees
+  if not offload.has_host_memory(mesh):
+    return config   # nothing to offload, the plan agrees
   return dataclasses.replace(config, offload_optimizer=True,
                              offload_params=config.stage == 3,
                              offload_fraction=1.0)

@@ -68,8 +68,7 @@ def _update_groups(layout, cfg) -> list:
   """`(chunks, offloaded)` for each `tx.update` call, in order: every chunk
   whose optimizer state is on the device in one call, then each chunk whose
   optimizer state is offloaded alone."""
-  host = (offload.offloaded_chunks(layout, cfg.offload_fraction)
-          if cfg.offload_optimizer else frozenset())
+  host = offload.optimizer_chunks(layout, cfg)
   device = frozenset(range(len(layout.chunks))) - host
   return ([(device, False)] if device else []) + [
       (frozenset([c]), True) for c in sorted(host)]
@@ -213,8 +212,8 @@ def update_on_host(state, c, grads, master, opt, owners, finite, shardings):
   on_host = lambda x, s: jax.device_put(x, s.with_memory_kind(offload.HOST))
   # its statistics, and the step counts (the empty statistics of other
   # leaves are made in the host computation)
-  mine = [j for j, o in enumerate(owners)
-          if o == c or (o is None and np.size(opt[j]))]
+  mine = sorted([j for j, o in enumerate(owners) if o == c] +
+                optstate.counts(opt, owners))
   args = ({j: opt[j] if owners[j] == c else on_host(opt[j], opt_at[j])
            for j in mine},
           on_host(grads[c], shardings.master[c]),
