@@ -3,7 +3,7 @@ host tier (`offload_optimizer=True, update_on="host"`), on the transformer
 written one module per block (`benchmarks.user_models`; at stage 3 each
 block is a chunk, `zerojax.nn.layerwise`; at stage 2 `chunk_size` is
 2**19 elements, so a few blocks' worth: the disk tier streams a chunk at a
-time and holds two).
+time, in sub-groups of `SUB_GROUP` elements per device, and holds two).
 
   device / host   per device, from compiled programs (abstract states,
                   nothing allocated): `zerojax.compiled_footprint`'s
@@ -62,10 +62,17 @@ CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)
 }
 
 
+# the disk tier streams each device's shard in sub-groups of at most this
+# many elements (DeepSpeed's `sub_group_size`): about 1/6 of a block's or
+# the embedding's shard here, so the stream holds well under a chunk
+SUB_GROUP = 2 ** 14
+
+
 def _tier(tier: str, directory: str) -> dict:
   if tier == "host":
     return {"offload_optimizer": True, "update_on": "host"}
-  return {"offload_optimizer": "disk", "offload_dir": directory}
+  return {"offload_optimizer": "disk", "offload_dir": directory,
+          "sub_group_size": SUB_GROUP}
 
 
 def _build(cfg, case, tier, directory, *, batch, seq, n, materialize=False):

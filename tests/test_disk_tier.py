@@ -52,6 +52,11 @@ def _params(state):
     (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
     (3, dict(compute_dtype="float32", kind="scan_transformer")),
     (3, dict(compute_dtype="bfloat16", kind="scan_transformer")),
+    # sub-groups of each shard's columns (unequal: 1588 = 5 x 265 + 263)
+    (2, dict(compute_dtype="bfloat16", sub_group_size=300)),
+    (3, dict(compute_dtype="float32", accum_steps=2, sub_group_size=300)),
+    (3, dict(compute_dtype="bfloat16", kind="scan_transformer",
+             sub_group_size=300)),
 ))
 def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   """The same update as the host tier's (`update_on_host`), compiled as a
@@ -63,7 +68,8 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   _, params, loss_fn, batches = _problem(fields.get("kind", "transformer"),
                                          steps=3)
   host_state = _shard(stage, offload_optimizer=True, update_on="host",
-                      **fields)
+                      **{k: v for k, v in fields.items()
+                         if k != "sub_group_size"})
   state = _shard(stage, offload_optimizer="disk", offload_dir=str(tmp_path),
                  **fields)
   assert sorted(p.name for p in tmp_path.iterdir()) == _files(state)
@@ -106,7 +112,8 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
   live, again_dir = tmp_path / "live", tmp_path / "again"
   live.mkdir(), again_dir.mkdir()
   state, _ = zero_run(_shard(3, offload_optimizer="disk",
-                             offload_dir=str(live)), loss_fn, batches[:1])
+                             offload_dir=str(live), sub_group_size=300),
+                      loss_fn, batches[:1])
   zerojax.checkpoint.save(tmp_path / "ckpt", state)   # returns committed
   plain = train_state.TrainState.create(
       apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
@@ -118,6 +125,9 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
     restored = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
                                           **overrides)
     assert restored.config.disk == ("offload_dir" in overrides)
+    # the saved sub-groups with the disk tier only
+    assert restored.config.sub_group_size == (
+        300 if restored.config.disk else None)
     if restored.config.disk:
       assert sorted(p.name for p in again_dir.iterdir()) == _files(restored)
     restored, again = zero_run(restored, loss_fn, batches[1:])
@@ -215,6 +225,12 @@ def test_a_full_disk_is_an_error_never_a_partial_tier(tmp_path, monkeypatch):
     (dict(stage=2, offload_optimizer="disk", offload_dir="/tmp"), ValueError,
      "offload_optimizer='disk' (its update runs on the host) at stage 2 "
      "needs 16-bit compute"),
+    (dict(offload_optimizer=True, sub_group_size=2 ** 20), ValueError,
+     "sub_group_size=1048576 is read by offload_optimizer='disk' only"),
+    (dict(offload_optimizer="disk", offload_dir="/tmp", sub_group_size=0),
+     ValueError, "sub_group_size=0 must be at least 1"),
+    (dict(offload_optimizer="disk", offload_dir="/tmp", sub_group_size=1e6),
+     TypeError, "sub_group_size=1000000.0 must be an int"),
 ])
 def test_bad_disk_settings_are_refused(fields, error, message):
   with pytest.raises(error, match=re.escape(message)):

@@ -137,11 +137,21 @@ class ZeroConfig:
       "disk" (ZeRO-Infinity's NVMe tier): the offloaded chunks' optimizer
       state lives in raw files under `offload_dir` instead, streamed through
       host memory a chunk at a time by each step's update, which runs on
-      the host (`update_on="host"`, implied); their master shards stay in
-      host memory. One process only; `train_step(..., donate=True)`.
+      the host (`update_on="host"`, implied). With 16-bit compute their
+      fp32 master shards are on disk too (at stage 3 beside a sharded
+      16-bit copy in host memory, which the step gathers); with fp32
+      compute at stage 3 they stay in host memory. One process only;
+      `train_step(..., donate=True)`.
     offload_dir: with offload_optimizer="disk", the directory of its files
       (a local NVMe disk): it must exist and be writable. The files are
       scratch, rebuilt from a checkpoint by `checkpoint.restore`.
+    sub_group_size: with offload_optimizer="disk", DeepSpeed's
+      `sub_group_size`: the most elements of each device's shard of a
+      chunk (or of one layer of a stacked chunk) that the stream updates at
+      once. The stream holds about two sub-groups' state in host memory, so
+      a smaller value bounds host memory below the largest chunk (an
+      embedding) at the cost of more, smaller reads and writes. None (the
+      default): a whole chunk (layer) at a time.
     offload_params: stage 3: keep the parameter (master) shards on host.
     offload_fraction: with `offload_optimizer`, the fraction of chunk bytes
       offloaded (largest chunks first).
@@ -197,6 +207,7 @@ class ZeroConfig:
   stacked: Sequence[str] = ()
   offload_optimizer: Union[bool, str] = False
   offload_dir: Optional[str] = None
+  sub_group_size: Optional[int] = None
   offload_params: bool = False
   offload_fraction: float = 1.0
   update_on: Optional[str] = None
@@ -355,6 +366,19 @@ class ZeroConfig:
     if self.offload_dir is not None and not isinstance(self.offload_dir, str):
       raise TypeError(f"offload_dir={self.offload_dir!r} must be a directory "
                       "path (a str).")
+    if self.sub_group_size is not None:
+      if (isinstance(self.sub_group_size, bool) or
+          not isinstance(self.sub_group_size, (int, np.integer))):
+        raise TypeError(f"sub_group_size={self.sub_group_size!r} must be an "
+                        "int: elements of a device's shard updated at once.")
+      if self.sub_group_size < 1:
+        raise ValueError(f"sub_group_size={self.sub_group_size!r} must be at "
+                         "least 1 (None: a whole chunk at a time).")
+      if not disk:
+        raise ValueError(f"sub_group_size={self.sub_group_size!r} is read by "
+                         "offload_optimizer='disk' only; set that too, or "
+                         "drop sub_group_size.")
+      object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
     if disk and self.update_on == "device":
       raise ValueError("offload_optimizer='disk' updates each chunk on the "
                        "host as it streams from its files; drop "

@@ -76,12 +76,28 @@ def update_programs(state) -> dict:
   `ShapeDtypeStruct`s)} of a disk-tier state (real or `shard_shape`'s):
   for `.lower(...).compile()` (its host bytes) and `.trace(...).lower(
   lowering_platforms=("cuda",))` (its host <-> device moves). A stacked
-  chunk's is the update of one of its layers (run once per layer)."""
+  chunk's is the update of one of its layers (run once per layer), and
+  under `sub_group_size` the update of its largest sub-group."""
   full = _skeleton(state)
-  return {c: _disk_program_and_args(
-      full if not state.layout.chunks[c].layers else _one_layer(full, c),
-      state, c)
-          for c in sorted(disk_tier.disk_chunks(state.layout, state.config))}
+  out = {}
+  for c in sorted(disk_tier.disk_chunks(state.layout, state.config)):
+    (a, b), = sub_groups(state, c)[:1]
+    out[c] = _disk_program_and_args(
+        _part(full, c, b - a, state.num_state_shards), state, c)
+  return out
+
+
+def sub_groups(state, c: int) -> list:
+  """The column ranges `(a, b)` of each device's shard of chunk `c` that
+  the stream updates one at a time (largest first): the whole shard, or
+  under `ZeroConfig.sub_group_size` (DeepSpeed's, per device) near-equal
+  pieces of at most that many elements."""
+  shard = state.layout.chunks[c].length // state.num_state_shards
+  size = state.config.sub_group_size
+  if size is None or size >= shard:
+    return [(0, shard)]
+  piece = -(-shard // -(-shard // size))   # near-equal, at most `size`
+  return [(a, min(a + piece, shard)) for a in range(0, shard, piece)]
 
 
 def _disk_program_and_args(skeleton, state, c: int) -> tuple:
@@ -104,14 +120,22 @@ def _disk_program_and_args(skeleton, state, c: int) -> tuple:
            sds(skeleton.master[c], where.master[c]), finite))
 
 
-def _one_layer(skeleton, c: int):
-  """`skeleton` with stacked chunk `c` one layer deep (`[1, length]`): what
-  the update of one of its layers is built from (element-wise, so each
-  layer's update is the chunk's, row by row)."""
+def _part(skeleton, c: int, width: int, shards: int):
+  """`skeleton` with chunk `c` cut to the part one stream item updates: a
+  stacked chunk one layer deep (`[1, length]`), and each device's shard
+  `width` columns wide: what that item's update is built from (the update
+  is element-wise: `tx` must be separable by chunk, and sees each chunk as
+  one array, so a part's update is the chunk's, element by element)."""
   layout = skeleton.layout
-  chunks = tuple(dataclasses.replace(ch, layers=1) if i == c else ch
+  ch = layout.chunks[c]
+  if not ch.layers and width * shards == ch.length:
+    return skeleton
+  length = width * shards
+  chunks = tuple(dataclasses.replace(
+      ch, layers=min(ch.layers, 1), length=length,
+      used=min(ch.used, length)) if i == c else ch
                  for i, ch in enumerate(layout.chunks))
-  row = lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype)
+  row = lambda x: jax.ShapeDtypeStruct(chunks[c].shape, x.dtype)
   owners = optstate.owners(layout, skeleton.opt_state).chunk
   flat, treedef = jax.tree_util.tree_flatten(skeleton.opt_state)
   return skeleton.replace(
@@ -123,28 +147,52 @@ def _one_layer(skeleton, c: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_programs():
-  """(take layer l of an array, put a layer back into one (donated)), in
-  the array's own sharding and memory kind; l is an argument, so one
-  compile serves every layer."""
-  take = jax.jit(lambda x, l: jax.lax.dynamic_slice_in_dim(x, l, 1, 0))
-  put = jax.jit(lambda x, r, l: jax.lax.dynamic_update_slice_in_dim(x, r, l, 0),
-                donate_argnums=(0,))
-  return take, put
+def _zeros(shape: tuple, dtype, sharding):
+  """A program making zeros of `shape` in `sharding`."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _part_programs(sharding, shape: tuple, shards: int, width: int):
+  """(take a part of an array, put a part back into one (donated)) for a
+  `shape` array in `sharding` (memory kind included): a part is one layer
+  l of a `[layers, length]` array (l an argument) and the columns
+  a:a+width of each of its `shards` shards (a an argument), so one compile
+  serves every layer and sub-group of that width. No communication: each
+  device cuts its own shard."""
+  rows = len(shape) > 1
+  split = lambda x: x.reshape(x.shape[:-1] + (shards, x.shape[-1] // shards))
+  flat = lambda y: y.reshape(y.shape[:-2] + (shards * y.shape[-1],))
+
+  def take(x, l, a):
+    y = split(x)
+    if rows:
+      y = jax.lax.dynamic_slice_in_dim(y, l, 1, 0)
+    return flat(jax.lax.dynamic_slice_in_dim(y, a, width, y.ndim - 1))
+
+  def put(x, part, l, a):
+    y = split(x)
+    at = (l, 0, a) if rows else (0, a)
+    return flat(jax.lax.dynamic_update_slice(y, split(part), at))
+
+  return (jax.jit(take, out_shardings=sharding),
+          jax.jit(put, out_shardings=sharding, donate_argnums=(0,)))
 
 
 def run(state, inputs, programs: dict) -> ZeroTrainState:
   """The disk chunks' updates after the step's program (`config.disk`):
-  one chunk at a time (one layer at a time for a stacked `[layers, length]`
-  chunk), its statistics (and its master shard, where that is on disk too)
-  read from their files into host memory, shard by shard (the next item's
-  read overlapping this one's update, the previous item's write overlapping
-  it too: `disk.ChunkFiles.stream`), updated on the host by
-  `_disk_chunk_program`, written back. Then, at stages 1-2, the disk
-  chunks' new compute-dtype shards are gathered into the compute copy; at
-  stage 3 (`StagePolicy.sharded_compute`) each is the chunk's new sharded
-  compute copy, put in place as it comes.
-  `programs` caches the jitted programs per state structure."""
+  one item at a time, an item being a chunk, or one layer of a stacked
+  `[layers, length]` chunk, or under `sub_group_size` a sub-group of the
+  columns of each device's shard of either (`sub_groups`). Its statistics
+  (and its master, where that is on disk too) are read from their files
+  into host memory, shard by shard (the next item's read overlapping this
+  one's update, the previous item's write overlapping it too:
+  `disk.ChunkFiles.stream`), updated on the host by `_disk_chunk_program`,
+  written back. Then, at stages 1-2, the disk chunks' new compute-dtype
+  shards are gathered into the compute copy; at stage 3
+  (`StagePolicy.sharded_compute`) each is put into the chunk's sharded
+  compute copy as it comes. `programs` caches the jitted programs per
+  state structure."""
   cfg, layout = state.config, state.layout
   files = disk_tier.files(cfg)
   flat, treedef = disk_tier.full_leaves(state.opt_state)
@@ -153,72 +201,87 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
   where = state_shardings(skeleton)
   opt_at = jax.tree_util.tree_leaves(where.opt_state)
   structure = jax.tree_util.tree_structure(state)
-  take, put = _layer_programs()
+  shards = state.num_state_shards
   # per chunk: (position among the statistics, or "master"; OnDisk; sharding)
   entries = {c: [(j, flat[j], opt_at[j]) for j, o in enumerate(owners)
                  if o == c and disk_tier.is_on_disk(flat[j])] +
              ([("master", state.master[c], where.master[c])]
               if disk_tier.is_on_disk(state.master[c]) else [])
              for c in inputs["grads"]}
-  items = [(c, l) for c in sorted(entries)
+  items = [(c, l, cols) for c in sorted(entries)
            for l in (range(layout.chunks[c].layers) if layout.chunks[c].layers
-                     else (None,))]
-  master, regather, counts = list(state.master), {}, {}
-  compute = list(state.compute)
+                     else (None,))
+           for cols in sub_groups(state, c)]
+  whole = {c: len(sub_groups(state, c)) == 1 and not layout.chunks[c].layers
+           for c in entries}
+  left = {c: sum(i[0] == c for i in items) for c in entries}
+  master, compute, counts = list(state.master), list(state.compute), {}
+  regather = {}   # stages 1-2: chunk -> its new compute-dtype shards
   sharded_compute = policy(cfg).sharded_compute
 
-  def program(c, l):
-    key = (structure, c, l is not None)
+  def program(c, l, cols):
+    width = cols[1] - cols[0]
+    key = (structure, c, l is not None, width)
     if key not in programs:
       programs[key] = _disk_chunk_program(
-          skeleton if l is None else _one_layer(skeleton, c), c)
+          _part(skeleton, c, width, shards), c)
     return programs[key]
 
+  def part(x, l, cols):   # (take, put) of this item's part of `x`
+    return _part_programs(x.sharding, x.shape, shards, cols[1] - cols[0])
+
   def read(item):
-    c, l = item
-    return disk_tier.read_shards(files, [(x, at) for _, x, at in entries[c]], l)
+    c, l, cols = item
+    return disk_tier.read_shards(files, [(x, at) for _, x, at in entries[c]],
+                                 l, None if whole[c] else cols)
 
   def update(item, arrays):
-    c, l = item
+    c, l, cols = item
     loaded = dict(zip([e for e, _, _ in entries[c]], disk_tier.assemble(
-        [(x, at) for _, x, at in entries[c]], arrays, l)))
-    if l is None:
-      grad, shard = inputs["grads"].pop(c), loaded.pop("master", master[c])
+        [(x, at) for _, x, at in entries[c]], arrays, l,
+        None if whole[c] else cols)))
+    left[c] -= 1
+    grads = inputs["grads"]
+    if whole[c]:
+      grad, shard = grads.pop(c), loaded.pop("master", master[c])
     else:
-      last = l == layout.chunks[c].layers - 1
-      grad = take(inputs["grads"].pop(c) if last else inputs["grads"][c], l)
+      grad = part(grads[c], l, cols)[0](grads[c], l or 0, cols[0])
+      if not left[c]:
+        del grads[c]
       shard = loaded.pop("master", None)
       if shard is None:
-        shard = take(master[c], l)
-    new_master, leaves, gathered = program(c, l)(
+        shard = part(master[c], l, cols)[0](master[c], l or 0, cols[0])
+    new_master, leaves, new = program(c, l, cols)(
         loaded, inputs["counts"], grad, shard, inputs["finite"])
     del loaded, grad, shard
     for j in inputs["counts"]:
       counts.setdefault(j, leaves[j])
     if not disk_tier.is_on_disk(master[c]):
-      master[c] = new_master if l is None else put(master[c], new_master, l)
-    if sharded_compute:   # stage 3: the copy the next step gathers
-      compute[c] = gathered if l is None else put(compute[c], gathered, l)
-    elif l is None:
-      regather[c] = gathered
+      master[c] = new_master if whole[c] else part(master[c], l, cols)[1](
+          master[c], new_master, l or 0, cols[0])
+    # the new compute-dtype part: into stage 3's copy, or for the re-gather
+    if not sharded_compute and not whole[c] and c not in regather:
+      regather[c] = _zeros(layout.chunks[c].shape, new.dtype, new.sharding)()
+    target = compute if sharded_compute else regather
+    if whole[c]:
+      target[c] = new
     else:
-      regather.setdefault(c, []).append(gathered)
-    return l, [(x, leaves.pop(e) if e != "master" else new_master)
-               for e, x, _ in entries[c]]
+      target[c] = part(target[c], l, cols)[1](target[c], new, l or 0, cols[0])
+    return (l, None if whole[c] else cols), [
+        (x, leaves.pop(e) if e != "master" else new_master)
+        for e, x, _ in entries[c]]
 
   def write(item, done):
-    l, written = done
-    return disk_tier.write_shards(files, written, l)
+    (l, cols), written = done
+    return disk_tier.write_shards(files, written, l, cols)
 
   files.stream(items, read, update, write)
   if policy(cfg).regather:
     key = (structure, "regather")
     if key not in programs:
       programs[key] = jax.jit(functools.partial(gather_updated, skeleton))
-    shards = tuple(regather.get(c) for c in range(len(layout.chunks)))
-    shards = tuple(jnp.concatenate(s, 0) if isinstance(s, list) else s
-                   for s in shards)
-    gathered = programs[key](shards)
+    gathered = programs[key](tuple(regather.get(c)
+                                   for c in range(len(layout.chunks))))
     compute = [x if g is None else g for x, g in zip(compute, gathered)]
   for j, x in counts.items():
     flat[j] = x

@@ -95,71 +95,85 @@ def abstract(tree) -> Any:
       if is_on_disk(x) else x, tree, is_leaf=is_on_disk)
 
 
-def _pieces(x: OnDisk, sharding, row: Optional[int] = None) -> dict:
-  """{first element on the last axis: (its devices in this process, the
+def _pieces(x: OnDisk, sharding, row: Optional[int] = None,
+            cols: Optional[tuple] = None) -> dict:
+  """{shard number on the last axis: (its devices in this process, the
   shard's shape, its rows' byte offsets in the file)}; with `row`, of row
-  `row` of a `[layers, length]` array only (shape `[1, ...]`)."""
+  `row` of a `[layers, length]` array only (shape `[1, ...]`); with `cols`
+  `(a, b)`, of the columns a:b of each shard only (a sub-group)."""
   out = {}
   for device, index in sharding.addressable_devices_indices_map(
       x.shape).items():
     start, stop, _ = index[-1].indices(x.shape[-1])
-    if start not in out:
+    k = start // (stop - start)
+    if k not in out:
+      if cols is not None:
+        start, stop = start + cols[0], start + cols[1]
       rows = disk.shard_offsets(x.shape, np.dtype(x.dtype).itemsize, start,
                                 stop)
       shape = x.shape[:-1] + (stop - start,)
       if row is not None:
         rows, shape = rows[row:row + 1], (1,) + shape[1:]
-      out[start] = ([], shape, rows)
-    out[start][0].append(device)
+      out[k] = ([], shape, rows)
+    out[k][0].append(device)
   return out
 
 
 def read_shards(files: disk.ChunkFiles, wanted: list,
-                row: Optional[int] = None):
+                row: Optional[int] = None, cols: Optional[tuple] = None):
   """Starts reading this process's shards of each `(OnDisk, sharding)` in
-  `wanted` (with `row`: of that layer only), each once (replicas share
-  it): one future of their numpy arrays, in order (what `assemble` takes).
-  No array is assembled whole."""
-  pieces = [(x, p) for x, at in wanted for p in _pieces(x, at, row).values()]
+  `wanted` (with `row`: of that layer only; with `cols`: those columns of
+  each shard only), each once (replicas share it): one future of their
+  numpy arrays, in order (what `assemble` takes). No array is assembled
+  whole."""
+  pieces = [(x, p) for x, at in wanted
+            for p in _pieces(x, at, row, cols).values()]
   return disk.read_many(files, [x.key for x, _ in pieces],
                         [shape for _, (_, shape, _) in pieces],
                         [np.dtype(x.dtype) for x, _ in pieces],
                         [rows for _, (_, _, rows) in pieces])
 
 
-def assemble(wanted: list, arrays: list, row: Optional[int] = None) -> list:
+def assemble(wanted: list, arrays: list, row: Optional[int] = None,
+             cols: Optional[tuple] = None) -> list:
   """The jax arrays (in their shardings, host memory kinds included) of the
-  `(OnDisk, sharding)`s in `wanted` (with `row`: that layer, `[1, length]`)
-  from `read_shards`' numpy shards, emptying `arrays` as it goes so each
-  numpy shard is freed once on its devices."""
+  `(OnDisk, sharding)`s in `wanted` (with `row`: that layer, `[1, length]`;
+  with `cols` `(a, b)`: the columns a:b of every shard, so b - a per
+  device) from `read_shards`' numpy shards, emptying `arrays` as it goes so
+  each numpy shard is freed once on its devices."""
   out, k = [], 0
   for x, sharding in wanted:
     parts = []
-    for devices, _, _ in _pieces(x, sharding, row).values():
+    for devices, _, _ in _pieces(x, sharding, row, cols).values():
       host, arrays[k] = arrays[k], None
       k += 1
       parts += [jax.device_put(host, jax.sharding.SingleDeviceSharding(
           d, memory_kind=sharding.memory_kind)) for d in devices]
       del host
     shape = x.shape if row is None else (1,) + x.shape[1:]
+    if cols is not None:   # b - a from each of the shards on the last axis
+      shards = x.shape[-1] // sharding.shard_shape(x.shape)[-1]
+      shape = shape[:-1] + ((cols[1] - cols[0]) * shards,)
     out.append(jax.make_array_from_single_device_arrays(shape, sharding,
                                                         parts))
   return out
 
 
 def write_shards(files: disk.ChunkFiles, written: list,
-                 row: Optional[int] = None) -> list:
+                 row: Optional[int] = None,
+                 cols: Optional[tuple] = None) -> list:
   """Starts writing each `(OnDisk, jax array)` in `written` back to its
-  file (with `row`: the array is that layer), shard by shard from the
-  array's own buffers (each distinct shard once); returns the futures."""
+  file (with `row`: the array is that layer; with `cols`: those columns of
+  each shard), shard by shard from the array's own buffers (each distinct
+  shard once); returns the futures."""
   futures = []
   for x, array in written:
-    pieces = _pieces(x, array.sharding, row)
+    pieces = _pieces(x, array.sharding, row, cols)
     for s in array.addressable_shards:
       if s.replica_id == 0:
-        start, _, _ = s.index[-1].indices(x.shape[-1])
+        start, _, _ = s.index[-1].indices(array.shape[-1])
         futures.append(files.write(x.key, np.asarray(s.data),
-                                   pieces[start][2]))
+                                   pieces[start // s.data.shape[-1]][2]))
   return futures
 
 

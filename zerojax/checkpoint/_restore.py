@@ -186,8 +186,10 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   if fields.get("offload_optimizer") == DISK:
     if "update_on" not in config_fields:
       fields["update_on"] = None   # the disk tier's own: on the host
-  elif "offload_dir" not in config_fields:
-    fields.pop("offload_dir", None)   # a saved disk tier's, not wanted here
+  else:   # a saved disk tier's fields, not wanted here
+    for name in ("offload_dir", "sub_group_size"):
+      if name not in config_fields:
+        fields.pop(name, None)
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh)
