@@ -31,8 +31,9 @@ time, in sub-groups of `SUB_GROUP` elements per device, and holds two).
   disk bytes      per parameter per step: every disk chunk's files read
                   and written once
   step time       the small config, allocated, interleaved rounds of the
-                  two tiers' whole steps (the disk tier's stream included);
-                  on this machine the files mostly stay in the page cache
+                  tiers' whole steps (the disk tier's stream included; in
+                  sub-groups, and a chunk at a time); on this machine the
+                  files mostly stay in the page cache
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ SUB_GROUP = 2 ** 14
 
 
 def _tier(tier: str, directory: str) -> dict:
+  """"host", "disk" (in sub-groups), or "disk whole" (a chunk at a time)."""
   if tier == "host":
     return {"offload_optimizer": True, "update_on": "host"}
   return {"offload_optimizer": "disk", "offload_dir": directory,
-          "sub_group_size": SUB_GROUP}
+          "sub_group_size": None if tier == "disk whole" else SUB_GROUP}
 
 
 def _build(cfg, case, tier, directory, *, batch, seq, n, materialize=False):
@@ -106,8 +108,12 @@ def footprint(cfg, case: str, tier: str, directory: str, *, batch: int,
     updates, reads = [], []
     for c, (program, args) in disk_stream.update_programs(v.state).items():
       text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      m = host_moves(text, shapes)
-      moved = {k: moved[k] + m[k] for k in moved}
+      # its program updates one part (a layer, a sub-group) of the chunk:
+      # its moves, once per part
+      part, chunk = tuple(args[2].shape), v.layout.chunks[c]
+      m = host_moves(text, shapes + [part])
+      parts = max(chunk.layers, 1) * chunk.length / part[-1]
+      moved = {k: moved[k] + m[k] * parts for k in moved}
       # its host update: the arrays it holds there, the gradient brought over
       updates.append(_host(zerojax.compiled_footprint(
           program.lower(*args).compile())) + m["pinned_host"] // n)
@@ -155,6 +161,8 @@ def largest(cfg, case: str, tier: str, directory: str, budget: dict, *,
   while fits(layers + 1):
     layers += 1
   return {"layers": layers, "num_params": cfg.replace(layers=layers).num_params,
+          # the depth each budget alone allows, from the line through L0, 2·L0
+          "predicted": dict(zip(("device", "host"), depth)),
           "fits": fits(layers), **{k: at(layers)[k] for k in ("device", "host")},
           "next": {k: at(layers + 1)[k] for k in ("device", "host")},
           "points": {str(k): {"device": v["device"], "host": v["host"]}
@@ -197,13 +205,15 @@ class _Whole:
 def step_times(cfg, case: str, directory: str, *, batch: int, seq: int,
                n: int, rounds: int) -> dict:
   built = {tier: _Whole(cfg, case, tier, directory, batch=batch, seq=seq, n=n)
-           for tier in ("host", "disk")}
+           for tier in ("host", "disk", "disk whole")}
   times = speed.time_variants(built, rounds)
-  disk_tier.remove(built["disk"].state)
+  for tier in ("disk", "disk whole"):
+    disk_tier.remove(built[tier].state)
   median = {k: statistics.median(t) for k, t in times.items()}
   return {"times_s": times, "median_s": median,
           "ratio": median["disk"] / median["host"],
-          "min_ratio": min(times["disk"]) / min(times["host"])}
+          "min_ratio": min(times["disk"]) / min(times["host"]),
+          "whole_ratio": median["disk whole"] / median["host"]}
 
 
 def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,

@@ -314,6 +314,13 @@ def _disk_md(r: dict, mode: str) -> list:
                    f" | {f['num_params']:,} | {_mib(f['device'])} | "
                    f"{_mib(f['host'])} | {_mib(f['next']['device'])}, "
                    f"{_mib(f['next']['host'])} |")
+    if all("predicted" in f for f in fit.values()):
+      alone = lambda d: ("none" if d >= 10 ** 6 else str(d))
+      lines += ["", "Depth each budget alone would allow (the line through "
+                "the first two depths): " + "; ".join(
+                    f"{tier} tier device {alone(f['predicted']['device'])}, "
+                    f"host {alone(f['predicted']['host'])}"
+                    for tier, f in fit.items()) + " layers."]
     loss = fit["disk"].get("loss_of_one_step")
     lines += ["", f"**{x['size_ratio']:.2f}×** the parameters with the disk "
               "tier" + (f"; one step of it at {fit['disk']['layers']} layers "
@@ -321,7 +328,10 @@ def _disk_md(r: dict, mode: str) -> list:
               + ". Step time on this machine (" + sp["config"] +
               f", {sp['rounds']} interleaved rounds, files in the page "
               f"cache): disk / host = {sp['ratio']:.2f} (medians), "
-              f"{sp['min_ratio']:.2f} (minima).", ""]
+              f"{sp['min_ratio']:.2f} (minima)" + (
+                  f"; a chunk at a time instead of sub-groups, "
+                  f"{sp['whole_ratio']:.2f}" if "whole_ratio" in sp else "")
+              + ".", ""]
   lines += [f"![disk]({mode}_disk.png)", ""]
   return lines
 

@@ -146,6 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--offload-dir", metavar="DIR",
                  help="with --offload disk: an existing directory on a fast "
                  "local disk for its files (scratch)")
+  p.add_argument("--sub-group-size", type=int, metavar="N",
+                 help="with --offload disk: stream each device's shard of a "
+                 "chunk N elements at a time (DeepSpeed's sub_group_size), "
+                 "bounding host memory below the largest chunk; default "
+                 "a whole chunk")
   p.add_argument("--update-on", choices=["device", "host"],
                  help="with --offload host: run the offloaded optimizer "
                  "update on the host, where its state lives (only the "
@@ -171,6 +176,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.offload_dir and args.offload != "disk":
     p.error("--offload-dir is where --offload disk keeps its files; add "
             "--offload disk")
+  if args.sub_group_size is not None and args.offload != "disk":
+    p.error("--sub-group-size sets how --offload disk streams its files; "
+            "add --offload disk")
   if args.offload == "disk" and args.update_on == "device":
     p.error("--offload disk updates on the host as the state streams from "
             "disk; drop --update-on device")
@@ -484,6 +492,7 @@ def main(argv=None) -> dict:
                          offload_optimizer={None: False, "host": True,
                                             "disk": "disk"}[args.offload],
                          offload_dir=args.offload_dir,
+                         sub_group_size=args.sub_group_size,
                          update_on=args.update_on)
   num_params = state.layout.num_chunked_elements
   if args.resume:

@@ -124,7 +124,8 @@ def test_the_disk_tier_trains(tmp_path):
   live = tmp_path / "live"
   live.mkdir()
   out = _run(["--offload", "disk", "--offload-dir", str(live), "--steps",
-              "2"], tmp_path / "disk.json", tmp_path / "cache")
+              "2", "--sub-group-size", "4096"], tmp_path / "disk.json",
+             tmp_path / "cache")
   assert out["config"]["offload"] == "disk"
   assert out["memory"]["persistent_by_kind"]["disk"] > 0
   assert any(p.name.endswith(".bin") for p in live.iterdir())
@@ -141,6 +142,7 @@ def test_the_disk_tier_trains(tmp_path):
     ("--update-on=host", "--update-on host runs the update where --offload"),
     ("--offload=disk", "--offload disk keeps the optimizer state in files"),
     ("--offload-dir=/tmp", "--offload-dir is where --offload disk keeps"),
+    ("--sub-group-size=64", "--sub-group-size sets how --offload disk"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
