@@ -315,12 +315,12 @@ def _disk_md(r: dict, mode: str) -> list:
                    f"{_mib(f['host'])} | {_mib(f['next']['device'])}, "
                    f"{_mib(f['next']['host'])} |")
     if all("predicted" in f for f in fit.values()):
-      alone = lambda d: ("none" if d >= 10 ** 6 else str(d))
-      lines += ["", "Depth each budget alone would allow (the line through "
-                "the first two depths): " + "; ".join(
+      alone = lambda d: ("unbounded" if d >= 10 ** 6 else str(d))
+      lines += ["", "Depth in layers each budget alone would allow (the line "
+                "through the first two depths): " + "; ".join(
                     f"{tier} tier device {alone(f['predicted']['device'])}, "
                     f"host {alone(f['predicted']['host'])}"
-                    for tier, f in fit.items()) + " layers."]
+                    for tier, f in fit.items()) + "."]
     loss = fit["disk"].get("loss_of_one_step")
     lines += ["", f"**{x['size_ratio']:.2f}×** the parameters with the disk "
               "tier" + (f"; one step of it at {fit['disk']['layers']} layers "
