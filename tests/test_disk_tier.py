@@ -51,7 +51,6 @@ def _params(state):
     # a [layers, length] chunk, streamed a layer at a time
     (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
     (3, dict(compute_dtype="float32", kind="scan_transformer")),
-    (3, dict(compute_dtype="bfloat16", kind="scan_transformer")),
     # sub-groups of each shard's columns (unequal: 1588 = 5 x 265 + 263)
     (2, dict(compute_dtype="bfloat16", sub_group_size=300)),
     (3, dict(compute_dtype="float32", accum_steps=2, sub_group_size=300)),

@@ -37,13 +37,16 @@ def trained():
 
   step = zerojax.train_step(loss_fn, mutable=("batch_stats",))
   states = {}
-  for stage in (0, 1, 2, 3):
+  # stage 3 with every shard in host memory too: eval gathers from there
+  host = dict(offload_params=True, offload_optimizer=True)
+  for key, stage, fields in ((0, 0, {}), (1, 1, {}), (2, 2, {}), (3, 3, {}),
+                             ("3 offload", 3, host)):
     state = zerojax.shard(TrainState.create(
         apply_fn=None, params=variables["params"], tx=optax.adam(1e-2),
-        batch_stats=variables["batch_stats"]), stage=stage)
+        batch_stats=variables["batch_stats"]), stage=stage, **fields)
     for _ in range(2):
       state, _ = step(state, batch)
-    states[stage] = state
+    states[key] = state
   return states, batch
 
 
@@ -56,7 +59,7 @@ def _metrics(params, b, batch_stats):
               logits, b["y"]).mean()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "3 offload"])
 def test_eval_equals_plain_apply_on_gathered_params(trained, stage):
   states, batch = trained
   state = states[stage]
