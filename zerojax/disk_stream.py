@@ -217,7 +217,7 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
   left = {c: sum(i[0] == c for i in items) for c in entries}
   master, compute, counts = list(state.master), list(state.compute), {}
   regather = {}   # stages 1-2: chunk -> its new compute-dtype shards
-  sharded_compute = policy(cfg).sharded_compute
+  sharded_compute, regathers = policy(cfg).sharded_compute, policy(cfg).regather
 
   def program(c, l, cols):
     width = cols[1] - cols[0]
@@ -260,13 +260,14 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
       master[c] = new_master if whole[c] else part(master[c], l, cols)[1](
           master[c], new_master, l or 0, cols[0])
     # the new compute-dtype part: into stage 3's copy, or for the re-gather
-    if not sharded_compute and not whole[c] and c not in regather:
-      regather[c] = _zeros(layout.chunks[c].shape, new.dtype, new.sharding)()
-    target = compute if sharded_compute else regather
-    if whole[c]:
-      target[c] = new
-    else:
-      target[c] = part(target[c], l, cols)[1](target[c], new, l or 0, cols[0])
+    # (at stage 3 in fp32 `new` is the new master, already in place)
+    if sharded_compute or regathers:
+      target = compute if sharded_compute else regather
+      if not whole[c] and target is regather and c not in regather:
+        regather[c] = _zeros(layout.chunks[c].shape, new.dtype,
+                             new.sharding)()
+      target[c] = new if whole[c] else part(target[c], l, cols)[1](
+          target[c], new, l or 0, cols[0])
     return (l, None if whole[c] else cols), [
         (x, leaves.pop(e) if e != "master" else new_master)
         for e, x, _ in entries[c]]
@@ -276,7 +277,7 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
     return disk_tier.write_shards(files, written, l, cols)
 
   files.stream(items, read, update, write)
-  if policy(cfg).regather:
+  if regathers:
     key = (structure, "regather")
     if key not in programs:
       programs[key] = jax.jit(functools.partial(gather_updated, skeleton))
