@@ -227,8 +227,14 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
           _part(skeleton, c, width, shards), c)
     return programs[key]
 
-  def part(x, l, cols):   # (take, put) of this item's part of `x`
+  def programs_of(x, cols):
     return _part_programs(x.sharding, x.shape, shards, cols[1] - cols[0])
+
+  def take(x, l, cols):   # this item's part of `x`
+    return programs_of(x, cols)[0](x, l or 0, cols[0])
+
+  def put(x, new, l, cols):   # `x` (donated) with this item's part `new`
+    return programs_of(x, cols)[1](x, new, l or 0, cols[0])
 
   def read(item):
     c, l, cols = item
@@ -245,20 +251,20 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
     if whole[c]:
       grad, shard = grads.pop(c), loaded.pop("master", master[c])
     else:
-      grad = part(grads[c], l, cols)[0](grads[c], l or 0, cols[0])
+      grad = take(grads[c], l, cols)
       if not left[c]:
         del grads[c]
       shard = loaded.pop("master", None)
       if shard is None:
-        shard = part(master[c], l, cols)[0](master[c], l or 0, cols[0])
+        shard = take(master[c], l, cols)
     new_master, leaves, new = program(c, l, cols)(
         loaded, inputs["counts"], grad, shard, inputs["finite"])
     del loaded, grad, shard
     for j in inputs["counts"]:
       counts.setdefault(j, leaves[j])
     if not disk_tier.is_on_disk(master[c]):
-      master[c] = new_master if whole[c] else part(master[c], l, cols)[1](
-          master[c], new_master, l or 0, cols[0])
+      master[c] = new_master if whole[c] else put(master[c], new_master, l,
+                                                  cols)
     # the new compute-dtype part: into stage 3's copy, or for the re-gather
     # (at stage 3 in fp32 `new` is the new master, already in place)
     if sharded_compute or regathers:
@@ -266,8 +272,7 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
       if not whole[c] and target is regather and c not in regather:
         regather[c] = _zeros(layout.chunks[c].shape, new.dtype,
                              new.sharding)()
-      target[c] = new if whole[c] else part(target[c], l, cols)[1](
-          target[c], new, l or 0, cols[0])
+      target[c] = new if whole[c] else put(target[c], new, l, cols)
     return (l, None if whole[c] else cols), [
         (x, leaves.pop(e) if e != "master" else new_master)
         for e, x, _ in entries[c]]
