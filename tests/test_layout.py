@@ -285,3 +285,121 @@ def test_unpacking_gradient_cost_does_not_grow_with_leaves(form):
   # O(leaves x length). Cut by one split, it is one concatenate: O(length).
   few, many = _chunk_length_ops(4, form), _chunk_length_ops(64, form)
   assert few == many == {"concatenate": 1}, (few, many)
+
+
+# ---- tensor parallelism: leaves split over the model axis --------------------
+def _tp_tree():
+  r = np.random.default_rng(3)
+  a = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+  return {"attn": {"qkv": a(8, 12), "out": a(12, 8), "bias": a(12)},
+          "ln": {"scale": a(8)},
+          "blocks": {"up": a(3, 8, 6), "down": a(3, 6, 8), "norm": a(3, 8)}}
+
+
+# per leaf in tree order (attn/bias, attn/out, attn/qkv, blocks/down,
+# blocks/norm, blocks/up, ln/scale): the dim split over the model axis
+_TP_DIMS = (0, 0, 1, 1, None, 2, None)
+
+
+@pytest.mark.parametrize("model_shards", [2, 3])
+def test_tensor_parallel_rows_hold_each_model_devices_slices(model_shards):
+  """Row m of a split chunk is model device m's slice of each leaf (what
+  it holds under tensor parallelism), leaves back to back; split leaves
+  never share a chunk with whole ones; unpacking (on device, per layer,
+  and on the host) gives the leaves back exactly."""
+  tree = _tp_tree()
+  m = model_shards
+  layout = ChunkLayout.build(jax.eval_shape(lambda t: t, tree), 4,
+                             chunk_size=64, stacked=("blocks",),
+                             model_dims=_TP_DIMS, model_shards=m)
+  flat = jax.tree_util.tree_leaves(tree)
+  chunks, rest = layout.split(tree)
+  assert rest == ()
+  for c, (chunk, arr) in enumerate(zip(layout.chunks, chunks)):
+    members = [layout.leaves[i] for i in chunk.leaves]
+    split = {info.model_dim is not None for info in members}
+    assert len(split) == 1   # never mixed
+    assert arr.shape == chunk.shape
+    assert chunk.model_shards == (m if split == {True} else 0)
+    for i in chunk.leaves:
+      info, leaf = layout.leaves[i], np.asarray(flat[i])
+      if info.model_dim is None:
+        continue
+      d, s = info.model_dim, info.shape[info.model_dim] // m
+      for row in range(m):
+        own = np.take(leaf, np.arange(row * s, (row + 1) * s), axis=d)
+        got = np.asarray(arr)[..., row, info.offset:info.offset + info.size]
+        lead = (info.shape[0],) if info.stacked else ()
+        np.testing.assert_array_equal(got, own.reshape(lead + (-1,)))
+    host = layout.pack_chunk(c, [np.asarray(x) for x in flat], xp=np)
+    np.testing.assert_array_equal(host, np.asarray(arr))
+    for i in chunk.leaves:
+      np.testing.assert_array_equal(layout.host_leaf(i, host), flat[i])
+    if chunk.layers:   # one layer at a time, as `layerwise` cuts it
+      for layer in range(chunk.layers):
+        for i, leaf in zip(chunk.leaves,
+                           layout.unpack_chunk(c, arr[layer], per_layer=True)):
+          np.testing.assert_array_equal(leaf, flat[i][layer])
+  back = layout.merge(chunks, rest)
+  for a, b in zip(jax.tree_util.tree_leaves(back), flat):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert layout.num_chunked_elements == sum(x.size for x in flat)
+  views = layout.views(chunks)
+  for view, info in zip(jax.tree_util.tree_leaves(views), layout.leaves):
+    assert view.ndim == info.ndim   # optax's masks see the leaves' ranks
+  for a, b in zip(layout.from_views(views), chunks):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tensor_parallel_unpacking_gradient_is_the_packing():
+  """The gradient through unpacking a split chunk is the packing of the
+  leaves' gradients (the split's transpose and a transpose of axes: no
+  pad of the chunk's length per leaf)."""
+  tree = _tp_tree()
+  layout = ChunkLayout.build(jax.eval_shape(lambda t: t, tree), 4,
+                             stacked=("blocks",), model_dims=_TP_DIMS,
+                             model_shards=2)
+  chunks, rest = layout.split(tree)
+  weights = jax.tree_util.tree_map(lambda x: x * 3 + 1, tree)
+  loss = lambda ch: sum(jnp.vdot(a, w) for a, w in zip(
+      jax.tree_util.tree_leaves(layout.merge(ch, rest)),
+      jax.tree_util.tree_leaves(weights)))
+  grads = jax.grad(loss)(chunks)
+  for got, want in zip(grads, layout.split(weights)[0]):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  text = jax.jit(jax.grad(loss)).lower(chunks).compile().as_text()
+  # cut by slices there would be a pad per leaf (7); at most one per chunk
+  # (its zero padding) here
+  assert len(re.findall(r" pad\(", text)) <= len(layout.chunks), text
+
+
+@pytest.mark.parametrize("dims, match", [
+    ((0, 0, 1, 1, None, 0, None), "layer axis"),      # blocks/up on dim 0
+    ((0, 0, 1, 1, None, 3, None), "not one of its dims"),
+    ((0, 0, 1, 1, None, 2, 0), "does not divide"),    # ln/scale 8 over 3
+])
+def test_tensor_parallel_dims_that_a_chunk_cannot_keep_are_refused(dims, match):
+  with pytest.raises(ValueError, match=match):
+    ChunkLayout.build(jax.eval_shape(lambda t: t, _tp_tree()), 4,
+                      stacked=("blocks",), model_dims=dims, model_shards=3)
+
+
+def test_tensor_parallel_layout_survives_a_checkpoints_json():
+  """A checkpoint's layout metadata keeps each leaf's model dim and each
+  chunk's rows; one written before tensor parallelism reads as unsplit."""
+  import json
+  from zerojax.checkpoint import _format
+  abstract = jax.eval_shape(lambda t: t, _tp_tree())
+  layout = ChunkLayout.build(abstract, 4, stacked=("blocks",),
+                             model_dims=_TP_DIMS, model_shards=2)
+  text = json.dumps(_format.layout_json(layout))
+  back = _format.layout_from_json(json.loads(text), layout.treedef)
+  assert back.leaves == layout.leaves and back.chunks == layout.chunks
+  old = json.loads(text)
+  for entry in old["leaves"] + old["chunks"]:
+    entry.pop("model_dim", None)
+    entry.pop("model_shards")
+  legacy = _format.layout_from_json(old, None)
+  assert all(c.model_shards == 0 for c in legacy.chunks)
+  assert all(i.model_dim is None and i.model_shards == 1
+             for i in legacy.leaves)

@@ -19,7 +19,13 @@ Packing rules (ColossalAI Gemini's chunks, adapted to SPMD):
   * leaves stacked over layers (leading layer axis, as `flax.linen.scan`
     produces) are packed per layer: such a chunk has shape [layers, length];
   * a chunk never spans two "units" (unrolled blocks, see `repeated_blocks`):
-    a unit's chunks hold its leaves only, so that it can be gathered alone.
+    a unit's chunks hold its leaves only, so that it can be gathered alone;
+  * tensor parallelism (`model_dims`): a leaf the model splits over the
+    model axis (M devices) on one of its dims is packed as M rows, row m
+    holding model device m's slice of it; such leaves share chunks only with
+    each other, of shape `[M, length]` (`[layers, M, length]` when stacked),
+    the row axis sharded over the model axis, so that gathering over the
+    data axis never crosses it. `length` counts a row's elements.
 """
 from __future__ import annotations
 
@@ -52,21 +58,36 @@ class LeafInfo:
   offset: int = 0
   stacked: bool = False
   names: tuple = ()
+  model_dim: Optional[int] = None
+  model_shards: int = 1
 
   @property
   def ndim(self) -> int:
     return len(self.shape)
 
   @property
+  def local_shape(self) -> tuple:
+    """The shape of one model device's slice (the leaf's shape without
+    tensor parallelism)."""
+    if self.model_dim is None:
+      return self.shape
+    d = self.model_dim
+    return (self.shape[:d] + (self.shape[d] // self.model_shards,)
+            + self.shape[d + 1:])
+
+  @property
   def size(self) -> int:
-    """Elements the leaf occupies in its chunk (per layer when stacked)."""
-    n = int(np.prod(self.shape, dtype=np.int64))
+    """Elements the leaf occupies in its chunk (per layer when stacked; per
+    model row when split over the model axis)."""
+    n = int(np.prod(self.local_shape, dtype=np.int64))
     return n // self.shape[0] if self.stacked else n
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-  """One chunk array: shape `[length]`, or `[layers, length]` when stacked.
+  """One chunk array: shape `[length]`, or `[layers, length]` when stacked,
+  with a row axis `[..., model_shards, length]` before the last when its
+  leaves are split over the model axis (`model_shards > 0`).
   `stack` names the submodule the chunk belongs to: the layer stack
   (`layers > 0`), the unit (an unrolled block, `layers == 0`), or None."""
   length: int
@@ -76,15 +97,64 @@ class Chunk:
   leaves: tuple
   label: int
   stack: Optional[str]
+  model_shards: int = 0
 
   @property
   def shape(self) -> tuple:
-    return (self.layers, self.length) if self.layers else (self.length,)
+    return ((self.layers,) if self.layers else ()) + (
+        (self.model_shards,) if self.model_shards else ()) + (self.length,)
+
+  @property
+  def copies(self) -> int:
+    """Arrays of `length` the chunk holds: layers x model rows."""
+    return max(self.layers, 1) * max(self.model_shards, 1)
 
   @property
   def padding(self) -> int:
     """Padding elements (per layer when stacked)."""
     return self.length - self.used
+
+
+def _check_model_dim(path: str, shape: tuple, dim, model_shards: int,
+                     stacked: bool) -> None:
+  """A leaf's tensor-parallel dim must exist, not be the layer axis, and
+  divide over the model axis's devices."""
+  if dim is None:
+    return
+  if not isinstance(dim, (int, np.integer)) or not 0 <= dim < len(shape):
+    raise ValueError(f"leaf {path} of shape {shape}: model dim {dim!r} is not "
+                     "one of its dims.")
+  if stacked and dim == 0:
+    raise ValueError(f"leaf {path} of shape {shape} is layer-stacked: its "
+                     "layer axis (dim 0) cannot be split over the model axis.")
+  if shape[dim] % model_shards:
+    raise ValueError(f"leaf {path} of shape {shape} is split over the model "
+                     f"axis on dim {dim}, whose {shape[dim]} does not divide "
+                     f"into {model_shards} model devices; change the model "
+                     "axis's size or the leaf's partitioning.")
+
+
+def _to_rows(info: LeafInfo, x, xp):
+  """Leaf `x` (its full shape) with its model slices as rows: shape
+  `[layers?, M, slice...]` (unchanged without tensor parallelism)."""
+  if info.model_dim is None:
+    return x
+  d, m, shape = info.model_dim, info.model_shards, info.shape
+  x = xp.reshape(x, shape[:d] + (m, shape[d] // m) + shape[d + 1:])
+  return xp.moveaxis(x, d, 1 if info.stacked else 0)
+
+
+def _from_rows(info: LeafInfo, part, xp, per_layer: bool = False):
+  """Inverse of `_to_rows`: the leaf (one layer of it, `per_layer`) from its
+  part of a chunk, `[..., M?, size]`."""
+  shape = info.shape[1:] if per_layer else info.shape
+  if info.model_dim is None:
+    return xp.reshape(part, shape)
+  d = info.model_dim - (1 if per_layer else 0)
+  local = info.local_shape[1:] if per_layer else info.local_shape
+  lead = part.ndim - 2   # the layer axis, when the part has one
+  x = xp.reshape(part, part.shape[:-1] + local[lead:])
+  return xp.reshape(xp.moveaxis(x, lead, d), shape)
 
 
 def path_names(path) -> tuple:
@@ -119,6 +189,8 @@ class ChunkLayout:
             trainable: Optional[Sequence[bool]] = None,
             labels: Optional[Sequence[int]] = None, stacked: Sequence[str] = (),
             units: Sequence[str] = (),
+            model_dims: Optional[Sequence[Optional[int]]] = None,
+            model_shards: int = 1,
             min_chunk_size: int = 2 ** 20, search_range: int = 2 ** 22,
             search_interval: int = 2 ** 12) -> "ChunkLayout":
     """Computes the layout of `params` (arrays or `jax.ShapeDtypeStruct`s).
@@ -132,30 +204,39 @@ class ChunkLayout:
       stacked: path components marking leaves with a leading layer axis.
       units: path components marking unrolled blocks (`repeated_blocks`):
         a chunk never holds leaves of two units, or of a unit and others.
+      model_dims: per leaf, the dim the model splits over its model axis
+        (tensor parallelism), or None; `model_shards`: that axis's devices.
       min_chunk_size, search_range, search_interval: the search's candidates.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     n = len(flat)
     trainable = [True] * n if trainable is None else list(trainable)
     labels = [0] * n if labels is None else list(labels)
-    if len(trainable) != n or len(labels) != n:
-      raise ValueError("trainable/labels must have one entry per leaf.")
+    model_dims = [None] * n if model_dims is None else list(model_dims)
+    if len(trainable) != n or len(labels) != n or len(model_dims) != n:
+      raise ValueError("trainable/labels/model_dims must have one entry per "
+                       "leaf.")
     infos, keys = [], []
-    for (path, leaf), train, label in zip(flat, trainable, labels):
+    for (path, leaf), train, label, dim in zip(flat, trainable, labels,
+                                               model_dims):
       shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
       names = path_names(path)
       stack = next((s for s in stacked if s in names), None)
       if stack is not None and not shape:
         raise ValueError(f"leaf {jax.tree_util.keystr(path)} is under stacked "
                          f"module {stack!r} but is a scalar (no layer axis).")
+      _check_model_dim(jax.tree_util.keystr(path), shape, dim, model_shards,
+                       stack is not None)
       info = LeafInfo(jax.tree_util.keystr(path), shape, dtype,
-                      stacked=stack is not None, names=names)
+                      stacked=stack is not None, names=names, model_dim=dim,
+                      model_shards=model_shards if dim is not None else 1)
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
       unit = (None if stack is not None else
                next((u for u in units if u in names[:-1]), None))
       infos.append(info)
       keys.append((stack or unit, shape[0] if stack else 0, int(label),
-                   dtype.name) if chunked else None)
+                   dtype.name, model_shards if dim is not None else 0)
+                  if chunked else None)
     modules = {name for info in infos for name in info.names[:-1]}
     unknown = [s for s in stacked if s not in modules]
     if unknown:
@@ -180,14 +261,16 @@ class ChunkLayout:
       else:
         chunk_size = min_chunk_size
     chunks = []
-    for (stack, layers, label, dtype_name), members in zip(group_keys, groups):
+    for (stack, layers, label, dtype_name, rows), members in zip(group_keys,
+                                                                 groups):
       current, used = [], 0
 
       def close():
         nonlocal current, used
         if current:
           chunks.append(Chunk(_round_up(used, num_shards), used, layers,
-                              np.dtype(dtype_name), tuple(current), label, stack))
+                              np.dtype(dtype_name), tuple(current), label, stack,
+                              rows))
         current, used = [], 0
 
       for i in members:
@@ -228,11 +311,11 @@ class ChunkLayout:
   @property
   def num_chunked_elements(self) -> int:
     """Ψ: trainable elements (all layers), padding excluded."""
-    return sum(c.used * max(c.layers, 1) for c in self.chunks)
+    return sum(c.used * c.copies for c in self.chunks)
 
   @property
   def num_padding_elements(self) -> int:
-    return sum(c.padding * max(c.layers, 1) for c in self.chunks)
+    return sum(c.padding * c.copies for c in self.chunks)
 
   def representative(self, c: int) -> int:
     """The leaf whose optimizer view carries chunk `c` (the highest rank)."""
@@ -305,9 +388,9 @@ class ChunkLayout:
     `xp=numpy`, from host arrays on the host, without device work."""
     chunk = self.chunks[c]
     dt = chunk.dtype if dtype is None else dtype
-    lead = (chunk.layers,) if chunk.layers else ()
-    parts = [xp.reshape(leaves[i], lead + (-1,)).astype(dt)
-             for i in chunk.leaves]
+    lead = chunk.shape[:-1]
+    parts = [xp.reshape(_to_rows(self.leaves[i], leaves[i], xp), lead + (-1,))
+             .astype(dt) for i in chunk.leaves]
     if chunk.padding:
       parts.append(xp.zeros(lead + (chunk.padding,), dt))
     return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
@@ -329,15 +412,15 @@ class ChunkLayout:
     sizes = [info.size for info in infos]
     parts = jax.lax.split(arr, sizes + [chunk.padding] if chunk.padding
                           else sizes, axis=-1)
-    return [jnp.reshape(part, info.shape[1:] if per_layer else info.shape)
+    return [_from_rows(info, part, jnp, per_layer)
             for part, info in zip(parts, infos)]
 
   def host_leaf(self, i: int, chunk: np.ndarray) -> np.ndarray:
     """Leaf `i` cut from a host copy of its chunk (shape
     `chunks[leaves[i].chunk].shape`): `unpack_chunk` without device work."""
     info = self.leaves[i]
-    return np.reshape(chunk[..., info.offset:info.offset + info.size],
-                      info.shape)
+    return _from_rows(info, chunk[..., info.offset:info.offset + info.size],
+                      np)
 
   def merge(self, chunks: Sequence[Any], rest: Sequence[Any],
             dtype: Any = "leaf", skip: frozenset = frozenset(),
@@ -379,9 +462,12 @@ class ChunkLayout:
     """
     chunk = self.chunks[c]
     rank = self.leaves[self.representative(c)].ndim
-    if chunk.layers:
-      return (chunk.layers,) + (1,) * max(rank - 2, 0) + (chunk.length,)
-    return (1,) * max(rank - 1, 0) + (chunk.length,)
+    lead = (chunk.layers,) if chunk.layers else ()
+    rank -= len(lead)
+    if chunk.model_shards and rank >= 2:   # the model rows kept as an axis
+      return lead + (1,) * (rank - 2) + (chunk.model_shards, chunk.length)
+    return lead + (1,) * max(rank - 1, 0) + (chunk.length *
+                                             max(chunk.model_shards, 1),)
 
   def views(self, chunks: Sequence[Any], fill_dtype: Any = None,
             only: Optional[frozenset] = None) -> Any:

@@ -52,22 +52,28 @@ def layout_json(layout: ChunkLayout) -> dict:
       "num_shards": int(layout.num_shards), "chunk_size": int(layout.chunk_size),
       "leaves": [{"path": i.path, "names": list(i.names), "shape": list(i.shape),
                   "dtype": jnp.dtype(i.dtype).name, "chunk": int(i.chunk),
-                  "offset": int(i.offset), "stacked": bool(i.stacked)}
+                  "offset": int(i.offset), "stacked": bool(i.stacked),
+                  "model_dim": i.model_dim, "model_shards": int(i.model_shards)}
                  for i in layout.leaves],
       "chunks": [{"length": int(c.length), "used": int(c.used),
                   "layers": int(c.layers), "dtype": jnp.dtype(c.dtype).name,
                   "leaves": [int(i) for i in c.leaves], "label": int(c.label),
-                  "stack": c.stack} for c in layout.chunks]}
+                  "stack": c.stack, "model_shards": int(c.model_shards)}
+                 for c in layout.chunks]}
 
 
 def layout_from_json(d: dict, treedef) -> ChunkLayout:
   """Inverse of `layout_json`; `treedef`: the parameter tree's, or None
-  where only the leaves' places in the chunks are read."""
+  where only the leaves' places in the chunks are read. Checkpoints from
+  before tensor parallelism have no model fields: none of their leaves is
+  split."""
   leaves = tuple(LeafInfo(i["path"], tuple(i["shape"]), jnp.dtype(i["dtype"]),
-                          i["chunk"], i["offset"], i["stacked"], tuple(i["names"]))
+                          i["chunk"], i["offset"], i["stacked"], tuple(i["names"]),
+                          i.get("model_dim"), i.get("model_shards", 1))
                  for i in d["leaves"])
   chunks = tuple(Chunk(c["length"], c["used"], c["layers"], jnp.dtype(c["dtype"]),
-                       tuple(c["leaves"]), c["label"], c["stack"])
+                       tuple(c["leaves"]), c["label"], c["stack"],
+                       c.get("model_shards", 0))
                  for c in d["chunks"])
   return ChunkLayout(treedef, leaves, chunks, d["num_shards"], d["chunk_size"], 0.0)
 
