@@ -14,6 +14,16 @@ Each takes a `Wire`: the compute and reduce dtypes, and whether parameter
 gathers (qwZ) and gradient reduce-scatters (qgZ) are sent quantized
 (`zerojax.quantize`).
 
+Tensor parallelism (`ZeroConfig.model_axis`): the step's `shard_map` is
+manual over the data axis only, and a chunk of model rows (`[..., M,
+length]`) arrives with its rows on the automatic model axis. Left to GSPMD,
+a data-axis collective on it first gathers the rows over the model axis
+(measured: an all-gather of every shard over "model" before the data
+gather, and one of every gradient before its reduce-scatter). So its
+collectives run inside a nested `shard_map` manual over the model axis too
+(`_per_row`): each device moves its own row, and no collective spans the
+model axis.
+
 On an axis of one device every collective here is the identity and emits
 no collective op: XLA does not remove a one-device all-reduce, which on CPU
 costs a copy of every gradient chunk (a 1-device mesh is how a user first
@@ -27,6 +37,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zerojax import quantize
 from zerojax.quantize import Quantization
@@ -41,50 +52,71 @@ class Wire:
   reduce_dtype: Any
   weights: Optional[Quantization] = None
   grads: Optional[Quantization] = None
+  model: Optional[str] = None   # the chunk's rows' mesh axis, if it has rows
 
   @classmethod
-  def of(cls, config) -> "Wire":
+  def of(cls, config, chunk=None) -> "Wire":
+    """The config's wire; for `chunk` (a `layout.Chunk`), with its model
+    rows' axis when it has rows."""
+    rows = chunk is not None and chunk.model_shards
     return cls(config.compute_dtype, config.reduce_dtype,
                quantize.of(config.quantize_weights, config.quantize_block),
-               quantize.of(config.quantize_grads, config.quantize_block))
+               quantize.of(config.quantize_grads, config.quantize_block),
+               config.model_axis if rows else None)
 
 
 def _alone(axis_name) -> bool:
   return jax.lax.axis_size(axis_name) == 1
 
 
-def all_gather(x, axis_name, quant: Optional[Quantization] = None):
+def _per_row(fn, x, model: Optional[str]):
+  """`fn(x)`, for a chunk of model rows (`x`: `[..., M, length]`, rows on
+  the automatic axis `model`) run on each device's own row (see the module
+  docstring)."""
+  if model is None:
+    return fn(x)
+  spec = P(*([None] * (x.ndim - 2)), model, None)
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec,
+                       axis_names=frozenset({model}), check_vma=False)(x)
+
+
+def all_gather(x, axis_name, quant: Optional[Quantization] = None,
+               model: Optional[str] = None):
   """Concatenates the shards of `x` (last axis) from every device, sent
-  quantized under `quant`."""
+  quantized under `quant`; per row for a chunk of `model` rows."""
   if _alone(axis_name):
     return x
   if quant is not None:
     return quantize.all_gather(x, axis_name, quant)
-  return jax.lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True)
+  return _per_row(lambda x: jax.lax.all_gather(x, axis_name, axis=x.ndim - 1,
+                                               tiled=True), x, model)
 
 
-def reduce_scatter(x, axis_name, quant: Optional[Quantization] = None):
+def reduce_scatter(x, axis_name, quant: Optional[Quantization] = None,
+                   model: Optional[str] = None):
   """Sums `x` over devices and keeps this device's slice of the last axis,
-  the slices sent quantized under `quant`."""
+  the slices sent quantized under `quant`; per row for a chunk of `model`
+  rows."""
   if _alone(axis_name):
     return x
   if quant is not None:
     return quantize.reduce_scatter(x, axis_name, quant, x.dtype)
-  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=x.ndim - 1,
-                              tiled=True)
+  return _per_row(lambda x: jax.lax.psum_scatter(
+      x, axis_name, scatter_dimension=x.ndim - 1, tiled=True), x, model)
 
 
-def all_reduce(x, axis_name, quant: Optional[Quantization] = None):
+def all_reduce(x, axis_name, quant: Optional[Quantization] = None,
+               model: Optional[str] = None):
   """Sums `x` (an array or a tuple of them) over devices: stage 0's gradient
   reduction, and HSDP's over the replica axis. Under `quant`, each array
   is reduce-scattered and gathered back quantized (`quantize.all_reduce`);
-  otherwise one all-reduce."""
+  otherwise one all-reduce; per row for a chunk of `model` rows."""
   if _alone(axis_name):
     return x
   if quant is not None:
     return jax.tree_util.tree_map(
         lambda a: quantize.all_reduce(a, axis_name, quant), x)
-  return jax.lax.psum(x, axis_name)
+  return _per_row(lambda x: jax.lax.psum(x, axis_name), x, model)
 
 
 def all_mean(x, axis_name):
@@ -110,7 +142,8 @@ def gather(shard, axis_name, wire: Wire):
   Backward: the chunk's gradient is cast to `reduce_dtype` and
   reduce-scattered, giving the (summed) gradient of this device's shard.
   """
-  return all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights)
+  return all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights,
+                    wire.model)
 
 
 def _gather_fwd(shard, axis_name, wire):
@@ -123,7 +156,8 @@ def _gather_bwd(axis_name, wire, like, g):
 
 
 def _scatter_grad(g, axis_name, wire):
-  return reduce_scatter(g.astype(wire.reduce_dtype), axis_name, wire.grads)
+  return reduce_scatter(g.astype(wire.reduce_dtype), axis_name, wire.grads,
+                        wire.model)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
@@ -145,7 +179,8 @@ def gather_leaves(layout, c, shard, axis_name, wire: Wire):
   (`layout.pack_chunk`, in `reduce_dtype`) and reduce-scattered, as
   `gather`'s.
   """
-  full = all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights)
+  full = all_gather(shard.astype(wire.compute_dtype), axis_name, wire.weights,
+                    wire.model)
   return _own_buffers(lambda f: layout.unpack_chunk(c, f), full, axis_name)
 
 
@@ -202,7 +237,7 @@ def gather_from_host(shard, grad_slot, axis_name, wire: Wire):
   del grad_slot
   on_device = jax.device_put(shard, jax.memory.Space.Device)
   return all_gather(on_device.astype(wire.compute_dtype), axis_name,
-                    wire.weights)
+                    wire.weights, wire.model)
 
 
 def _from_host_fwd(shard, grad_slot, axis_name, wire):

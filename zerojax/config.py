@@ -97,6 +97,17 @@ class ZeroConfig:
       device while the step runs, at stage 3), so stage 3's forward and
       backward gathers stay within the data axis; gradients are
       reduce-scattered over data and then over replica. Stages 1-3.
+    model_axis: tensor parallelism beside ZeRO (Megatron's TP, MaxText's
+      "tensor" axis): a mesh axis over which the model itself splits its
+      weights, as its Flax code says (`nn.with_partitioning`,
+      `nn.with_logical_partitioning`, or parameters already placed with a
+      `NamedSharding`). zerojax keeps each such weight's model slices apart
+      (chunks `[M, length]`, one row per model device, sharded over this
+      axis and the data axis), gathers and scatters over the data axis only
+      and adds no collective over this one: GSPMD runs the model's own
+      tensor-parallel maths. The stage table holds with N = the data axis.
+      None: no tensor parallelism (a weight annotated for an axis the mesh
+      lacks is then an error at `shard`).
     quantize_weights: ZeRO++ qwZ: parameter gathers (stage 3's, the hpZ
       replica gather, and stages 1-2's gather of the 16-bit compute copy
       after the update) send int8 values per block of `quantize_block`
@@ -191,6 +202,7 @@ class ZeroConfig:
   axis_name: str = "data"
   replica_axis: Optional[str] = None
   hpz: bool = False
+  model_axis: Optional[str] = None
   quantize_weights: Optional[str] = None
   quantize_grads: Optional[str] = None
   quantize_block: int = 256
@@ -236,6 +248,7 @@ class ZeroConfig:
             f"replica_axis={self.replica_axis!r} is the data axis itself; "
             "name the mesh axis that holds the replicas (e.g. 'replica' of "
             "Mesh(devices.reshape(R, D), ('replica', 'data'))).")
+    self._check_model_axis()
     for name in ("quantize_weights", "quantize_grads"):
       mode = getattr(self, name)
       if mode is not None and mode not in QUANTIZE_MODES:
@@ -348,6 +361,31 @@ class ZeroConfig:
                         "or a tree of Python bools matching the parameters.")
       set_("frozen", _FrozenMask(tuple(bool(x) for x in leaves), treedef))
 
+  def _check_model_axis(self) -> None:
+    """Tensor parallelism's axis: a name of its own, and (for now) none of
+    the features whose collectives or host programs do not yet keep the
+    model rows apart."""
+    axis = self.model_axis
+    if axis is None:
+      return
+    if not isinstance(axis, str) or not axis:
+      raise TypeError(f"model_axis={axis!r} must be a mesh axis name (a "
+                      "non-empty str) or None.")
+    if axis in (self.axis_name, self.replica_axis):
+      raise ValueError(f"model_axis={axis!r} is also the data or replica "
+                       "axis; name the mesh axis the model's weights are "
+                       "split over (e.g. 'model' of Mesh(devices.reshape(D, "
+                       "M), ('data', 'model'))).")
+    given = [f"{name}={getattr(self, name)!r}" for name in (
+        "replica_axis", "quantize_weights", "quantize_grads",
+        "offload_optimizer", "offload_params") if getattr(self, name)]
+    if self.placement != "manual":
+      given.append(f"placement={self.placement!r}")
+    if given:
+      raise ValueError(
+          f"model_axis={axis!r} (tensor parallelism) does not combine with "
+          f"{', '.join(given)} yet; drop those, or train without model_axis.")
+
   def _check_disk(self) -> None:
     """The disk tier's fields; `update_on` left None becomes its place."""
     disk = isinstance(self.offload_optimizer, str)
@@ -428,6 +466,18 @@ def batch_axes(config: ZeroConfig):
   if config.replica_axis is None:
     return config.axis_name
   return (config.replica_axis, config.axis_name)
+
+
+def manual_axes(config: ZeroConfig) -> dict:
+  """`jax.shard_map` keywords for zerojax's programs: under tensor
+  parallelism manual over the data (and replica) axes only, leaving the
+  model axis to GSPMD; otherwise manual over every axis (no keyword)."""
+  if config.model_axis is None:
+    return {}
+  axes = {config.axis_name}
+  if config.replica_axis is not None:
+    axes.add(config.replica_axis)
+  return {"axis_names": frozenset(axes)}
 
 
 def shard_axes(config: ZeroConfig):

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zerojax import grads, outputs
-from zerojax.config import batch_axes, shard_axes
+from zerojax.config import batch_axes, manual_axes, shard_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
 from zerojax.step import check_mutable, check_state, shard_batch
@@ -91,5 +91,6 @@ def _evaluate(fn, mutable, state, batch, rng):
   args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())
   in_specs = (chunks, P(), P(), P(batch_ax)) + ((P(),) if with_rng else ())
   out = jax.shard_map(local, mesh=state.mesh, in_specs=in_specs,
-                      out_specs=P(batch_ax), check_vma=False)(*args)
+                      out_specs=P(batch_ax), check_vma=False,
+                      **manual_axes(cfg))(*args)
   return grads.taken_once(out, scalar)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import collectives, offload, outputs
 from zerojax import nn as zero_nn
-from zerojax.config import batch_axes, shard_axes
+from zerojax.config import batch_axes, manual_axes, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
@@ -78,10 +78,13 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
         diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
         batch_ax)
     quant = collectives.Wire.of(cfg).grads
+    rows = [collectives.Wire.of(cfg, c).model for c in layout.chunks]
     if pol.reduction is Reduction.SCATTER_PER_STEP:
-      grads = tuple(collectives.reduce_scatter(g, ax, quant) for g in grads)
+      grads = tuple(collectives.reduce_scatter(g, ax, quant, m)
+                    for g, m in zip(grads, rows))
     elif pol.reduction is Reduction.ALL_REDUCE:
-      grads = tuple(collectives.all_reduce(g, ax, quant) for g in grads)
+      grads = tuple(collectives.all_reduce(g, ax, quant, m)
+                    for g, m in zip(grads, rows))
     if cfg.hpz:   # the state's shards are pieces of the data group's
       grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis, quant)
                     for g in grads)
@@ -100,7 +103,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
   out_specs = (split if pol.grads_sharded else replicated, P(), P(batch_ax), P())
   grads, loss, aux, fields = jax.shard_map(
       local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-      check_vma=False)(*args)
+      check_vma=False, **manual_axes(cfg))(*args)
   return grads, loss, taken_once(aux, scalar), fields
 
 
@@ -240,19 +243,19 @@ class ModelCall:
   def _tree(self, diff, layerwise):
     """The user's parameter tree, as `StagePolicy.forward` says."""
     cfg, layout, ax = self.cfg, self.layout, self.cfg.axis_name
-    wire = collectives.Wire.of(cfg)
+    wire = [collectives.Wire.of(cfg, chunk) for chunk in layout.chunks]
     leaves = {}   # chunk -> its leaves, cut as it was gathered
     if self.pol.forward is Forward.GATHERED:
-      chunks = [collectives.gather_from_host(self.params_in[c], s, ax, wire)
+      chunks = [collectives.gather_from_host(self.params_in[c], s, ax, wire[c])
                 if c in self.host and c not in layerwise else None
                 for c, s in enumerate(diff)]
-      leaves = {c: collectives.gather_leaves(layout, c, s, ax, wire)
+      leaves = {c: collectives.gather_leaves(layout, c, s, ax, wire[c])
                 for c, s in enumerate(diff)
                 if c not in layerwise and c not in self.host}
     elif self.pol.reduction is Reduction.SCATTER_PER_MICRO:
       chunks = [collectives.scatter_on_backward(
-          p.astype(cfg.compute_dtype), slot, ax, wire)
-                for p, slot in zip(self.params_in, diff)]
+          p.astype(cfg.compute_dtype), slot, ax, wire[c])
+                for c, (p, slot) in enumerate(zip(self.params_in, diff))]
     else:
       chunks = [p.astype(cfg.compute_dtype) for p in diff]
     if layerwise:

@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from zerojax.chunking import search_chunk_size
 
@@ -103,6 +104,13 @@ class Chunk:
   def shape(self) -> tuple:
     return ((self.layers,) if self.layers else ()) + (
         (self.model_shards,) if self.model_shards else ()) + (self.length,)
+
+  def spec(self, data_axes, model_axis: Optional[str] = None):
+    """Where the chunk's axes go on the mesh: the last over `data_axes`
+    (None: replicated), the model rows over `model_axis`."""
+    lead = [None] * (1 if self.layers else 0)
+    rows = [model_axis] if self.model_shards else []
+    return PartitionSpec(*lead, *rows, data_axes)
 
   @property
   def copies(self) -> int:

@@ -125,11 +125,11 @@ def _gather_layer(variables: Any) -> Any:
     if slot_key(c) in params:   # kept in host memory: this layer comes over now
       full = collectives.gather_from_host(
           params[key], params[slot_key(c)], config.axis_name,
-          collectives.Wire.of(config))
+          collectives.Wire.of(config, layout.chunks[c]))
     else:
       shard = params[key] if after is None else tie(params[key], after)
       full = collectives.gather(shard, config.axis_name,
-                                collectives.Wire.of(config))
+                                collectives.Wire.of(config, layout.chunks[c]))
     layout.layer_tree(c, full, tree)
   return {**variables, "params": tree}
 
@@ -165,9 +165,10 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
     values = nnx.to_pure_dict(params)
     for name, shard in vars(module).items():
       if name.startswith(CHUNK_KEY):
+        c = int(name[len(CHUNK_KEY):])
         full = collectives.gather(shard[...], config.axis_name,
-                                  collectives.Wire.of(config))
-        _write(values, layout.layer_tree(int(name[len(CHUNK_KEY):]), full))
+                                  collectives.Wire.of(config, layout.chunks[c]))
+        _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
     out = block.__call__(clone, *args)

@@ -130,7 +130,9 @@ def pack_programs(layout, c, sharding, axis_name, dtype=None,
   once."""
   chunk = layout.chunks[c]
   dtype = chunk.dtype if dtype is None else dtype
-  if not _is_split(sharding, axis_name):
+  if not _is_split(sharding, axis_name) or chunk.model_shards:
+    # a chunk of model rows (tensor parallelism): one GSPMD program, which
+    # may hold the whole chunk on a device while it packs
     start = jax.jit(lambda source: layout.pack_chunk(c, leaves_of(source), dtype),
                     out_shardings=sharding)
     return start, []
@@ -226,10 +228,29 @@ def leaves_from_chunk(layout: ChunkLayout, c: int, x: jax.Array, axis_name: str,
   chunk = layout.chunks[c]
   if dtypes is None:
     dtypes = [layout.leaves[i].dtype for i in chunk.leaves]
-  program = _unpack_program(layout, c, x.sharding.mesh, axis_name,
-                            _is_split(x.sharding, axis_name),
-                            tuple(np.dtype(d) for d in dtypes))
+  dtypes = tuple(np.dtype(d) for d in dtypes)
+  if chunk.model_shards:
+    program = _unpack_rows_program(layout, c, x.sharding, dtypes)
+  else:
+    program = _unpack_program(layout, c, x.sharding.mesh, axis_name,
+                              _is_split(x.sharding, axis_name), dtypes)
   return _settled(program(_on_device(x)))
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_rows_program(layout, c, sharding, dtypes):
+  """A chunk of model rows (tensor parallelism) cut into its leaves by one
+  GSPMD program, each leaf split over the model axis on its model dim."""
+  model = sharding.spec[-2]
+  specs = []
+  for i in layout.chunks[c].leaves:
+    info = layout.leaves[i]
+    spec = [None] * info.ndim
+    spec[info.model_dim] = model
+    specs.append(NamedSharding(sharding.mesh, P(*spec)))
+  return jax.jit(lambda x: [leaf.astype(dt) for leaf, dt in
+                            zip(layout.unpack_chunk(c, x), dtypes)],
+                 out_shardings=specs)
 
 
 # ---- whole states ---------------------------------------------------------------
@@ -279,12 +300,8 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
       continue
     members = {m: flat[k] for m, k in zip(layout.chunks[c].leaves, table.members[j])}
     device = sharding.with_memory_kind("device")
-    rank = len(layout.chunks[c].shape)
-    spec = (P(*([None] * (rank - 1)), axis_name)
-            if _is_split(sharding, axis_name) else P())
-    chunk = chunk_from_leaves(layout, c, members,
-                              NamedSharding(sharding.mesh, spec, memory_kind="device"),
-                              axis_name, view.dtype, release)
+    chunk = chunk_from_leaves(layout, c, members, device, axis_name,
+                              view.dtype, release)
     out.append(_placed(_reshape_program(view.shape, device)(chunk), sharding))
   return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -27,7 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import (disk_tier, frontend, meshes, offload, optim, optstate,
-                     precision, reshard)
+                     precision, reshard, tensor_parallel)
 from zerojax.config import FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes
 from zerojax.chunking import repeated_blocks
 from zerojax.layout import ChunkLayout
@@ -108,8 +108,10 @@ class ZeroTrainState(struct.PyTreeNode):
 
 # ---- placement ---------------------------------------------------------------
 def chunk_spec(ndim: int, axis_name) -> P:
-  """A chunk (or chunk view) sharded on its last axis (over `axis_name`, a
-  mesh axis or a tuple of them: `config.shard_axes`)."""
+  """Inside `shard_map`: a chunk (or chunk view) sharded on its last axis
+  (over `axis_name`, a mesh axis or a tuple of them: `config.shard_axes`).
+  Under tensor parallelism the model rows ride on the automatic model axis
+  (`config.manual_axes`); placement says where they go (`Chunk.spec`)."""
   return P(*([None] * (ndim - 1)), axis_name)
 
 
@@ -119,16 +121,20 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   pol = policy(cfg)
   rep = NamedSharding(mesh, P())
   axes = shard_axes(cfg)
-  split = lambda x: NamedSharding(mesh, chunk_spec(np.ndim(x), axes))
+  # chunk c split over the data axes, or whole on each data device (its
+  # model rows split over the model axis either way)
+  split = lambda c: NamedSharding(mesh, layout.chunks[c].spec(axes, cfg.model_axis))
+  whole = lambda c: NamedSharding(mesh, layout.chunks[c].spec(None, cfg.model_axis))
   lengths = {c.length for c in layout.chunks}
   n = meshes.axes_size(mesh, axes)
 
-  def opt_rule(x):
+  def opt_rule(x, c):
     shape = np.shape(x)
-    if (pol.optimizer_sharded and shape and np.prod(shape) > 0 and
-        shape[-1] in lengths and shape[-1] % n == 0):
-      return split(x)
-    return rep
+    if c is None or shape != layout.chunks[c].shape:
+      return rep   # counts, scalars, the empty views of other leaves
+    if (pol.optimizer_sharded and shape[-1] in lengths and shape[-1] % n == 0):
+      return split(c)
+    return whole(c)
 
   host_opt = offload.optimizer_chunks(layout, cfg)
   host_master = (frozenset(range(len(layout.chunks))) if cfg.offload_params
@@ -138,21 +144,21 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   def master_rule(c, x):
     if disk_tier.is_on_disk(x):   # in its file (stays itself, no leaves)
       return x
-    return kind(split(x) if pol.master_sharded else rep, c in host_master)
+    return kind(split(c) if pol.master_sharded else whole(c), c in host_master)
 
   opt, opt_def = jax.tree_util.tree_flatten(state.opt_state)
-  opt_where = [kind(opt_rule(x), c in host_opt) for x, c in
+  opt_where = [kind(opt_rule(x, c), c in host_opt) for x, c in
                zip(opt, optstate.owners(layout, state.opt_state).chunk)]
 
-  def compute_rule(x):
+  def compute_rule(c, x):
     if x is None:
       return None
-    return kind(split(x), True) if pol.sharded_compute else rep
+    return kind(split(c), True) if pol.sharded_compute else whole(c)
 
   return state.replace(
       step=rep,
       master=tuple(master_rule(c, x) for c, x in enumerate(state.master)),
-      compute=tuple(compute_rule(x) for x in state.compute),
+      compute=tuple(compute_rule(c, x) for c, x in enumerate(state.compute)),
       rest=tuple(rep for _ in state.rest),
       opt_state=jax.tree_util.tree_unflatten(opt_def, opt_where),
       loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
@@ -201,9 +207,10 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
   state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
-  placed = place(state.params, state.opt_state, state.step, extras,
+  dims, params, opt_state = _model_split(state, config, mesh)
+  placed = place(params, opt_state, state.step, extras,
                  static_extras, tx=state.tx, apply_fn=state.apply_fn,
-                 config=config, mesh=mesh)
+                 config=config, mesh=mesh, model_dims=dims)
   return disk_tier.spill(placed)
 
 
@@ -216,12 +223,23 @@ def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
   Arguments as for `shard`."""
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
-  _, shapes, where = plan_state(state.params, state.opt_state, state.step, extras,
+  dims, params, opt_state = _model_split(state, config, mesh)
+  _, shapes, where = plan_state(params, opt_state, state.step, extras,
                                 static_extras, tx=state.tx, apply_fn=state.apply_fn,
-                                config=config, mesh=mesh)
+                                config=config, mesh=mesh, model_dims=dims)
   return disk_tier.spill(jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       shapes, where))
+
+
+def _model_split(state, config, mesh) -> tuple:
+  """`(model dims, params, opt_state)`: per parameter leaf the dim the model
+  splits over `config.model_axis` (`zerojax.tensor_parallel`), and the
+  parameters and optimizer state without Flax's partitioning boxes."""
+  data = (config.axis_name, config.replica_axis)
+  dims = tensor_parallel.model_dims(state.params, config.model_axis, mesh, data)
+  return (dims, tensor_parallel.unboxed(state.params),
+          tensor_parallel.unboxed(state.opt_state))
 
 
 def _from_front_end(state, tx, optimizer, config_fields):
@@ -262,7 +280,7 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
                           else meshes.default_mesh(config.axis_name))
   if config.placement == "auto":
     config = _most_offload(config, mesh, config_fields)
-  for field in ("axis_name", "replica_axis"):
+  for field in ("axis_name", "replica_axis", "model_axis"):
     name = getattr(config, field)
     if name is not None and name not in mesh.axis_names:
       raise ValueError(f"mesh axes {mesh.axis_names} have no axis {name!r}; "
@@ -333,10 +351,13 @@ def check_tx(tx, params, config: ZeroConfig) -> tuple:
 
 
 def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
-                labels: Optional[tuple] = None) -> ChunkLayout:
+                labels: Optional[tuple] = None, model_dims: Optional[tuple] = None,
+                model_shards: int = 1) -> ChunkLayout:
   """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
   optimizer classes found, per-tensor transformations refused. `labels`
-  given (a saved layout's): no probes, `tx` is not checked."""
+  given (a saved layout's): no probes, `tx` is not checked. `model_dims`:
+  per leaf the dim split over the model axis of `model_shards` devices
+  (`tensor_parallel.model_dims`)."""
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
     labels = check_tx(tx, abstract, config)
@@ -346,7 +367,8 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
-      stacked=config.stacked, units=units, min_chunk_size=config.min_chunk_size,
+      stacked=config.stacked, units=units, model_dims=model_dims,
+      model_shards=model_shards, min_chunk_size=config.min_chunk_size,
       search_range=config.search_range, search_interval=config.search_interval)
 
 
@@ -364,11 +386,15 @@ def fresh_state(master, compute, rest, *, step, extras, static_extras, layout,
 
 
 def plan_state(params, opt_state, step, extras, static_extras, *, tx,
-               apply_fn, config, mesh, labels: Optional[tuple] = None) -> tuple:
+               apply_fn, config, mesh, labels: Optional[tuple] = None,
+               model_dims: Optional[tuple] = None) -> tuple:
   """(layout, the state's shapes, its shardings) for the ordinary TrainState
-  content, computed from shapes only (`labels`: as in `plan_layout`)."""
+  content, computed from shapes only (`labels`, `model_dims`: as in
+  `plan_layout`)."""
+  model = config.model_axis
   layout = plan_layout(tx, params, config,
-                       meshes.axes_size(mesh, shard_axes(config)), labels)
+                       meshes.axes_size(mesh, shard_axes(config)), labels,
+                       model_dims, mesh.shape[model] if model else 1)
   def build(params, step, extras):
     master, rest = layout.split(params)
     compute = compute_copy(master, compute_chunks(layout, config),
@@ -414,15 +440,16 @@ def cast_compute(master, where: tuple, config) -> tuple:
 
 
 def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
-          config, mesh, release: bool = False) -> ZeroTrainState:
+          config, mesh, release: bool = False,
+          model_dims: Optional[tuple] = None) -> ZeroTrainState:
   """The ZeroTrainState of the ordinary TrainState content, packed chunk by
   chunk from the leaves wherever they are (`reshard`), so no device holds
   more than its share plus one chunk. `release` deletes the chunked leaves
   of `params` and `opt_state` as they are packed (for a restore's own
-  copy)."""
+  copy). `model_dims`: as in `plan_layout`."""
   layout, shapes, where = plan_state(params, opt_state, step, extras, static_extras,
                                      tx=tx, apply_fn=apply_fn, config=config,
-                                     mesh=mesh)
+                                     mesh=mesh, model_dims=model_dims)
   opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
                              where.opt_state, shard_axes(config), release)
   master, rest = reshard.to_chunks(layout, params, where.master,

@@ -28,8 +28,7 @@ from zerojax import disk_stream, offload, precision
 from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
 from zerojax.policy import policy
-from zerojax.state import (ZeroTrainState, check_live, chunk_spec,
-                           state_shardings)
+from zerojax.state import ZeroTrainState, check_live, state_shardings
 from zerojax.update import gather_updated, update
 
 
@@ -83,8 +82,8 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
     # float32 stages 1-2: the replicated master is the compute copy; this
     # device updates its own slice of it.
     master = tuple(jax.lax.with_sharding_constraint(
-        m, NamedSharding(state.mesh, chunk_spec(m.ndim, shard_axes(cfg))))
-                   for m in state.master)
+        m, NamedSharding(state.mesh, chunk.spec(shard_axes(cfg), cfg.model_axis)))
+                   for m, chunk in zip(state.master, state.layout.chunks))
   else:
     master = state.master
   new_master, opt_state, to_gather, pending = update(state, grads, master,

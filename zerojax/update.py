@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives, compat, disk_tier, offload, optstate
-from zerojax.config import shard_axes
+from zerojax.config import manual_axes, shard_axes
 from zerojax.policy import policy
 from zerojax.state import chunk_spec
 
@@ -46,18 +46,21 @@ def gather_updated(state, shards):
   if not todo:
     return tuple(shards)
 
+  rows = [collectives.Wire.of(cfg, layout.chunks[c]).model for c in todo]
+
   def local(shards):
     out = []
-    for s in shards:
+    for s, model in zip(shards, rows):
       s = s if dtype is None else s.astype(dtype)
       for axis in hops:
-        s = collectives.all_gather(s, axis, quant)
+        s = collectives.all_gather(s, axis, quant, model)
       out.append(s)
     return tuple(out)
 
   gathered = jax.shard_map(local, mesh=state.mesh, in_specs=(split_specs,),
                            out_specs=tuple(P() for _ in todo),
-                           check_vma=False)(tuple(shards[c] for c in todo))
+                           check_vma=False, **manual_axes(cfg))(
+                               tuple(shards[c] for c in todo))
   out = [None] * len(shards)
   for c, g in zip(todo, gathered):
     out[c] = g
