@@ -96,6 +96,67 @@ class ScannedLM(nn.Module):
     return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
 
 
+def _split(names, init=nn.initializers.lecun_normal()):
+  """An initializer that marks its weight split over mesh axes `names`."""
+  return nn.with_partitioning(init, names)
+
+
+class TPBlock(nn.Module):
+  """A Megatron tensor-parallel block, written as Flax users write one:
+  attention heads and the MLP's hidden units split over the mesh axis
+  "model" (`nn.with_partitioning`), LayerNorms whole."""
+  width: int = 32
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    # (flax's DenseGeneral initialises a flat kernel and cannot carry 3-D
+    # partition names under a mesh, so heads are split out by reshapes)
+    split = lambda y: y.reshape(y.shape[:-1] + (self.heads, -1))
+    h = nn.LayerNorm()(x)
+    q, k, v = (split(nn.Dense(self.width, use_bias=False, dtype=x.dtype,
+                              name=name, kernel_init=_split((None, "model")))(h))
+               for name in ("query", "key", "value"))
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    h = nn.dot_product_attention(q, k, v, mask=mask, dtype=x.dtype)
+    x = x + nn.Dense(self.width, use_bias=False, dtype=x.dtype, name="out",
+                     kernel_init=_split(("model", None)))(
+                         h.reshape(h.shape[:-2] + (-1,)))
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * self.width, dtype=x.dtype,
+                 kernel_init=_split((None, "model")),
+                 bias_init=_split(("model",), nn.initializers.zeros))(h)
+    h = nn.Dense(self.width, dtype=x.dtype,
+                 kernel_init=_split(("model", None)))(nn.gelu(h))
+    return x + h, None
+
+
+class TPTransformer(nn.Module):
+  """A tiny tensor-parallel GPT: embeddings whole, `TPBlock`s unrolled
+  (`blocks_0`, ...) or scanned (`blocks`, the layer axis unsplit), tied
+  output; `layerwise` gathers each block at stage 3."""
+  vocab: int = 64
+  width: int = 32
+  layers: int = 2
+  scan: bool = False
+  layerwise: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.width)
+    x = embed(tokens)
+    block = layerwise(TPBlock) if self.layerwise else TPBlock
+    if self.scan:
+      x, _ = nn.scan(block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.layers,
+                     metadata_params={nn.PARTITION_NAME: None})(
+                         self.width, name="blocks")(x, None)
+    else:
+      for i in range(self.layers):
+        x, _ = block(self.width, name=f"blocks_{i}")(x)
+    return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
+
+
 class ResidualBlock(nn.Module):
   """LayerNorm -> Dense 4w -> GELU -> Dense w, plus the input."""
   width: int = 64

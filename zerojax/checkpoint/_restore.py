@@ -15,7 +15,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import (disk_tier, frontend, meshes, optstate, precision,
-                     reshard)
+                     reshard, tensor_parallel)
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
@@ -162,6 +162,7 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   else:
     raise TypeError("restore() needs like= a ZeroTrainState or TrainState "
                     "(it supplies tx and apply_fn).")
+  boxed, abstract = abstract, tensor_parallel.unboxed(abstract)
   if meta is not None and not isinstance(like, ZeroTrainState):
     fields.update(config_from_json(meta["config"]))
     fields["frozen"] = frozen_mask(meta, abstract)
@@ -191,8 +192,9 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
       if name not in config_fields:
         fields.pop(name, None)
   config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
+  dims = _model_dims(like, boxed, meta, config, mesh)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
-                config=config, mesh=mesh)
+                config=config, mesh=mesh, model_dims=dims)
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
     state = _restore_chunk_form(path, saved, meta["layout"],
                                 meta.get("checksums"),
@@ -201,6 +203,25 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   else:
     state = _restore_tree_form(path, saved, **target)
   return disk_tier.spill(state)   # a disk tier's statistics: to fresh files
+
+
+def _model_dims(like, abstract, meta, config, mesh) -> Optional[tuple]:
+  """Per leaf, the dim split over `config.model_axis` (tensor parallelism):
+  as `like` says (a ZeroTrainState's layout, or a TrainState's partitioning
+  boxes), else as the checkpoint's layout says; None without a model
+  axis. Sizes that do not divide over the new model axis are refused when
+  the layout is built, naming the leaf."""
+  if config.model_axis is None:
+    return None
+  if isinstance(like, ZeroTrainState):
+    dims = tuple(i.model_dim for i in like.layout.leaves)
+  else:
+    dims = tensor_parallel.model_dims(
+        abstract, config.model_axis, mesh,
+        (config.axis_name, config.replica_axis))
+  if all(d is None for d in dims) and meta is not None and "layout" in meta:
+    dims = tuple(i.get("model_dim") for i in meta["layout"]["leaves"])
+  return dims
 
 
 def _loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:
@@ -225,7 +246,7 @@ def _leaf_shardings(tree, mesh, axis_name):
 
 
 def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
-                        static_extras, config, mesh,
+                        static_extras, config, mesh, model_dims,
                         in_views: bool = False) -> ZeroTrainState:
   """A chunk-form checkpoint: read straight into the target shardings when
   the target's chunk layout is the saved one, else (or when its statistics
@@ -256,7 +277,8 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
     layout, shapes, where = plan_state(abstract, tree_opt, 0, extras, static_extras,
                                        tx=like.tx, apply_fn=like.apply_fn,
                                        config=config, mesh=mesh,
-                                       labels=layout_saved.labels)
+                                       labels=layout_saved.labels,
+                                       model_dims=model_dims)
     loaded = (_read_chunks(path, saved, shapes, where, mesh, sums)
               if layout_json(layout) == saved_layout and not in_views
               else None)
@@ -266,7 +288,8 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
   if loaded is None or labels != layout_saved.labels:
     del loaded
     return _repack(path, saved, layout_saved, sums, abstract, tree_opt,
-                   static_extras, like=like, config=config, mesh=mesh)
+                   static_extras, like=like, config=config, mesh=mesh,
+                   model_dims=model_dims)
   master = tuple(saved_list(loaded.get("master", [])))
   state = shapes.replace(
       step=loaded["step"], master=master,
@@ -309,7 +332,7 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
 
 
 def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, *,
-            like, config, mesh) -> ZeroTrainState:
+            like, config, mesh, model_dims) -> ZeroTrainState:
   """Another layout (device count, chunk size): the saved chunks read on the
   host (numpy, straight from the files: any process count), cut into the
   ordinary tree's leaves sharded over `mesh` one saved chunk at a time (each
@@ -335,12 +358,12 @@ def _repack(path, saved, layout_saved, sums, abstract, tree_opt, static_extras, 
   state = place(like_tree(abstract, params), like_tree(tree_opt, opt),
                 loaded["step"], loaded.get("extras", {}), static_extras,
                 tx=like.tx, apply_fn=like.apply_fn, config=config, mesh=mesh,
-                release=True)   # the cut leaves are ours
+                release=True, model_dims=model_dims)   # the cut leaves are ours
   return _loss_scale(state, loaded)
 
 
 def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
-                       mesh) -> ZeroTrainState:
+                       mesh, model_dims) -> ZeroTrainState:
   """A tree-form checkpoint (format "zerojax-1", or a plain orbax
   checkpoint of a flax TrainState): each leaf read sharded, then packed
   chunk by chunk."""
@@ -364,7 +387,8 @@ def _restore_tree_form(path, saved, *, like, abstract, static_extras, config,
   state = place(loaded["params"], loaded["opt_state"], loaded["step"],
                 loaded.get("extras", {}), static_extras, tx=like.tx,
                 apply_fn=like.apply_fn, config=config, mesh=mesh,
-                release=True)   # `loaded` is ours: freed as it is packed
+                release=True,   # `loaded` is ours: freed as it is packed
+                model_dims=model_dims)
   return _loss_scale(state, loaded)
 
 
