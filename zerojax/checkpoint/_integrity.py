@@ -153,8 +153,11 @@ def _layout_problem(layout: Any) -> str:
       if c >= len(chunks):
         return f"leaf {leaf['path']} names chunk {c} of {len(chunks)}"
       shape = leaf["shape"][1:] if leaf["stacked"] else leaf["shape"]
+      # a leaf split over the model axis fills 1/M of its size in each row
+      rows = leaf.get("model_shards", 1)
       members.setdefault(c, []).append(
-          (leaf["offset"], int(np.prod(shape, dtype=np.int64)), leaf["path"], i))
+          (leaf["offset"], int(np.prod(shape, dtype=np.int64)) // rows,
+           leaf["path"], i))
     for c, chunk in enumerate(chunks):
       mine = sorted(members.get(c, []))
       if sorted(i for *_, i in mine) != sorted(chunk["leaves"]):
@@ -179,8 +182,8 @@ def check_arrays(path: str, layout: dict, saved_tree: dict) -> None:
   metadata `saved_tree` of the state item at `path`)."""
   chunks = layout["chunks"]
   shapes = [tuple(np.shape(x)) for x in saved_list(saved_tree.get("master", []))]
-  want = [(c["layers"], c["length"]) if c["layers"] else (c["length"],)
-          for c in chunks]
+  want = [tuple(n for n in (c["layers"], c.get("model_shards", 0)) if n)
+          + (c["length"],) for c in chunks]
   if shapes != want:
     raise ValueError(f"checkpoint {path}: the saved chunks have shapes "
                      f"{shapes[:4]}... but the metadata's layout says "

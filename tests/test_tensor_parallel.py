@@ -1,0 +1,231 @@
+"""Tensor parallelism beside ZeRO (`model_axis=`): a GPT whose attention
+heads and MLP are split over "model" with `nn.with_partitioning`, on a
+("data" 4, "model" 2) mesh. Against plain optax on one device and a plain
+GSPMD `jax.jit` step of the same model; the compiled collectives; the
+chunks' placement; checkpoints across model degrees; bad input."""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zerojax
+from benchmarks.hlo import count_collectives
+from models import (TPTransformer, assert_matches_reference, lm_batches,
+                    lm_loss_fn, reference_run)
+
+TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
+D, M = 4, 2
+
+
+def _mesh(shape=(D, M), names=("data", "model"), devices=None):
+  devices = jax.devices()[:int(np.prod(shape))] if devices is None else devices
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), names)
+
+
+@functools.lru_cache(maxsize=None)
+def _problem(scan: bool = False):
+  """(model, boxed params, loss_fn, batches)."""
+  model = TPTransformer(scan=scan, layerwise=True)
+  batches = lm_batches(model.vocab, batch=16, seq=8, steps=3)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  return model, params, lm_loss_fn(model), batches
+
+
+def _train_state(scan=False):
+  model, params, _, _ = _problem(scan)
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=TX)
+
+
+def _state(stage, scan=False, mesh=None, **fields):
+  return zerojax.shard(_train_state(scan), stage=stage,
+                       mesh=_mesh() if mesh is None else mesh,
+                       model_axis="model",
+                       stacked=("blocks",) if scan else (), **fields)
+
+
+def _run(state, loss_fn, batches):
+  step = zerojax.train_step(loss_fn)
+  losses, norms = [], []
+  for b in batches:
+    state, metrics = step(state, b)
+    losses.append(float(metrics["loss"]))
+    norms.append(float(metrics["grad_norm"]))
+  return state, np.array(losses), norms
+
+
+def _reference_norm(loss_fn, params, batch, compute_dtype):
+  return optax.tree.norm(jax.grad(lambda p: loss_fn(jax.tree_util.tree_map(
+      lambda x: x.astype(compute_dtype), p), batch).astype(np.float32))(params))
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_tensor_parallel_matches_plain_optax_at_every_stage(compute_dtype):
+  """Stages 0-3 with accumulation: losses, parameters and the gradient norm
+  (each model row counted once) as plain optax on one device; the split
+  weights' chunks are `[M, length]`, one row per model device, each device
+  holding its row's data shard (stages 1-3) or its whole row (stage 0)."""
+  _, params, loss_fn, batches = _problem()
+  plain = nn.meta.unbox(params)
+  ref_losses, ref_params = reference_run(loss_fn, plain, TX, batches,
+                                         jnp.dtype(compute_dtype))
+  ref_norm = _reference_norm(loss_fn, plain, batches[0], compute_dtype)
+  for stage in (0, 1, 2, 3):
+    state = _state(stage, compute_dtype=compute_dtype, accum_steps=2)
+    rows = [c for c, chunk in enumerate(state.layout.chunks)
+            if chunk.model_shards]
+    assert rows and all(state.layout.chunks[c].model_shards == M for c in rows)
+    for c in rows:
+      master, chunk = state.master[c], state.layout.chunks[c]
+      assert master.shape == chunk.shape == (M, chunk.length)
+      local = master.addressable_shards[0].data.shape
+      want = chunk.length // D if stage > 0 and (
+          stage == 3 or compute_dtype == "bfloat16") else chunk.length
+      assert local == (1, want), (stage, local)
+    state, losses, norms = _run(state, loss_fn, batches)
+    assert_matches_reference(losses, zerojax.gather_params(state), ref_losses,
+                             ref_params, compute_dtype)
+    np.testing.assert_allclose(norms[0], ref_norm, rtol=1e-5 if
+                               compute_dtype == "float32" else 2e-2)
+
+
+def test_scanned_layerwise_tensor_parallel_stage_3():
+  """A scanned stack (`nn.scan` with the layer axis unsplit) gathered a
+  layer at a time: its chunks are `[layers, M, length]`, and training
+  matches plain optax."""
+  _, params, loss_fn, batches = _problem(scan=True)
+  state = _state(3, scan=True)
+  stacked = [c for c in state.layout.chunks if c.layers and c.model_shards]
+  assert stacked and all(c.shape == (2, M, c.length) for c in stacked)
+  ref_losses, ref_params = reference_run(loss_fn, nn.meta.unbox(params), TX,
+                                         batches)
+  state, losses, _ = _run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state), ref_losses,
+                           ref_params)
+
+
+def _gspmd_step(loss_fn, mesh):
+  """The same tensor-parallel model stepped by plain `jax.jit` (GSPMD):
+  parameters placed by their partition specs, the batch split over data."""
+  specs = nn.get_partition_spec(_problem()[1])
+  where = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+  @jax.jit
+  def step(params, opt, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt = TX.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, loss
+
+  def put(params):
+    return jax.device_put(params, where)
+  return step, put
+
+
+def test_tensor_parallel_matches_a_plain_gspmd_step_and_keeps_to_the_data_axis():
+  """Stage 3 against the GSPMD step of the same model on the same mesh
+  (float32, rtol 1e-5). In the compiled step every gather and
+  reduce-scatter is over the data axis (groups of D), the model's own
+  maths is all that spans the model axis (all-reduces in groups of M, no
+  more bytes than the GSPMD step's), and nothing spans both but
+  scalars."""
+  _, params, loss_fn, batches = _problem()
+  mesh = _mesh()
+  step, put = _gspmd_step(loss_fn, mesh)
+  plain = put(nn.meta.unbox(params))
+  opt = TX.init(plain)
+  data = NamedSharding(mesh, P("data"))
+  ref_losses = []
+  for b in batches:
+    plain, opt, loss = step(plain, opt, jax.device_put(b, data))
+    ref_losses.append(float(loss))
+  state = _state(3)
+  program = zerojax.train_step(loss_fn).lower(state, batches[0]).compile()
+  state, losses, _ = _run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           np.array(ref_losses), plain)
+
+  # scalars aside (the loss's mean, the gradient norm's partial sums)
+  ops = [op for op in count_collectives(program).ops if op.bytes > 16]
+  by_group = {}
+  for op in ops:
+    by_group.setdefault(op.group_size, []).append(op.kind)
+  assert set(by_group) == {D, M}, by_group
+  assert {"all-gather", "reduce-scatter"} <= set(by_group[D])
+  assert set(by_group[M]) == {"all-reduce"}, by_group[M]
+  gspmd = count_collectives(step.lower(plain, opt, jax.device_put(
+      batches[0], data)).compile())
+  over_model = lambda ops: sum(op.bytes for op in ops
+                               if op.group_size == M and op.bytes > 16)
+  # (XLA may fold a scalar or two, the norm's partial sums, into one of them)
+  assert 0 < over_model(ops) <= over_model(gspmd.ops) + 16
+
+
+def test_tensor_parallel_checkpoint_restores_across_model_degrees(tmp_path):
+  """Saved on (data 4, model 2): restored on the same mesh (read straight
+  in), on (data 2, model 4) and on a 1-D 8-device mesh without tensor
+  parallelism (repacked), each training on as the uninterrupted run."""
+  _, _, loss_fn, batches = _problem()
+  state, _, _ = _run(_state(3), loss_fn, batches[:1])
+  zerojax.checkpoint.save(str(tmp_path), state)
+  zerojax.checkpoint.wait(str(tmp_path))
+  after, want, _ = _run(state, loss_fn, batches[1:])
+  want_params = zerojax.gather_params(after)
+  like = _train_state()
+  for mesh, fields in [(_mesh(), {}), (_mesh((2, 4)), {}),
+                       (_mesh((8,), ("data",)), {"model_axis": None})]:
+    back = zerojax.checkpoint.restore(str(tmp_path), like=like, mesh=mesh,
+                                      **fields)
+    rows = {c.model_shards for c in back.layout.chunks}
+    assert rows == ({0} if "model_axis" in fields else {0, mesh.shape["model"]})
+    back, losses, _ = _run(back, loss_fn, batches[1:])
+    assert_matches_reference(losses, zerojax.gather_params(back), want,
+                             want_params)
+
+
+def test_a_model_degree_the_weights_do_not_divide_into_is_refused(tmp_path):
+  _, _, loss_fn, batches = _problem()
+  state = _state(3)
+  zerojax.checkpoint.save(str(tmp_path), state)
+  zerojax.checkpoint.wait(str(tmp_path))
+  with pytest.raises(ValueError, match="does not divide into 3 model devices"):
+    zerojax.checkpoint.restore(str(tmp_path), like=_train_state(),
+                               mesh=_mesh((2, 3)))
+
+
+def _boxed(names, shape=(4, 6)):
+  return {"w": nn.Partitioned(jnp.ones(shape), names=names),
+          "b": jnp.zeros((6,))}
+
+
+@pytest.mark.parametrize("fields, params, match", [
+    ({"model_axis": "tensor"}, None, "have no axis 'tensor'"),
+    ({"model_axis": "data"}, None, "also the data or replica axis"),
+    ({"model_axis": "model", "offload_optimizer": True}, None,
+     "does not combine with offload_optimizer"),
+    ({"model_axis": 3}, None, "must be a mesh axis name"),
+    ({}, None, "no model_axis was given"),
+    ({"model_axis": "model"}, _boxed(("model", "model")), "on dims \\[0, 1\\]"),
+    ({"model_axis": "model"}, _boxed((None, ("data", "model"))),
+     "keeps a dim split over model_axis='model' alone"),
+    ({"model_axis": "model"}, _boxed(("model", None), (3, 6)),
+     "whose 3 does not divide into 2 model devices"),
+])
+def test_bad_tensor_parallel_input_is_refused(fields, params, match):
+  """Each raises at `shard`, naming the value and the fix; the input state
+  is untouched (its arrays still readable)."""
+  ts = _train_state()
+  if params is not None:
+    ts = train_state.TrainState.create(apply_fn=lambda v, x: x,
+                                       params=params, tx=TX)
+  with pytest.raises((ValueError, TypeError), match=match):
+    zerojax.shard(ts, stage=3, mesh=_mesh(), **fields)
+  assert all(np.isfinite(np.asarray(x)).all()
+             for x in jax.tree_util.tree_leaves(nn.meta.unbox(ts.params)))
