@@ -229,3 +229,76 @@ def test_bad_tensor_parallel_input_is_refused(fields, params, match):
     zerojax.shard(ts, stage=3, mesh=_mesh(), **fields)
   assert all(np.isfinite(np.asarray(x)).all()
              for x in jax.tree_util.tree_leaves(nn.meta.unbox(ts.params)))
+
+
+def test_create_with_tensor_parallelism_equals_init_then_shard():
+  """`zerojax.create` from the boxed init: the model dims are read from the
+  boxes the init returns, and the state equals `shard` of the jitted init,
+  bit for bit and in the same shardings."""
+  model, _, loss_fn, batches = _problem()
+  tokens = batches[0]["tokens"][:1]
+  init_fn = lambda r: model.init(r, tokens)["params"]
+  for stage, dtype in [(3, "float32"), (2, "bfloat16"), (0, "float32")]:
+    made = zerojax.create(init_fn, jax.random.key(7), apply_fn=model.apply,
+                          tx=TX, stage=stage, mesh=_mesh(),
+                          model_axis="model", compute_dtype=dtype)
+    plain = zerojax.shard(train_state.TrainState.create(
+        apply_fn=model.apply, params=jax.jit(init_fn)(jax.random.key(7)),
+        tx=TX), stage=stage, mesh=_mesh(), model_axis="model",
+                          compute_dtype=dtype)
+    assert made.layout == plain.layout
+    assert any(c.model_shards == M for c in made.layout.chunks)
+    for a, b in zip(jax.tree_util.tree_leaves(made),
+                    jax.tree_util.tree_leaves(plain)):
+      assert a.sharding == b.sharding
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  made, metrics = zerojax.train_step(loss_fn)(made, batches[0])
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_an_nnx_model_split_over_model_trains_as_plain_optax():
+  """An NNX model whose kernels are split with `nnx.with_partitioning`,
+  built under the mesh (so its parameters carry their `NamedSharding`):
+  `shard(model, model_axis=...)` reads the split dims from them, and stages
+  1 and 3 train as plain optax on one device; `gather_model` gives the
+  whole weights."""
+  from flax import nnx
+  part, init = nnx.with_partitioning, nnx.initializers.lecun_normal()
+
+  class Block(nnx.Module):
+    def __init__(self, rngs, w=16):
+      self.norm = nnx.LayerNorm(w, rngs=rngs)
+      self.up = nnx.Linear(w, 4 * w, kernel_init=part(init, (None, "model")),
+                           bias_init=part(nnx.initializers.zeros, ("model",)),
+                           rngs=rngs)
+      self.down = nnx.Linear(4 * w, w, kernel_init=part(init, ("model", None)),
+                             rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+  def loss_fn(model, b):
+    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    model = Block(nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  batches = [{k: rng.normal(size=(16, 16)).astype(np.float32) for k in "xy"}
+             for _ in range(3)]
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  plain_loss = lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b)
+  ref_losses, ref_params = reference_run(plain_loss, jax.device_get(params),
+                                         TX, batches)
+  ref_params = nnx.to_pure_dict(ref_params)
+  for stage in (1, 3):
+    state = zerojax.shard(model, tx=TX, stage=stage, mesh=mesh,
+                          model_axis="model")
+    assert [c.model_shards for c in state.layout.chunks].count(M) == 1
+    step = zerojax.train_step(loss_fn)
+    losses = []
+    for b in batches:
+      state, metrics = step(state, b)
+      losses.append(float(metrics["loss"]))
+    trained = nnx.to_pure_dict(nnx.state(zerojax.gather_model(state), nnx.Param))
+    assert_matches_reference(np.array(losses), trained, ref_losses, ref_params)

@@ -25,10 +25,11 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import disk_tier, frontend, memory, meshes, offload, reshard
+from zerojax import (disk_tier, frontend, memory, meshes, offload, reshard,
+                     tensor_parallel)
 from zerojax.config import shard_axes
 from zerojax.policy import policy
-from zerojax.state import (ZeroTrainState, chunk_spec, compute_chunks,
+from zerojax.state import (ZeroTrainState, compute_chunks,
                            config_and_mesh, fresh_state, plan_layout, state_shardings)
 
 
@@ -127,10 +128,18 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
   config, mesh = config_and_mesh(stage, mesh, config_fields)
-  init_fn, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
+  boxed_init, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
   axes = shard_axes(config)
-  layout = plan_layout(tx, jax.eval_shape(init_fn, rng), config,
-                       meshes.axes_size(mesh, axes))
+  boxed = jax.eval_shape(boxed_init, rng)
+  # tensor parallelism: the dims the model splits over `model_axis`, read
+  # from its partitioning boxes, which the step's tree goes without
+  dims = tensor_parallel.model_dims(boxed, config.model_axis, mesh,
+                                    (config.axis_name, config.replica_axis))
+  init_fn = lambda r: tensor_parallel.unboxed(boxed_init(r))
+  model = config.model_axis
+  layout = plan_layout(tx, tensor_parallel.unboxed(boxed), config,
+                       meshes.axes_size(mesh, axes), model_dims=dims,
+                       model_shards=mesh.shape[model] if model else 1)
   rep = NamedSharding(mesh, P())
   pol = policy(config)
   with_compute = compute_chunks(layout, config)
@@ -139,12 +148,13 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     return layout.treedef.flatten_up_to(init_fn(rng))
 
   def chunk_programs(c):
+    chunk = layout.chunks[c]
     sharding = NamedSharding(
-        mesh, chunk_spec(len(layout.chunks[c].shape), axes)
-        if pol.master_sharded else P())
+        mesh, chunk.spec(axes if pol.master_sharded else None, model))
     start, fills = reshard.pack_programs(layout, c, sharding, axes,
                                          leaves_of=leaves_of)
-    cast = (reshard.cast_program(config.compute_dtype, rep
+    whole = NamedSharding(mesh, chunk.spec(None, model))
+    cast = (reshard.cast_program(config.compute_dtype, whole
                                  if pol.compute_copy else
                                  sharding.with_memory_kind(offload.HOST))
             if c in with_compute else None)
