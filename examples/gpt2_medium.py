@@ -123,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "over data (the GPUs of a node) and replicates over replica "
                  "(the nodes); R x D must be the device count (default: every "
                  "device on data)")
+  p.add_argument("--tp", type=int, default=1, metavar="M",
+                 help="tensor parallelism beside ZeRO: attention heads and "
+                 "MLP split over a 'model' axis of M devices, ZeRO over the "
+                 "other N/M ('data'); a mesh (data=N/M, model=M)")
   p.add_argument("--hpz", action="store_true",
                  help="with --mesh: ZeRO++ hpZ, the fp32 master and optimizer "
                  "state sharded over replica x data too; each step gathers "
@@ -187,7 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("multi-host needs all of --coordinator, --num-processes and "
             "--process-id (or none of them)")
   for name in ("layers", "width", "batch", "seq", "steps", "accum", "devices",
-               "warmup", "quantize_block"):
+               "warmup", "quantize_block", "tp"):
     value = getattr(args, name)
     if value is not None and value < (0 if name == "warmup" else 1):
       p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -233,6 +237,15 @@ class GPTConfig:
   heads: int
   remat: bool = False
   layerwise: bool = True
+  tp: int = 1        # devices of the "model" axis the heads and MLP split over
+
+
+def _split(init, cfg: GPTConfig, spec: tuple):
+  """`init`, annotated with the mesh axes per dim of its weight under tensor
+  parallelism (Megatron's split: column-parallel into the heads and the
+  MLP's hidden layer, row-parallel out of them); zerojax reads these boxes
+  (`model_axis="model"`) and GSPMD adds the model's own all-reduces."""
+  return nn.with_partitioning(init, spec) if cfg.tp > 1 else init
 
 
 def _normal(std):
@@ -245,18 +258,23 @@ class CausalSelfAttention(nn.Module):
   @nn.compact
   def __call__(self, x):
     b, t, d = x.shape
-    h = self.cfg.heads
+    cfg = self.cfg
+    h = cfg.heads
     # dtype=None everywhere: compute in the dtype of the parameters handed in.
-    qkv = nn.Dense(3 * d, kernel_init=_normal(0.02), name="qkv")(x)
-    q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
+    # columns head-major (each head's q, k, v side by side), so a column
+    # split over "model" gives each device whole heads
+    qkv = nn.Dense(3 * d, kernel_init=_split(_normal(0.02), cfg, (None, "model")),
+                   bias_init=_split(nn.initializers.zeros, cfg, ("model",)),
+                   name="qkv")(x)
+    q, k, v = jnp.split(qkv.reshape(b, t, h, 3 * (d // h)), 3, axis=3)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     causal = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(causal, scores / math.sqrt(d // h), -1e9)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
     # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
-    return nn.Dense(d, kernel_init=_normal(0.02 / math.sqrt(2 * self.cfg.layers)),
-                    name="proj")(y)
+    return nn.Dense(d, kernel_init=_split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
+                                          cfg, ("model", None)), name="proj")(y)
 
 
 class MLP(nn.Module):
@@ -264,11 +282,13 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    d = x.shape[-1]
-    x = nn.Dense(4 * d, kernel_init=_normal(0.02), name="fc")(x)
+    d, cfg = x.shape[-1], self.cfg
+    x = nn.Dense(4 * d, kernel_init=_split(_normal(0.02), cfg, (None, "model")),
+                 bias_init=_split(nn.initializers.zeros, cfg, ("model",)),
+                 name="fc")(x)
     x = nn.gelu(x, approximate=True)
-    return nn.Dense(d, kernel_init=_normal(0.02 / math.sqrt(2 * self.cfg.layers)),
-                    name="proj")(x)
+    return nn.Dense(d, kernel_init=_split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
+                                          cfg, ("model", None)), name="proj")(x)
 
 
 class Block(nn.Module):
@@ -300,7 +320,8 @@ class GPT(nn.Module):
     # One scanned block: parameters get a leading layer axis, which
     # zerojax's stacked=("blocks",) chunks per layer.
     blocks = nn.scan(block, variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=cfg.layers)
+                     split_rngs={"params": True}, length=cfg.layers,
+                     metadata_params={nn.PARTITION_NAME: None})  # layers unsplit
     x, _ = blocks(cfg, name="blocks")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
     return wte.attend(x)  # tied output embedding: x @ wte.T
@@ -407,9 +428,16 @@ def init_distributed(args) -> None:
     jax.distributed.initialize()  # reads SLURM / Open MPI variables
 
 
-def make_mesh(spec, devices):
-  """`(mesh, replica axis)` of a `--mesh replica=R,data=D` flag, or
-  `(None, None)`: every device on the data axis."""
+def make_mesh(spec, devices, tp: int = 1):
+  """`(mesh, replica axis)` of a `--mesh replica=R,data=D` flag, or of
+  `--tp M` ((data N/M, model M), no replica axis), or `(None, None)`: every
+  device on the data axis."""
+  if tp > 1:
+    if spec:
+      raise SystemExit("--tp with --mesh: tensor parallelism does not combine "
+                       "with a replica axis yet; give one of them.")
+    return jax.make_mesh((len(devices) // tp, tp), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2), None
   if not spec:
     return None, None
   try:
@@ -433,16 +461,22 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
   heads = pre["heads"] if args.width is None else max(1, width // 64)
   if width % heads:
     raise SystemExit(f"--width {width} is not divisible by {heads} heads.")
+  if n_devices % args.tp:
+    raise SystemExit(f"--tp {args.tp} does not divide the {n_devices} devices.")
+  if heads % args.tp:
+    raise SystemExit(f"--tp {args.tp} does not divide the {heads} heads: "
+                     "each model device computes whole heads.")
   vocab = BYTE_VOCAB if args.text else pre["vocab"]
   seq = args.seq or min(pre["seq"], pre["ctx"])
   cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
                   layers=args.layers or pre["layers"], width=width, heads=heads,
-                  remat=args.remat, layerwise=args.layerwise)
+                  remat=args.remat, layerwise=args.layerwise, tp=args.tp)
   steps = args.steps or pre["steps"]
   batch = args.batch or pre["micro_batch"] * n_devices * args.accum
-  if batch % (n_devices * args.accum):
-    raise SystemExit(f"--batch {batch} must be a multiple of {n_devices} "
-                     f"devices x --accum {args.accum}.")
+  data = n_devices // args.tp   # the devices a batch is split over
+  if batch % (data * args.accum):
+    raise SystemExit(f"--batch {batch} must be a multiple of {data} "
+                     f"data devices x --accum {args.accum}.")
   run = dict(
       preset=name, seq=seq, steps=steps, batch=batch,
       lr=args.lr or pre["lr"],
@@ -477,13 +511,14 @@ def main(argv=None) -> dict:
 
   # Sharded initialisation: every device makes only its own chunk shards
   # (the same values as model.init followed by zerojax.shard on a TrainState).
-  mesh, replica_axis = make_mesh(args.mesh, devices)
+  mesh, replica_axis = make_mesh(args.mesh, devices, args.tp)
   if args.hpz and replica_axis is None:
     raise SystemExit("--hpz shards the state over the replica axis too: "
                      "give --mesh replica=R,data=D as well.")
   state = zerojax.create(init_fn, jax.random.key(args.seed),
                          apply_fn=model.apply, tx=tx, stage=args.stage,
                          mesh=mesh, replica_axis=replica_axis, hpz=args.hpz,
+                         model_axis="model" if args.tp > 1 else None,
                          quantize_weights=args.quantize_weights,
                          quantize_grads=args.quantize_grads,
                          quantize_block=args.quantize_block,
@@ -522,6 +557,9 @@ def main(argv=None) -> dict:
       f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
   hybrid = (f" (hybrid: sharded over data {state.num_shards}, replicated "
             f"over replica {state.num_replicas})" if replica_axis else "")
+  if args.tp > 1:
+    hybrid = (f" (tensor parallel: heads and MLP split over model {args.tp}, "
+              f"ZeRO over data {state.num_shards})")
   if args.hpz:
     hybrid = (f" (hpZ: state sharded over replica {state.num_replicas} x data "
               f"{state.num_shards}, gathered within data)")
@@ -565,10 +603,12 @@ def main(argv=None) -> dict:
     timing["step_time_s"] = seconds / len(steady)
   memory = memory_summary(state, step, batch)
   psi = layout.num_chunked_elements
+  split = sum(c.used * c.copies for c in layout.chunks if c.model_shards)
   expected = zerojax.estimate_memory(
-      psi, stage=args.stage, num_devices=len(devices),
+      psi, stage=args.stage, num_devices=state.num_state_shards,
       compute_dtype=jnp.float32 if run["precision"] == "fp32" else jnp.bfloat16,
-      optimizer_bytes_per_param=8)["persistent"]   # AdamW: two fp32 moments
+      optimizer_bytes_per_param=8,   # AdamW: two fp32 moments
+      split_params=split, model_shards=args.tp)["persistent"]
 
   floor = (f" (data entropy, the floor: {data.entropy:.4f})"
            if data.probs is not None else "")
@@ -580,7 +620,8 @@ def main(argv=None) -> dict:
         f"{timing['step_time_s'] * 1e3:,.1f} ms/step (steps 2-{len(records)})")
   log(f"memory per device: state {_mib(memory['persistent_bytes_per_device'])} "
       f"(ZeRO-{args.stage} with AdamW should need {_mib(expected)} for "
-      f"{psi:,} parameters on {len(devices)} devices), "
+      f"{psi:,} parameters on {len(devices)} devices"
+      f"{', tensor parallel' if args.tp > 1 else ''}), "
       f"compiled step {_mib(memory['compiled_footprint_bytes_per_device'])}")
   log(memory["report"])
   if backend != "cpu" and steady:

@@ -109,6 +109,17 @@ def test_hybrid_mesh_flag_trains(tmp_path, hpz):
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
+def test_tensor_parallel_flag_trains(tmp_path):
+  """`--tp 2`: heads and MLP split over a model axis of 2, ZeRO-3 over the
+  other 4 devices; the state is sharded as the report's formula says."""
+  out = _run(["--tp", "2", "--steps", "3"], tmp_path / "tp.json",
+             tmp_path / "cache")
+  assert out["config"]["mesh_shape"] == {"data": 4, "model": 2}
+  assert "tensor parallel: " in out["memory"]["report"]
+  losses = [s["loss"] for s in out["steps"]]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
 def test_offload_with_the_host_update_trains(tmp_path):
   """`--offload --update-on host`: the optimizer state in host memory,
   updated there."""
@@ -143,13 +154,17 @@ def test_the_disk_tier_trains(tmp_path):
     ("--offload=disk", "--offload disk keeps the optimizer state in files"),
     ("--offload-dir=/tmp", "--offload-dir is where --offload disk keeps"),
     ("--sub-group-size=64", "--sub-group-size sets how --offload disk"),
+    ("--tp=3", "--tp 3 does not divide the 8 devices"),
+    ("--tp=8", "--tp 8 does not divide the 4 heads"),
+    ("--tp=0", "--tp must be positive, got 0"),
+    ("--tp=2 --mesh=replica=2,data=4", "--tp with --mesh: tensor parallelism"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps", "1"] +
-      ([flag] if flag and flag.startswith("--") else
+      (flag.split() if flag and flag.startswith("--") else
        ["--mesh", flag] if flag else ["--hpz"]), cwd=ROOT, env=env,
       capture_output=True, text=True,
       timeout=300)

@@ -69,7 +69,8 @@ def _leaf_bytes(x) -> int:
 def estimate_memory(num_params: int, *, stage: int, num_devices: int,
                     compute_dtype: Any = jnp.float32, accum_steps: int = 1,
                     optimizer_bytes_per_param: int = 8,
-                    hpz_group: Optional[int] = None) -> dict:
+                    hpz_group: Optional[int] = None,
+                    split_params: int = 0, model_shards: int = 1) -> dict:
   """Predicted bytes per device, allocating nothing (DeepSpeed's
   `estimate_zero3_model_states_mem_needs`).
 
@@ -84,6 +85,10 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
       momentum, 0 for plain SGD.
     hpz_group: hpZ: D, the devices of the data axis, within which the step
       gathers and reduce-scatters; None without hpZ.
+    split_params: tensor parallelism: how many of the Ψ parameters the
+      model splits over its model axis; a device holds 1/`model_shards`
+      of what the table gives for them (each model device keeps its rows).
+    model_shards: M, the devices of the model axis.
 
   Returns:
     dict with `persistent` (zerojax, per device), its parts (`master`,
@@ -100,7 +105,12 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
       1 <= hpz_group <= num_devices and num_devices % hpz_group == 0):
     raise ValueError(f"hpz_group={hpz_group!r} must divide num_devices="
                      f"{num_devices} (the data axis D of R·D devices).")
-  psi, n = float(num_params), float(num_devices)
+  if not (0 <= split_params <= num_params and model_shards >= 1):
+    raise ValueError(f"split_params={split_params!r} must lie in [0, "
+                     f"num_params] and model_shards={model_shards!r} be >= 1.")
+  # per device, a split parameter weighs 1/M of a whole one
+  psi = float(num_params - split_params) + split_params / model_shards
+  n = float(num_devices)
   half = np.dtype(compute_dtype).itemsize < 4
   opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
   if stage == 0:
@@ -134,6 +144,7 @@ class MemoryReport:
   estimate: dict            # from `estimate_memory`
   wire: dict = dataclasses.field(default_factory=dict)  # `quantized_wire`
   placement: dict = dataclasses.field(default_factory=dict)  # `placement`
+  model_split: Optional[tuple] = None   # tensor parallelism: (split Ψ, M)
 
   @property
   def persistent(self) -> int:
@@ -172,6 +183,10 @@ class MemoryReport:
     title = (f"ZeRO-{self.stage}, {self.num_devices} devices, Ψ = "
              f"{self.num_params:,} parameters, {self.compute_dtype} compute, "
              f"accum {self.accum_steps}")
+    if self.model_split:
+      split, m = self.model_split
+      title += (f"; tensor parallel: {split:,} of them split over {m} model "
+                "devices")
     lines = [title, fmt(head), fmt(["-" * w for w in widths])] + [
         fmt(r) for r in rows]
     where = self.placement
@@ -225,16 +240,19 @@ def memory_report(state) -> MemoryReport:
   psi = state.layout.num_chunked_elements
   padded = sum(int(np.prod(c.shape)) for c in state.layout.chunks)
   opt_bytes = round(opt_bytes / padded) if padded else 0
+  split = sum(c.used * c.copies for c in state.layout.chunks if c.model_shards)
+  model = state.mesh.shape[cfg.model_axis] if cfg.model_axis else 1
   estimate = estimate_memory(psi, stage=cfg.stage,
                              num_devices=state.num_state_shards,
                              compute_dtype=cfg.compute_dtype,
                              accum_steps=cfg.accum_steps,
                              optimizer_bytes_per_param=opt_bytes,
-                             hpz_group=state.num_shards if cfg.hpz else None)
+                             hpz_group=state.num_shards if cfg.hpz else None,
+                             split_params=split, model_shards=model)
   return MemoryReport(cfg.stage, state.num_state_shards, psi,
                       np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
                       measured, estimate, quantized_wire(state),
-                      placement(state))
+                      placement(state), (split, model) if split else None)
 
 
 def placement(state) -> dict:
