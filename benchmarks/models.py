@@ -77,6 +77,10 @@ class GPTConfig(LanguageModel):
   # whether zero-3 variants take the one-line opt-in (False: the model as a
   # user writes it without zerojax.nn.layerwise)
   opt_in: bool = True
+  # tensor parallelism over a "model" mesh axis of `tp` devices (Megatron's
+  # split, annotated with nn.with_partitioning: qkv and MLP-in by columns,
+  # a head's q, k, v side by side; attention-out and MLP-out by rows)
+  tp: int = 1
 
   @property
   def stacked(self) -> tuple:
@@ -139,18 +143,34 @@ class Block(nn.Module):
     hd = d // cfg.heads
     x = self._pin(x)
     h = nn.LayerNorm(name="ln_1")(x)
-    qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.heads, hd)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if cfg.tp > 1:   # columns head-major: each model device, whole heads
+      qkv = self._dense(3 * d, "qkv", cols=True)(h).reshape(b, t, cfg.heads, 3, hd)
+      q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    else:
+      qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.heads, hd)
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     attn = jax.nn.softmax(scores, axis=-1)
     h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
-    x = x + nn.Dense(d, name="attn_out")(h)
+    x = x + self._dense(d, "attn_out", cols=False)(h)
     h = nn.LayerNorm(name="ln_2")(x)
-    h = nn.gelu(nn.Dense(4 * d, name="mlp_in")(h))
-    x = x + nn.Dense(d, name="mlp_out")(h)
+    h = nn.gelu(self._dense(4 * d, "mlp_in", cols=True)(h))
+    x = x + self._dense(d, "mlp_out", cols=False)(h)
     return self._pin(x), None
+
+  def _dense(self, features: int, name: str, cols: bool) -> nn.Dense:
+    """nn.Dense, its weights split over "model" by columns or rows when
+    the config asks for tensor parallelism."""
+    if self.cfg.tp == 1:
+      return nn.Dense(features, name=name)
+    split = nn.with_partitioning
+    kernel = nn.initializers.lecun_normal()
+    return nn.Dense(
+        features, name=name,
+        kernel_init=split(kernel, (None, "model") if cols else ("model", None)),
+        bias_init=split(nn.initializers.zeros, ("model",) if cols else (None,)))
 
 
 class GPT(nn.Module):
@@ -167,7 +187,8 @@ class GPT(nn.Module):
              else Block)
     if cfg.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=cfg.layers)(
+                     split_rngs={"params": True}, length=cfg.layers,
+                     metadata_params={nn.PARTITION_NAME: None})(
                          cfg, name="blocks")(x, None)
     else:
       for i in range(cfg.layers):

@@ -51,11 +51,11 @@ from benchmarks import comm, memory, models, offload, report, speed  # noqa: E40
 from benchmarks import user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
 from benchmarks import checkpoint, disk, frontends, gpu, hybrid  # noqa: E402
-from benchmarks import quantized  # noqa: E402
+from benchmarks import quantized, tensor_parallel  # noqa: E402
 
 SUITES = ("speed", "memory", "comm")   # run by default
 EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid",
-                "quantized", "disk")  # when named
+                "quantized", "disk", "tp")  # when named
 CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
 # The user-written models against plain DP, not GSPMD FSDP: the comparison
 # the issue sets goals for, at half the time.
@@ -349,6 +349,12 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     result.update(meta=meta, goals=hybrid.goal_checks(result))
     _write(out, f"{mode}_hybrid.json", result)
     written["hybrid"] = result
+
+  if "tp" in suites:
+    result = tensor_parallel.run(mode, log=_log)
+    result.update(meta=meta, goals=tensor_parallel.goal_checks(result))
+    _write(out, f"{mode}_tp.json", result)
+    written["tp"] = result
 
   if "quantized" in suites:
     result = quantized.run(mode, log=_log)

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,7 +155,8 @@ def _optax_step(loss_fn):
 def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           num_devices: int, materialize: bool = True, seed: int = 0,
           options: Optional[dict] = None, compute_dtype=None,
-          replicas: int = 1, **zero_fields) -> Variant:
+          replicas: int = 1, model_shards: int = 1,
+          **zero_fields) -> Variant:
   """Builds variant `name` (see the module docstring) of a model config.
 
   Args:
@@ -170,6 +172,12 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
       its fp32 parameters and optimizer state (None: float32 throughout).
     replicas: hybrid sharding (zero-* only): a (replicas, num_devices /
       replicas) mesh ("replica", "data"), the batch split over both.
+    model_shards: tensor parallelism (a config whose weights are annotated
+      for "model", `models.GPTConfig(tp=M)`): a (num_devices / M, M) mesh
+      ("data", "model"), the batch over data; zero-* take
+      `model_axis="model"`, plain-dp is then data parallelism beside the
+      model's own tensor parallelism (Megatron's TP + DP under `jax.jit`:
+      each weight placed by its partition spec, replicated over data).
     **zero_fields: extra `ZeroConfig` fields for zero-* variants.
   """
   if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
@@ -179,7 +187,12 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
   n = 1 if one_device else num_devices
   if one_device:
     global_batch = max(global_batch // num_devices, 1)
-  if replicas > 1:
+  if model_shards > 1:
+    mesh = jax.make_mesh((n // model_shards, model_shards), ("data", "model"),
+                         axis_types=(AxisType.Auto,) * 2)
+    data = NamedSharding(mesh, P("data"))
+    zero_fields = {**zero_fields, "model_axis": "model"}
+  elif replicas > 1:
     mesh = jax.make_mesh((replicas, n // replicas), ("replica", "data"),
                          axis_types=(AxisType.Auto,) * 2)
     data = NamedSharding(mesh, P(("replica", "data")))
@@ -213,6 +226,11 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           lambda p, x: NamedSharding(mesh, fsdp_spec(p, np.shape(x), n,
                                                      cfg.stacked)),
           source)
+    elif model_shards > 1:   # plain-dp beside the model's tensor parallelism
+      specs = nn.get_partition_spec(source)
+      source = nn.meta.unbox(source)
+      shardings = jax.tree_util.tree_map(
+          lambda x, spec: NamedSharding(mesh, spec), source, specs)
     else:   # plain-dp, 1dev-optax: replicated
       shardings = jax.tree_util.tree_map(
           lambda x: NamedSharding(mesh, P()), source)

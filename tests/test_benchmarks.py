@@ -517,6 +517,35 @@ def test_hybrid_suite_classes_bytes_by_axis_and_reports(tmp_path):
   assert (tmp_path / "quick_hybrid.png").exists()
 
 
+def test_tp_suite_classes_bytes_by_mesh_axis_and_reports(tmp_path):
+  """The tensor-parallel suite on the tiny GPT: zerojax's gathers and
+  reduce-scatters run over data and carry Ψ' = Ψ - Ψ_s + Ψ_s/M per model
+  device (half the 1-D run's split bytes at M = 2); over model only
+  all-reduces of activations, 5 of the block's width per layer (Megatron's
+  4 and the rematerialised forward's first) against the jit step's 4;
+  nothing but scalars over both axes."""
+  from benchmarks import tensor_parallel as tp
+  result = tp.run("smoke", log=lambda *_: None)
+  rows, psi, psi_s = result["rows"], result["num_params"], result["split_params"]
+  assert 0 < psi_s < psi
+  zero, jit, one_d = rows["zero-3 TP"], rows["DP + TP (jax.jit)"], rows["zero-3 1-D"]
+  assert set(zero["model"]) == set(jit["model"]) == {"all-reduce"}
+  assert zero["model"]["all-reduce"] * 4 == jit["model"]["all-reduce"] * 5
+  assert zero["largest_both"] <= 16 and one_d["model"] == {} == jit["both"]
+  # the gradient shards: 4 bytes per parameter row a device owns
+  psi_eff = psi - psi_s + psi_s / tp.M
+  assert abs(zero["data"]["reduce-scatter"] - 4 * psi_eff) <= 4 * 8 * 16
+  assert abs(one_d["data"]["reduce-scatter"] - 4 * psi) <= 4 * 8 * 16
+  memory = result["memory"]
+  assert memory["zero-3 TP"]["persistent"] < memory["DP + TP (jax.jit)"]["persistent"]
+  goals = tp.goal_checks(result)
+  assert [g[3] for g in goals] == [True] * len(goals), goals
+  text = _quick_report(tmp_path, "tp", result, goals)
+  assert "Tensor parallelism beside ZeRO: bytes per mesh axis" in text
+  assert "| zero-3 TP |" in text and "zero-3 TP / 1-D zero-3" in text
+  assert (tmp_path / "quick_tp.png").exists()
+
+
 def test_quantized_suite_measures_bytes_and_quality_and_reports(tmp_path):
   """The quantized suite's smoke run: the quantized collectives' bytes are
   the stated formula's (from the plain program's ops), the example trains

@@ -1,0 +1,137 @@
+"""Tensor parallelism beside ZeRO (`model_axis=`): communication per mesh
+axis, memory per device and step time on 8 devices laid out as (data 4,
+model 2), against 1-D ZeRO-3 over all 8 and against Megatron-style data +
+tensor parallelism written with plain `jax.jit` (each weight placed by its
+partition spec, replicated over data; XLA inserts the collectives).
+
+The GPT's attention heads and MLP are split over "model" with
+`nn.with_partitioning` (`models.GPTConfig(tp=M)`): Ψ_s of its Ψ parameters
+are split, Ψ_u = Ψ − Ψ_s (embeddings, norms, the row-split layers' biases)
+are whole. A device then holds Ψ' = Ψ_u + Ψ_s/M parameters' worth of rows,
+and ZeRO shards those over data. Collectives are read from the optimized
+HLO (`benchmarks.hlo`) and classed by their replica groups: groups of D = 4
+run over data, groups of M = 2 over model, groups of all 8 span both (on
+the 1-D mesh every group is all 8: that is its data axis). Theory per
+device per step, fp32 (b = 4 bytes), `bytes` as `benchmarks.hlo` counts
+them (an all-gather's output, a reduce-scatter's input, an all-reduce's
+operand):
+
+  zero-3 TP    over data: gathers 2·bΨ' (forward and rematerialised
+               backward; non-layer chunks once), reduce-scatter 4Ψ';
+               at most 12Ψ'. Over model: only the model's own all-reduces
+               of activations: Megatron's two per block each way, plus the
+               re-forward's first under `layerwise`'s remat (its second, on
+               the block's output, is dead in the backward): 5·L·(B/D)·T·d·b
+  DP + TP      over data: one all-reduce of the gradients, 4Ψ'; over
+               model: 4·L·(B/D)·T·d·b (no remat)
+
+Persistent bytes per device (Adam, fp32): 12Ψ'/D (zero-3 TP), 12Ψ' (DP +
+TP), 12Ψ/8 (1-D).
+
+    python -m benchmarks.run --quick --suites tp
+"""
+from __future__ import annotations
+
+import statistics
+
+import zerojax
+from benchmarks import models, speed
+from benchmarks import variants as V
+from benchmarks.hlo import count_collectives
+
+M = 2   # devices of the model axis
+MODES = {"zero-3 1-D": ("zero-3", 1), "zero-3 TP": ("zero-3", M),
+         "DP + TP (jax.jit)": ("plain-dp", M)}
+
+
+def _per_axis(variant, data: int, model: int) -> dict:
+  """Bytes per device per step by axis ("data", "model", "both") and
+  collective kind, and the largest op over both axes."""
+  out = {"data": {}, "model": {}, "both": {}, "largest_both": 0}
+  for op in count_collectives(variant.compiled()).ops:
+    if op.trips is None or op.group_size <= 1:
+      continue
+    where = ("data" if op.group_size == data else
+             "model" if op.group_size == model else "both")
+    out[where][op.kind] = out[where].get(op.kind, 0) + op.trips * op.bytes
+    if where == "both":
+      out["largest_both"] = max(out["largest_both"], op.bytes)
+  return out
+
+
+def split_params(layout) -> int:
+  """Ψ_s: the parameters the model splits over its model axis."""
+  return sum(c.used * c.copies for c in layout.chunks if c.model_shards)
+
+
+def run(mode: str, log=print) -> dict:
+  """{"config", "num_params", "split_params", "rows": {label: per-axis
+  bytes}, "theory", "memory", "ratio", "min_ratio" (step time zero-3 TP /
+  DP + TP, medians and minima), "ratio_1d", "min_ratio_1d" (zero-3 TP /
+  1-D zero-3), "rounds"}."""
+  name = "tiny" if mode == "smoke" else "cpu-1m"
+  rounds = {"smoke": 1, "quick": 7, "full": 15}[mode]
+  batch, seq, n = 16, 64, 8
+  data = n // M
+  built = {}
+  for label, (variant, model) in MODES.items():
+    log(f"tp: {label} ({name})")
+    cfg = models.CONFIGS[name].replace(tp=model)
+    built[label] = V.build(variant, cfg, global_batch=batch, seq=seq,
+                           num_devices=n, model_shards=model)
+  tp = built["zero-3 TP"]
+  psi = tp.num_params
+  psi_s = split_params(tp.layout)
+  psi_eff = psi - psi_s + psi_s / M
+  rows = {label: _per_axis(v, n if label == "zero-3 1-D" else data, M)
+          for label, v in built.items()}
+  cfg = models.CONFIGS[name]
+  activations = cfg.layers * (batch // data) * seq * cfg.width * 4
+  theory = {"zero-3 1-D": {"data": 12 * psi, "model": 0},
+            "zero-3 TP": {"data": 12 * psi_eff, "model": 5 * activations},
+            "DP + TP (jax.jit)": {"data": 4 * psi_eff,
+                                  "model": 4 * activations}}
+  memory = {label: {
+      "persistent": v.persistent_bytes(),
+      "theory": {"zero-3 1-D": 12 * psi / n, "zero-3 TP": 12 * psi_eff / data,
+                 "DP + TP (jax.jit)": 12 * psi_eff}[label],
+      "compiled": zerojax.compiled_footprint(v.compiled())["device"]}
+            for label, v in built.items()}
+  times = speed.time_variants(built, rounds)
+  median = {k: statistics.median(v) for k, v in times.items()}
+  fastest = {k: min(v) for k, v in times.items()}
+  for v in built.values():
+    v.release()
+  base = "DP + TP (jax.jit)"
+  return {"config": name, "num_params": psi, "split_params": psi_s,
+          "devices": n, "data": data, "model": M, "rows": rows,
+          "theory": theory, "memory": memory, "rounds": rounds,
+          "ratio": median["zero-3 TP"] / median[base],
+          "min_ratio": fastest["zero-3 TP"] / fastest[base],
+          "ratio_1d": median["zero-3 TP"] / median["zero-3 1-D"],
+          "min_ratio_1d": fastest["zero-3 TP"] / fastest["zero-3 1-D"]}
+
+
+def goal_checks(result: dict) -> list:
+  """[(what, measured, bound, met)]."""
+  rows, theory, cfg = result["rows"], result["theory"], result["config"]
+  tp = rows["zero-3 TP"]
+  checks = [(f"zero-3 TP: biggest collective over data x model, bytes "
+             f"(scalars only) ({cfg})", tp["largest_both"], 16,
+             tp["largest_both"] <= 16)]
+  model_kinds = set(tp["model"])
+  checks.append((f"zero-3 TP: collective kinds over model besides the "
+                 f"model's all-reduces ({cfg})",
+                 len(model_kinds - {"all-reduce"}), 0,
+                 model_kinds <= {"all-reduce"}))
+  got = sum(tp["data"].values()) / theory["zero-3 TP"]["data"]
+  checks.append((f"zero-3 TP bytes over data / 12Ψ' ({cfg})", got, 1.0,
+                 got <= 1.0))
+  got = sum(tp["model"].values()) / theory["zero-3 TP"]["model"]
+  checks.append((f"zero-3 TP bytes over model / theory, the model's own 5·L·(B/D)·T·d·4 "
+                 f"({cfg})", got, 1.05, abs(got - 1) <= 0.05))
+  m = result["memory"]["zero-3 TP"]
+  got = m["persistent"] / m["theory"]
+  checks.append((f"zero-3 TP persistent bytes / theory 12Ψ'/D ({cfg})", got, 1.05,
+                 abs(got - 1) <= 0.05))
+  return checks
