@@ -15,8 +15,6 @@ no state. Neither model is opted in to per-layer gathering (NNX has no
 """
 from __future__ import annotations
 
-import statistics
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,9 +134,7 @@ def run(mode: str, log=print) -> dict:
     for stage in STAGES:
       log(f"frontends: {name} stage {stage}")
       runs = _runs(name, stage, batch_size=64, seq=64)
-      times = speed.time_variants(runs, rounds)
-      median = {k: statistics.median(v) for k, v in times.items()}
-      fastest = {k: min(v) for k, v in times.items()}
+      _, median, fastest = speed.medians_and_minima(runs, rounds)
       rows.append({
           "model": name, "stage": stage,
           "median_s": median, "min_s": fastest,

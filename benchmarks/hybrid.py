@@ -35,8 +35,6 @@ step runs: in the compiled footprint).
 """
 from __future__ import annotations
 
-import statistics
-
 import zerojax
 from benchmarks import models, speed
 from benchmarks import variants as V
@@ -105,9 +103,7 @@ def run(mode: str, log=print) -> dict:
       "theory": 12 * psi / shards[label],
       "compiled": zerojax.compiled_footprint(v.compiled())["device"]}
             for label, v in built.items()}
-  times = speed.time_variants(built, rounds)
-  median = {k: statistics.median(v) for k, v in times.items()}
-  fastest = {k: min(v) for k, v in times.items()}
+  _, median, fastest = speed.medians_and_minima(built, rounds)
   for v in built.values():
     v.release()
   return {"config": name, "num_params": psi, "devices": n, "nodes": R,

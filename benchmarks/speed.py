@@ -43,6 +43,15 @@ def time_variants(variants: Dict[str, Variant], rounds: int, warmup: int = 2,
   return times
 
 
+def medians_and_minima(variants: Dict[str, Variant], rounds: int) -> tuple:
+  """`(times, median, minimum)` of `time_variants`, per variant: the ratios
+  the suites report are of medians and of minima (the least disturbed
+  samples on a shared machine)."""
+  times = time_variants(variants, rounds)
+  return (times, {k: statistics.median(v) for k, v in times.items()},
+          {k: min(v) for k, v in times.items()})
+
+
 def run(variants: Dict[str, Variant], rounds: int, setup: dict) -> dict:
   """The speed suite over one model's already built variants.
 
@@ -54,9 +63,7 @@ def run(variants: Dict[str, Variant], rounds: int, setup: dict) -> dict:
     plain DP, of zero-* against GSPMD FSDP (where built) and of zerojax on a
     1-device mesh against plain optax on that device (where built).
   """
-  times = time_variants(variants, rounds)
-  median = {k: statistics.median(v) for k, v in times.items()}
-  fastest = {k: min(v) for k, v in times.items()}
+  times, median, fastest = medians_and_minima(variants, rounds)
   mesh = [k for k in median if not k.startswith("1dev-")]
   zero = [k for k in mesh if k.startswith("zero-")]
   one = [k for k in median if k.startswith("1dev-zero-")]

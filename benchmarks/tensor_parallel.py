@@ -32,8 +32,6 @@ TP), 12Ψ/8 (1-D).
 """
 from __future__ import annotations
 
-import statistics
-
 import zerojax
 from benchmarks import models, speed
 from benchmarks import variants as V
@@ -97,9 +95,7 @@ def run(mode: str, log=print) -> dict:
                  "DP + TP (jax.jit)": 12 * psi_eff}[label],
       "compiled": zerojax.compiled_footprint(v.compiled())["device"]}
             for label, v in built.items()}
-  times = speed.time_variants(built, rounds)
-  median = {k: statistics.median(v) for k, v in times.items()}
-  fastest = {k: min(v) for k, v in times.items()}
+  _, median, fastest = speed.medians_and_minima(built, rounds)
   for v in built.values():
     v.release()
   base = "DP + TP (jax.jit)"
