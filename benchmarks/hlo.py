@@ -42,6 +42,8 @@ import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
          "collective-permute")
 
@@ -210,27 +212,44 @@ def _called(attrs: str, key: str) -> List[str]:
   return [v.strip().lstrip("%") for v in value.split(",") if v.strip()]
 
 
-def _group_size(attrs: str, devices: int) -> int:
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)   # iota form
+def replica_groups(attrs: str, devices: int) -> Tuple[Tuple[int, ...], ...]:
+  """The device groups of a collective's `replica_groups` (partition ids:
+  positions in the program's device assignment, a mesh's devices in
+  row-major order), in the three forms XLA prints: the iota form
+  `[G,S]<=[dims]T(perm)`, the mesh-axes form of newer XLA
+  `mesh['a'=2,'b'=4]{'b'}` (one group per value of the other axes, over the
+  named ones; no braces: all of them), and explicit `{{0,1},{2,3}}`. None
+  given: one group of all `devices`."""
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\]"
+                r"(?:T\(([\d,]+)\))?", attrs)
   if m:
-    return int(m.group(2))
-  # mesh-axes form (newer XLA): replica_groups=mesh['replica'=2,'data'=4]
-  # {'data'}: one group per value of the other axes, over the named ones
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return tuple(map(tuple, ids.reshape(int(m.group(1)), int(m.group(2))).tolist()))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](\s*\{([^}]*)\})?", attrs)
   if m:
     sizes = {}
     for item in m.group(1).split(","):
       name, size = item.rsplit("=", 1)
       sizes[name.strip().strip("'\"")] = int(size)
-    axes = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
-    return math.prod(sizes[a] for a in axes)
+    names = list(sizes)
+    axes = ([a.strip().strip("'\"") for a in m.group(3).split(",") if a.strip()]
+            if m.group(2) else names)
+    ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values()))
+    order = [i for i, a in enumerate(names) if a not in axes] + [
+        names.index(a) for a in axes]
+    group = math.prod(sizes[a] for a in axes)
+    return tuple(map(tuple, ids.transpose(order).reshape(-1, group).tolist()))
   m = re.search(r"replica_groups=\{", attrs)
   if m:
     groups = attrs[m.end() - 1:_match(attrs, m.end() - 1) + 1]
-    first = re.search(r"\{([\d,\s]+)\}", groups)
-    if first:
-      return len([x for x in first.group(1).split(",") if x.strip()])
-  return devices
+    found = tuple(tuple(int(x) for x in g.split(",") if x.strip())
+                  for g in re.findall(r"\{([\d,\s]+)\}", groups))
+    if found:
+      return found
+  return (tuple(range(devices)),)
 
 
 # ---- the report --------------------------------------------------------------
@@ -250,6 +269,13 @@ class Collective:
   dtypes: Tuple[str, ...]
   trips: Optional[int]
   in_loop: bool
+  groups: Tuple[Tuple[int, ...], ...] = ()   # `replica_groups`
+
+  def spans(self, mesh_shape: Tuple[int, ...], axis: int) -> bool:
+    """Whether a group of this op has devices at two coordinates of mesh
+    axis `axis` (a mesh of `mesh_shape`, devices in row-major order)."""
+    return any(len({np.unravel_index(d, mesh_shape)[axis] for d in g}) > 1
+               for g in self.groups)
 
   @property
   def wire_bytes(self) -> float:
@@ -344,8 +370,8 @@ def _collective(instr: _Instr, comp: List[_Instr], table: Dict[str, str],
     size = shape_bytes(operand) or shape_bytes(result)
   else:
     size = shape_bytes(operand)
-  return kind, size, _dtypes(operand or result), _group_size(instr.attrs,
-                                                             devices)
+  return kind, size, _dtypes(operand or result), replica_groups(instr.attrs,
+                                                                devices)
 
 
 def count_collectives(program: Any) -> CommReport:
@@ -372,10 +398,10 @@ def count_collectives(program: Any) -> CommReport:
     for instr in instrs:
       kind = _base_kind(instr.opcode)
       if kind is not None:
-        kind, size, dtypes, group = _collective(instr, instrs, tables[comp],
-                                                devices)
-        ops.append(Collective(kind, instr.name, comp, size, group, dtypes,
-                              trips, in_loop))
+        kind, size, dtypes, groups = _collective(instr, instrs, tables[comp],
+                                                 devices)
+        ops.append(Collective(kind, instr.name, comp, size, len(groups[0]),
+                              dtypes, trips, in_loop, groups))
         continue
       if instr.opcode == "while":
         m = _TRIP.search(instr.attrs)

@@ -567,18 +567,27 @@ def test_quantized_suite_measures_bytes_and_quality_and_reports(tmp_path):
   assert (tmp_path / "quick_quantized.png").exists()
 
 
-@pytest.mark.parametrize("groups,size", [
-    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
-    ("replica_groups=[2,4]<=[8]", 4),
-    ("replica_groups=mesh['replica'=2,'data'=4] {'data'}", 4),
-    ("replica_groups=mesh['replica'=2,'data'=4] {'replica'}", 2),
-    ("replica_groups=mesh['replica'=2,'data'=4] {'replica','data'}", 8),
+@pytest.mark.parametrize("text,groups", [
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,2,2]T(1,0,2)", [[0, 1], [4, 5], [2, 3], [6, 7]]),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'data'}",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'replica'}",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['replica'=2,'data'=4] {'replica','data'}",
+     [[0, 4, 1, 5, 2, 6, 3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=2,'c'=2]", [list(range(8))]),
+    ("channel_id=3", [list(range(8))]),
 ])
-def test_group_sizes_in_every_replica_group_form(groups, size):
-  """The forms XLA prints replica groups in: explicit, iota, and (newer
-  XLA) named mesh axes."""
-  assert hlo._group_size(f"channel_id=1, {groups}, use_global_device_ids=true",
-                         8) == size
+def test_replica_groups_in_every_form(text, groups):
+  """The forms XLA prints replica groups in: explicit, iota (with and
+  without a transpose), and (newer XLA) named mesh axes, with or without
+  the axes; none given is all devices. A group's members are read as the
+  partition ids they name (their order within a group aside)."""
+  got = hlo.replica_groups(f"channel_id=1, {text}, use_global_device_ids=true", 8)
+  assert sorted(map(sorted, got)) == sorted(map(sorted, groups))
 
 
 def test_disk_suite_measures_bytes_and_depth_and_reports(tmp_path):

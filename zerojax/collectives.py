@@ -87,7 +87,7 @@ def all_gather(x, axis_name, quant: Optional[Quantization] = None,
   if _alone(axis_name):
     return x
   if quant is not None:
-    return quantize.all_gather(x, axis_name, quant)
+    return _per_row(lambda x: quantize.all_gather(x, axis_name, quant), x, model)
   return _per_row(lambda x: jax.lax.all_gather(x, axis_name, axis=x.ndim - 1,
                                                tiled=True), x, model)
 
@@ -100,22 +100,31 @@ def reduce_scatter(x, axis_name, quant: Optional[Quantization] = None,
   if _alone(axis_name):
     return x
   if quant is not None:
-    return quantize.reduce_scatter(x, axis_name, quant, x.dtype)
+    return _per_row(lambda x: quantize.reduce_scatter(x, axis_name, quant,
+                                                      x.dtype), x, model)
   return _per_row(lambda x: jax.lax.psum_scatter(
       x, axis_name, scatter_dimension=x.ndim - 1, tiled=True), x, model)
 
 
 def all_reduce(x, axis_name, quant: Optional[Quantization] = None,
                model: Optional[str] = None):
-  """Sums `x` (an array or a tuple of them) over devices: stage 0's gradient
-  reduction, and HSDP's over the replica axis. Under `quant`, each array
-  is reduce-scattered and gathered back quantized (`quantize.all_reduce`);
-  otherwise one all-reduce; per row for a chunk of `model` rows."""
+  """Sums `x` (an array, or a tuple of them with `model` None or one per
+  array) over devices: stage 0's gradient reduction, and HSDP's over the
+  replica axis. Under `quant`, each array is reduce-scattered and gathered
+  back quantized (`quantize.all_reduce`); otherwise one all-reduce (of all
+  the arrays of a tuple together); per row for a chunk of `model` rows."""
   if _alone(axis_name):
     return x
   if quant is not None:
-    return jax.tree_util.tree_map(
-        lambda a: quantize.all_reduce(a, axis_name, quant), x)
+    if isinstance(x, tuple):
+      models = model if isinstance(model, (tuple, list)) else (model,) * len(x)
+      return tuple(_per_row(lambda a: quantize.all_reduce(a, axis_name, quant),
+                            a, m) for a, m in zip(x, models))
+    return _per_row(lambda a: quantize.all_reduce(a, axis_name, quant), x, model)
+  if isinstance(x, tuple):
+    # one variadic all-reduce: an all-reduce sums a row where it lies, so
+    # GSPMD moves no row of a tuple's row chunks over the model axis
+    return jax.lax.psum(x, axis_name)
   return _per_row(lambda x: jax.lax.psum(x, axis_name), x, model)
 
 

@@ -362,9 +362,8 @@ class ZeroConfig:
       set_("frozen", _FrozenMask(tuple(bool(x) for x in leaves), treedef))
 
   def _check_model_axis(self) -> None:
-    """Tensor parallelism's axis: a name of its own, and (for now) none of
-    the features whose collectives or host programs do not yet keep the
-    model rows apart."""
+    """Tensor parallelism's axis: a name of its own, and not (yet) the disk
+    tier, whose files hold shards without model rows."""
     axis = self.model_axis
     if axis is None:
       return
@@ -376,15 +375,12 @@ class ZeroConfig:
                        "axis; name the mesh axis the model's weights are "
                        "split over (e.g. 'model' of Mesh(devices.reshape(D, "
                        "M), ('data', 'model'))).")
-    given = [f"{name}={getattr(self, name)!r}" for name in (
-        "replica_axis", "quantize_weights", "quantize_grads",
-        "offload_optimizer", "offload_params") if getattr(self, name)]
-    if self.placement != "manual":
-      given.append(f"placement={self.placement!r}")
-    if given:
+    if isinstance(self.offload_optimizer, str):
       raise ValueError(
           f"model_axis={axis!r} (tensor parallelism) does not combine with "
-          f"{', '.join(given)} yet; drop those, or train without model_axis.")
+          f"offload_optimizer={self.offload_optimizer!r} yet (the disk tier "
+          "streams whole shards); use offload_optimizer=True, or train "
+          "without model_axis.")
 
   def _check_disk(self) -> None:
     """The disk tier's fields; `update_on` left None becomes its place."""

@@ -86,10 +86,10 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
       grads = tuple(collectives.all_reduce(g, ax, quant, m)
                     for g, m in zip(grads, rows))
     if cfg.hpz:   # the state's shards are pieces of the data group's
-      grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis, quant)
-                    for g in grads)
+      grads = tuple(collectives.reduce_scatter(g, cfg.replica_axis, quant, m)
+                    for g, m in zip(grads, rows))
     elif cfg.replica_axis is not None:   # once per step, all chunks together
-      grads = collectives.all_reduce(grads, cfg.replica_axis, quant)
+      grads = collectives.all_reduce(grads, cfg.replica_axis, quant, rows)
     n = state.num_shards * state.num_replicas
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
     loss = collectives.all_mean(loss, batch_ax)
@@ -150,9 +150,10 @@ def secondary_partition(state, params_in, host) -> tuple:
   for c, p in enumerate(params_in):
     if c in host:
       p = jax.device_put(p, jax.memory.Space.Device)
+    wire = collectives.Wire.of(cfg, state.layout.chunks[c])
     secondary.append(collectives.all_gather(
-        p.astype(cfg.compute_dtype), cfg.replica_axis,
-        collectives.Wire.of(cfg).weights))
+        p.astype(cfg.compute_dtype), cfg.replica_axis, wire.weights,
+        wire.model))
   return tuple(secondary), frozenset(range(len(params_in)))
 
 
