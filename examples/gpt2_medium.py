@@ -429,26 +429,28 @@ def init_distributed(args) -> None:
 
 
 def make_mesh(spec, devices, tp: int = 1):
-  """`(mesh, replica axis)` of a `--mesh replica=R,data=D` flag, or of
-  `--tp M` ((data N/M, model M), no replica axis), or `(None, None)`: every
-  device on the data axis."""
-  if tp > 1:
-    if spec:
-      raise SystemExit("--tp with --mesh: tensor parallelism does not combine "
-                       "with a replica axis yet; give one of them.")
-    return jax.make_mesh((len(devices) // tp, tp), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2), None
+  """`(mesh, replica axis)` of the `--mesh replica=R,data=D` and `--tp M`
+  flags: (replica R, data D), with a "model" axis of M after them under
+  `--tp` ((data N/M, model M) without `--mesh`); `(None, None)` with
+  neither: every device on the data axis."""
+  model = ((tp,), ("model",)) if tp > 1 else ((), ())
   if not spec:
-    return None, None
+    if tp == 1:
+      return None, None
+    return jax.make_mesh((len(devices) // tp,) + model[0], ("data",) + model[1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2), None
   try:
     dims = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
   except ValueError:
     raise SystemExit(f"--mesh {spec!r}: write it as replica=R,data=D.") from None
-  if set(dims) != {"replica", "data"} or dims["replica"] * dims["data"] != len(devices):
+  want = len(devices) // tp
+  if set(dims) != {"replica", "data"} or dims["replica"] * dims["data"] != want:
     raise SystemExit(f"--mesh {spec!r}: needs replica=R,data=D with R x D = "
-                     f"{len(devices)} devices.")
-  mesh = jax.make_mesh((dims["replica"], dims["data"]), ("replica", "data"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+                     f"{want} devices" + (f" ({len(devices)} / --tp {tp})"
+                                          if tp > 1 else "") + ".")
+  shape = (dims["replica"], dims["data"]) + model[0]
+  mesh = jax.make_mesh(shape, ("replica", "data") + model[1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
   return mesh, "replica"
 
 
@@ -557,12 +559,12 @@ def main(argv=None) -> dict:
       f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
   hybrid = (f" (hybrid: sharded over data {state.num_shards}, replicated "
             f"over replica {state.num_replicas})" if replica_axis else "")
-  if args.tp > 1:
-    hybrid = (f" (tensor parallel: heads and MLP split over model {args.tp}, "
-              f"ZeRO over data {state.num_shards})")
   if args.hpz:
     hybrid = (f" (hpZ: state sharded over replica {state.num_replicas} x data "
               f"{state.num_shards}, gathered within data)")
+  if args.tp > 1:
+    hybrid += (f" (tensor parallel: heads and MLP split over model {args.tp}, "
+               f"ZeRO over data {state.num_shards})")
   log(f"ZeRO stage {args.stage} over {len(devices)} {backend} devices "
       f"({kind}){hybrid}, {run['precision']} compute, batch {run['batch']} x "
       f"{run['seq']} tokens, accum {args.accum}, lr {run['lr']:g}")

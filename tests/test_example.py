@@ -109,12 +109,17 @@ def test_hybrid_mesh_flag_trains(tmp_path, hpz):
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
-def test_tensor_parallel_flag_trains(tmp_path):
+@pytest.mark.parametrize("flags, shape", [
+    ([], {"data": 4, "model": 2}),
+    (["--mesh", "replica=2,data=2", "--hpz"],
+     {"replica": 2, "data": 2, "model": 2})], ids=["tp", "tp-hpz"])
+def test_tensor_parallel_flag_trains(tmp_path, flags, shape):
   """`--tp 2`: heads and MLP split over a model axis of 2, ZeRO-3 over the
-  other 4 devices; the state is sharded as the report's formula says."""
-  out = _run(["--tp", "2", "--steps", "3"], tmp_path / "tp.json",
+  other 4 devices (or over 2 nodes of 2 under hpZ); the report states the
+  split."""
+  out = _run(["--tp", "2", "--steps", "3", *flags], tmp_path / "tp.json",
              tmp_path / "cache")
-  assert out["config"]["mesh_shape"] == {"data": 4, "model": 2}
+  assert out["config"]["mesh_shape"] == shape
   assert "tensor parallel: " in out["memory"]["report"]
   losses = [s["loss"] for s in out["steps"]]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
@@ -157,7 +162,8 @@ def test_the_disk_tier_trains(tmp_path):
     ("--tp=3", "--tp 3 does not divide the 8 devices"),
     ("--tp=8", "--tp 8 does not divide the 4 heads"),
     ("--tp=0", "--tp must be positive, got 0"),
-    ("--tp=2 --mesh=replica=2,data=4", "--tp with --mesh: tensor parallelism"),
+    ("--tp=2 --mesh=replica=2,data=4",
+     "needs replica=R,data=D with R x D = 4 devices (8 / --tp 2)"),
 ])
 def test_bad_mesh_flag_exits_with_the_fix(tmp_path, flag, message):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
