@@ -170,8 +170,9 @@ def test_tensor_parallel_matches_a_plain_gspmd_step_and_keeps_to_the_data_axis()
 
 def test_tensor_parallel_checkpoint_restores_across_model_degrees(tmp_path):
   """Saved on (data 4, model 2): restored on the same mesh (read straight
-  in), on (data 2, model 4) and on a 1-D 8-device mesh without tensor
-  parallelism (repacked), each training on as the uninterrupted run."""
+  in), on (data 2, model 4), on a 1-D 8-device mesh without tensor
+  parallelism and on (replica 2, data 2, model 2) under hpZ (repacked),
+  each training on as the uninterrupted run."""
   _, _, loss_fn, batches = _problem()
   state, _, _ = _run(_state(3), loss_fn, batches[:1])
   zerojax.checkpoint.save(str(tmp_path), state)
@@ -180,7 +181,9 @@ def test_tensor_parallel_checkpoint_restores_across_model_degrees(tmp_path):
   want_params = zerojax.gather_params(after)
   like = _train_state()
   for mesh, fields in [(_mesh(), {}), (_mesh((2, 4)), {}),
-                       (_mesh((8,), ("data",)), {"model_axis": None})]:
+                       (_mesh((8,), ("data",)), {"model_axis": None}),
+                       (_mesh((2, 2, 2), ("replica", "data", "model")),
+                        {"replica_axis": "replica", "hpz": True})]:
     back = zerojax.checkpoint.restore(str(tmp_path), like=like, mesh=mesh,
                                       **fields)
     rows = {c.model_shards for c in back.layout.chunks}

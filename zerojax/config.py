@@ -105,9 +105,12 @@ class ZeroConfig:
       (chunks `[M, length]`, one row per model device, sharded over this
       axis and the data axis), gathers and scatters over the data axis only
       and adds no collective over this one: GSPMD runs the model's own
-      tensor-parallel maths. The stage table holds with N = the data axis.
-      None: no tensor parallelism (a weight annotated for an axis the mesh
-      lacks is then an error at `shard`).
+      tensor-parallel maths. The stage table holds with N = the data axis,
+      a split weight counting 1/M per device. Combines with `replica_axis`
+      / `hpz`, host offload, `placement="auto"` and qwZ / qgZ; not yet
+      with the disk tier. None: no tensor parallelism (a weight split over
+      a mesh axis other than the data and replica axes is then an error
+      at `shard`; names of axes the mesh lacks are ignored).
     quantize_weights: ZeRO++ qwZ: parameter gathers (stage 3's, the hpZ
       replica gather, and stages 1-2's gather of the 16-bit compute copy
       after the update) send int8 values per block of `quantize_block`
