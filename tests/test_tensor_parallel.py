@@ -434,3 +434,31 @@ def test_tensor_parallel_with_quantized_collectives():
       np.testing.assert_allclose, rtol=1e-6, atol=1e-8), runs[None][1],
                          runs["identity"][1])
   np.testing.assert_allclose(runs["int8"][0], runs[None][0], rtol=2e-2)
+
+
+def test_the_split_is_read_from_logical_names_and_from_placed_arrays():
+  """The same split said three ways gives the same chunk layout: Flax
+  mesh-axis boxes, logical boxes (`nn.with_logical_partitioning`, mapped by
+  the rules active at `shard`), and parameters a GSPMD user already placed
+  with `NamedSharding` (no boxes)."""
+  _, params, _, _ = _problem()
+  mesh = _mesh()
+  boxed = lambda x: isinstance(x, nn.Partitioned)
+  logical = jax.tree_util.tree_map(
+      lambda x: nn.LogicallyPartitioned(x.value, tuple(
+          {"model": "heads"}.get(n, n) for n in x.names)) if boxed(x) else x,
+      params, is_leaf=boxed)
+  specs = nn.get_partition_spec(params)
+  placed = jax.device_put(nn.meta.unbox(params), jax.tree_util.tree_map(
+      lambda s: NamedSharding(mesh, s), specs))
+
+  def layout(p):
+    return zerojax.shard(train_state.TrainState.create(
+        apply_fn=None, params=p, tx=TX), stage=3, mesh=mesh,
+                         model_axis="model").layout
+
+  want = layout(params)
+  assert any(c.model_shards == M for c in want.chunks)
+  with nn.logical_axis_rules((("heads", "model"),)):
+    assert layout(logical) == want
+  assert layout(placed) == want
