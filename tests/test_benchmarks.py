@@ -530,7 +530,8 @@ def test_tp_suite_classes_bytes_by_mesh_axis_and_reports(tmp_path):
   assert 0 < psi_s < psi
   zero, jit, one_d = rows["zero-3 TP"], rows["DP + TP (jax.jit)"], rows["zero-3 1-D"]
   assert set(zero["model"]) == set(jit["model"]) == {"all-reduce"}
-  assert zero["model"]["all-reduce"] * 4 == jit["model"]["all-reduce"] * 5
+  # (a scalar or two of the norm may ride with them: newer XLA)
+  assert abs(zero["model"]["all-reduce"] / 5 - jit["model"]["all-reduce"] / 4) <= 16
   assert zero["largest_both"] <= 16 and one_d["model"] == {} == jit["both"]
   # the gradient shards: 4 bytes per parameter row a device owns
   psi_eff = psi - psi_s + psi_s / tp.M

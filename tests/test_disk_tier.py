@@ -21,7 +21,7 @@ from flax.training import train_state
 import zerojax
 from zerojax import disk_tier
 import disk_worker
-from models import (OFFLOADED_UPDATE_CASES, assert_matches_reference,
+from models import (OFFLOADED_UPDATE_CASES,
                     make_problem, reference_run, zero_run)
 
 TX = optax.adam(1e-2)
@@ -99,8 +99,16 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   if fields["compute_dtype"] == "float32":
     disk, more = zero_run(disk, loss_fn, batches[1:])
     ref_losses, ref_params = reference_run(loss_fn, params, TX, batches)
-    assert_matches_reference(np.concatenate([disk_losses, more]),
-                             _params(disk), ref_losses, ref_params)
+    np.testing.assert_allclose(np.concatenate([disk_losses, more]),
+                               ref_losses, rtol=1e-5)
+    # Adam normalises each step, so where an element's gradient is near
+    # zero the ulp between the two programs' updates grows by up to lr
+    # times the relative change: bounded here by 1e-3 lr (seen: one element
+    # of 8192 at 6.6e-6 on the scanned transformer, on some machines'
+    # CPUs and not others); everywhere else rtol 1e-5 as plain optax
+    jax.tree_util.tree_map(functools.partial(
+        np.testing.assert_allclose, rtol=1e-5, atol=1e-3 * 1e-2),
+                           _params(disk), ref_params)
 
 
 def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):

@@ -237,11 +237,12 @@ def test_bad_tensor_parallel_input_is_refused(fields, params, match):
 def test_create_with_tensor_parallelism_equals_init_then_shard():
   """`zerojax.create` from the boxed init: the model dims are read from the
   boxes the init returns, and the state equals `shard` of the jitted init,
-  bit for bit and in the same shardings."""
+  bit for bit and in the same shardings (stage 3, and stage 2 with its
+  bf16 copy)."""
   model, _, loss_fn, batches = _problem()
   tokens = batches[0]["tokens"][:1]
   init_fn = lambda r: model.init(r, tokens)["params"]
-  for stage, dtype in [(3, "float32"), (2, "bfloat16"), (0, "float32")]:
+  for stage, dtype in [(3, "float32"), (2, "bfloat16")]:
     made = zerojax.create(init_fn, jax.random.key(7), apply_fn=model.apply,
                           tx=TX, stage=stage, mesh=_mesh(),
                           model_axis="model", compute_dtype=dtype)
@@ -362,17 +363,18 @@ def _run_and_program(state, loss_fn, batches):
 
 @pytest.mark.parametrize("hpz", [False, True], ids=["hsdp", "hpz"])
 def test_tensor_parallel_on_a_3d_mesh_with_replicas(hpz):
-  """(replica 2, data 2, model 2): tensor parallelism beside HSDP (stages
-  1 and 3) or hpZ (stage 3) with accumulation, as plain optax on one device
-  (gradient norm included: rows counted once, replicas once); at stage 3
-  nothing zerojax sends spans the model axis, and the replica reduction is
-  one all-reduce per step under HSDP."""
+  """(replica 2, data 2, model 2): tensor parallelism beside HSDP or hpZ at
+  stage 3 with accumulation, as plain optax on one device (gradient norm
+  included: rows counted once, replicas once); nothing zerojax sends spans
+  the model axis, and the replica reduction is one all-reduce per step
+  under HSDP. (Stages 1-2 send the same replica reduction; the suite's
+  time keeps them to the 2-D tests.)"""
   _, params, loss_fn, batches = _problem()
   plain = nn.meta.unbox(params)
   ref_losses, ref_params = reference_run(loss_fn, plain, TX, batches)
   ref_norm = _reference_norm(loss_fn, plain, batches[0], "float32")
   mesh = _mesh((2, 2, 2), ("replica", "data", "model"))
-  for stage in (3,) if hpz else (1, 3):
+  for stage in (3,):
     state = _state(stage, mesh=mesh, replica_axis="replica", hpz=hpz,
                    accum_steps=2)
     state, losses, norms, program = _run_and_program(state, loss_fn, batches)
