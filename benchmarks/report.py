@@ -463,9 +463,18 @@ def _hybrid_md(r: dict, mode: str) -> list:
 
 
 def _tp_md(r: dict, mode: str) -> list:
+  lines = ["### Tensor parallelism beside ZeRO: bytes per mesh axis", ""]
+  lines += _tp_tables(r, mode)
+  if "unrolled" in r:
+    lines += ["", "The same GPT written one module per block (blocks called in a "
+              "Python loop, zero-3 gathering each block with `layerwise`):", ""]
+    lines += _tp_tables(r["unrolled"], mode)
+  return lines + ["", f"![tensor parallel]({mode}_tp.png)", ""]
+
+
+def _tp_tables(r: dict, mode: str) -> list:
   psi_eff = r["num_params"] - r["split_params"] + r["split_params"] / r["model"]
-  lines = ["### Tensor parallelism beside ZeRO: bytes per mesh axis", "",
-           f"Stage 3 on {r['devices']} devices as (data {r['data']}, model "
+  lines = [f"Stage 3 on {r['devices']} devices as (data {r['data']}, model "
            f"{r['model']}) ({r['config']}, Ψ = {r['num_params']:,}, of which "
            f"Ψ_s = {r['split_params']:,} split over model: Ψ' = Ψ − Ψ_s + "
            f"Ψ_s/M = {psi_eff:,.0f} per model device), against 1-D ZeRO-3 "
@@ -490,7 +499,7 @@ def _tp_md(r: dict, mode: str) -> list:
             f"DP + TP: {r['ratio']:.3f} (medians), {r['min_ratio']:.3f} "
             f"(minima); zero-3 TP / 1-D zero-3: {r['ratio_1d']:.3f}, "
             f"{r['min_ratio_1d']:.3f}."]
-  return lines + ["", f"![tensor parallel]({mode}_tp.png)", ""]
+  return lines
 
 
 def markdown(out: str) -> str:

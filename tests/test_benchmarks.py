@@ -532,7 +532,7 @@ def test_tp_suite_classes_bytes_by_mesh_axis_and_reports(tmp_path):
   assert set(zero["model"]) == set(jit["model"]) == {"all-reduce"}
   # (a scalar or two of the norm may ride with them: newer XLA)
   assert abs(zero["model"]["all-reduce"] / 5 - jit["model"]["all-reduce"] / 4) <= 16
-  assert zero["largest_both"] <= 16 and one_d["model"] == {} == jit["both"]
+  assert zero["largest_both"] <= 64 and one_d["model"] == {} == jit["both"]
   # the gradient shards: 4 bytes per parameter row a device owns
   psi_eff = psi - psi_s + psi_s / tp.M
   assert abs(zero["data"]["reduce-scatter"] - 4 * psi_eff) <= 4 * 8 * 16
@@ -541,7 +541,10 @@ def test_tp_suite_classes_bytes_by_mesh_axis_and_reports(tmp_path):
   assert memory["zero-3 TP"]["persistent"] < memory["DP + TP (jax.jit)"]["persistent"]
   goals = tp.goal_checks(result)
   assert [g[3] for g in goals] == [True] * len(goals), goals
+  # the report's second table (the unrolled GPT, measured by --quick only)
+  result["unrolled"] = dict(result, config="tiny unrolled")
   text = _quick_report(tmp_path, "tp", result, goals)
+  assert "| variant | over data |" in text.split("one module per block")[1]
   assert "Tensor parallelism beside ZeRO: bytes per mesh axis" in text
   assert "| zero-3 TP |" in text and "zero-3 TP / 1-D zero-3" in text
   assert (tmp_path / "quick_tp.png").exists()
