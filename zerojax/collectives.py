@@ -115,16 +115,15 @@ def all_reduce(x, axis_name, quant: Optional[Quantization] = None,
   the arrays of a tuple together); per row for a chunk of `model` rows."""
   if _alone(axis_name):
     return x
-  if quant is not None:
-    if isinstance(x, tuple):
-      models = model if isinstance(model, (tuple, list)) else (model,) * len(x)
-      return tuple(_per_row(lambda a: quantize.all_reduce(a, axis_name, quant),
-                            a, m) for a, m in zip(x, models))
-    return _per_row(lambda a: quantize.all_reduce(a, axis_name, quant), x, model)
   if isinstance(x, tuple):
-    # one variadic all-reduce: an all-reduce sums a row where it lies, so
-    # GSPMD moves no row of a tuple's row chunks over the model axis
-    return jax.lax.psum(x, axis_name)
+    if quant is None:
+      # one variadic all-reduce: an all-reduce sums a row where it lies, so
+      # GSPMD moves no row of a tuple's row chunks over the model axis
+      return jax.lax.psum(x, axis_name)
+    models = model if isinstance(model, (tuple, list)) else (model,) * len(x)
+    return tuple(all_reduce(a, axis_name, quant, m) for a, m in zip(x, models))
+  if quant is not None:
+    return _per_row(lambda a: quantize.all_reduce(a, axis_name, quant), x, model)
   return _per_row(lambda x: jax.lax.psum(x, axis_name), x, model)
 
 
