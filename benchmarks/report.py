@@ -428,6 +428,17 @@ def _frontends_md(r: dict, mode: str) -> list:
   return lines + ["", f"![frontends]({mode}_frontends.png)", ""]
 
 
+def _memory_table(memory: dict) -> list:
+  """Persistent bytes per device against theory, and the compiled step's
+  footprint, per variant (the hybrid and tensor-parallel suites)."""
+  lines = ["", "| variant | persistent per device | theory | compiled "
+           "step footprint |", "|---|---:|---:|---:|"]
+  for label, m in memory.items():
+    lines.append(f"| {label} | {_mib(m['persistent'])} | {_mib(m['theory'])} "
+                 f"| {_mib(m['compiled'])} |")
+  return lines
+
+
 def _hybrid_md(r: dict, mode: str) -> list:
   lines = ["### Hybrid sharding: bytes per mesh axis", "",
            f"Stage 3 on {r['devices']} devices laid out as {r['nodes']} nodes "
@@ -449,11 +460,7 @@ def _hybrid_md(r: dict, mode: str) -> list:
                  f"{_mib(th['across'])} | {_mib(wire.get('across', 0))} | "
                  f"{_mib(th.get('wire_across', 0))} |")
   if "memory" in r:
-    lines += ["", "| variant | persistent per device | theory | compiled "
-              "step footprint |", "|---|---:|---:|---:|"]
-    for label, m in r["memory"].items():
-      lines.append(f"| {label} | {_mib(m['persistent'])} | {_mib(m['theory'])} "
-                   f"| {_mib(m['compiled'])} |")
+    lines += _memory_table(r["memory"])
   lines += ["", f"Step time, HSDP / 1-D ({r['rounds']} interleaved rounds): "
             f"{r['ratio']:.3f} (medians), {r['min_ratio']:.3f} (minima)."]
   if "hpz_ratio" in r:
@@ -490,11 +497,7 @@ def _tp_tables(r: dict, mode: str) -> list:
     lines.append(f"| {label} | {_mib(sum(row['data'].values()))} | "
                  f"{_mib(th['data'])} | {_mib(sum(row['model'].values()))} | "
                  f"{_mib(th['model'])} | {sum(row['both'].values())} B |")
-  lines += ["", "| variant | persistent per device | theory | compiled "
-            "step footprint |", "|---|---:|---:|---:|"]
-  for label, m in r["memory"].items():
-    lines.append(f"| {label} | {_mib(m['persistent'])} | {_mib(m['theory'])} "
-                 f"| {_mib(m['compiled'])} |")
+  lines += _memory_table(r["memory"])
   lines += ["", f"Step time ({r['rounds']} interleaved rounds), zero-3 TP / "
             f"DP + TP: {r['ratio']:.3f} (medians), {r['min_ratio']:.3f} "
             f"(minima); zero-3 TP / 1-D zero-3: {r['ratio_1d']:.3f}, "
