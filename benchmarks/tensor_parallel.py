@@ -57,11 +57,6 @@ def _per_axis(variant, data: int, model: int) -> dict:
   return out
 
 
-def split_params(layout) -> int:
-  """Ψ_s: the parameters the model splits over its model axis."""
-  return sum(c.used * c.copies for c in layout.chunks if c.model_shards)
-
-
 def run(mode: str, log=print) -> dict:
   """The GPT with its blocks in one `nn.scan` (`stacked`), and under
   "unrolled" the same GPT written one module per block (called in a Python
@@ -89,7 +84,7 @@ def _measure(name: str, scan: bool, rounds: int, log) -> dict:
                            num_devices=n, model_shards=model)
   tp = built["zero-3 TP"]
   psi = tp.num_params
-  psi_s = split_params(tp.layout)
+  psi_s = tp.layout.num_split_elements
   psi_eff = psi - psi_s + psi_s / M
   rows = {label: _per_axis(v, n if label == "zero-3 1-D" else data, M)
           for label, v in built.items()}

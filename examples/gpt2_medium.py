@@ -605,7 +605,7 @@ def main(argv=None) -> dict:
     timing["step_time_s"] = seconds / len(steady)
   memory = memory_summary(state, step, batch)
   psi = layout.num_chunked_elements
-  split = sum(c.used * c.copies for c in layout.chunks if c.model_shards)
+  split = layout.num_split_elements
   expected = zerojax.estimate_memory(
       psi, stage=args.stage, num_devices=state.num_state_shards,
       compute_dtype=jnp.float32 if run["precision"] == "fp32" else jnp.bfloat16,

@@ -322,6 +322,12 @@ class ChunkLayout:
     return sum(c.used * c.copies for c in self.chunks)
 
   @property
+  def num_split_elements(self) -> int:
+    """Of Ψ, the elements of leaves split over the model axis (tensor
+    parallelism), all model rows counted."""
+    return sum(c.used * c.copies for c in self.chunks if c.model_shards)
+
+  @property
   def num_padding_elements(self) -> int:
     return sum(c.padding * c.copies for c in self.chunks)
 

@@ -240,7 +240,7 @@ def memory_report(state) -> MemoryReport:
   psi = state.layout.num_chunked_elements
   padded = sum(int(np.prod(c.shape)) for c in state.layout.chunks)
   opt_bytes = round(opt_bytes / padded) if padded else 0
-  split = sum(c.used * c.copies for c in state.layout.chunks if c.model_shards)
+  split = state.layout.num_split_elements
   model = state.mesh.shape[cfg.model_axis] if cfg.model_axis else 1
   estimate = estimate_memory(psi, stage=cfg.stage,
                              num_devices=state.num_state_shards,
