@@ -27,9 +27,11 @@ time, in sub-groups of `SUB_GROUP` elements per device, and holds two).
                   <-> device moves of the programs lowered for a GPU
                   (`hlo.host_moves`): the step (at stage 3 its gathers of
                   host shards, forward and rematerialised backward), and
-                  for the disk tier each chunk's host update
+                  for the disk tier its gradient sink's writes
+                  (`hlo.host_writes`) and each chunk's host update
   disk bytes      per parameter per step: every disk chunk's files read
-                  and written once
+                  and written once (its gradient's written by the step,
+                  read by the stream)
   step time       the small config, allocated, interleaved rounds of the
                   tiers' whole steps (the disk tier's stream included; in
                   sub-groups, and a chunk at a time); on this machine the
@@ -50,7 +52,7 @@ from zerojax import disk_tier
 from zerojax import disk_stream
 from benchmarks import memory, speed
 from benchmarks import variants as V
-from benchmarks.hlo import host_moves
+from benchmarks.hlo import host_moves, host_writes
 from benchmarks.user_models import CONFIGS
 
 CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)
@@ -99,8 +101,12 @@ def footprint(cfg, case: str, tier: str, directory: str, *, batch: int,
   params = v.layout.num_chunked_elements
   # the step's gathers from host memory move shards (stage 3)
   pieces = [s[:-1] + (s[-1] // n,) for s in shapes]
-  moved = host_moves(v.trace().lower(lowering_platforms=("cuda",)).as_text(),
-                     shapes, pieces, n)
+  text = v.trace().lower(lowering_platforms=("cuda",)).as_text()
+  moved = host_moves(text, shapes, pieces, n)
+  # the disk tier's gradient sink: each device's shard, to the host and on
+  # to its file, once per step (then read back once by the stream)
+  sunk = host_writes(text, n)
+  moved["pinned_host"] += sunk
   out = {"layers": cfg.layers, "num_params": cfg.num_params,
          "chunks": len(v.layout.chunks), "device": fp["device"],
          "step_host": _host(fp), "stream": 0, "disk_bytes_per_param": 0.0}
@@ -114,16 +120,18 @@ def footprint(cfg, case: str, tier: str, directory: str, *, batch: int,
       m = host_moves(text, shapes + [part])
       parts = max(chunk.layers, 1) * chunk.length / part[-1]
       moved = {k: moved[k] + m[k] * parts for k in moved}
-      # its host update: the arrays it holds there, the gradient brought over
+      # its host update: the arrays it holds there (the gradient read from
+      # its file among them), anything it brings over from the device
       updates.append(_host(zerojax.compiled_footprint(
           program.lower(*args).compile())) + m["pinned_host"] // n)
-      stats, master = args[0], args[3]   # what its files hold
-      files = list(stats.values()) + (
+      stats, grad, master = args[0], args[2], args[3]   # what files hold
+      files = list(stats.values()) + [grad] + (
           [master] if disk_tier.master_on_disk(v.state.config) else [])
       reads.append(sum(x.size * x.dtype.itemsize for x in files) // n)
     on_disk = disk_tier.disk_bytes(v.state)
     out["stream"] = max(updates) + max(reads)
-    out["disk_bytes_per_param"] = 2 * on_disk / params
+    # statistics (and masters) read and written; gradients written, read
+    out["disk_bytes_per_param"] = (2 * on_disk + 2 * sunk) / params
     out["disk_bytes_per_device"] = on_disk // n
   out["host"] = out["step_host"] + out["stream"]
   out["pcie_to_host"] = moved["pinned_host"] / params

@@ -44,6 +44,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from zerojax import compat
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
          "collective-permute")
 
@@ -480,6 +482,30 @@ def host_moves(lowered_text: str, shapes, shard_shapes=(),
         not (where == "pinned_host" and operand in from_host_calls)):
       out[where] += times * math.prod(shape) * _STABLEHLO_BYTES[dtype]
   return out
+
+
+_HOST_WRITE = re.compile(r'custom_call @' + compat.ANALYSIS_TARGET +
+                         r'\(.*\) \{.*\} : \((.*)\) -> \(\)')
+_TENSOR = re.compile(r'tensor<([\dx]*)x?(\w+)>')
+
+
+def host_writes(lowered_text: str, devices: int) -> int:
+  """Bytes the disk tier's gradient sink (`disk_stream.sink`) sends from
+  the devices to the host, in a program lowered for a GPU on a machine
+  without one, where each device's write stands as a custom call
+  (`compat.write_on_host`): its array operands (shapes per device, inside
+  `shard_map`), counted `devices` times, its scalars (the device's index)
+  not."""
+  total = 0
+  for line in lowered_text.splitlines():
+    call = _HOST_WRITE.search(line)
+    if not call:
+      continue
+    for dims, dtype in _TENSOR.findall(call.group(1)):
+      shape = tuple(int(d) for d in dims.split("x") if d)
+      if shape:
+        total += devices * math.prod(shape) * _STABLEHLO_BYTES[dtype]
+  return total
 
 
 def host_computations(lowered_text: str) -> int:

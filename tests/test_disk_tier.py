@@ -145,6 +145,49 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
     jax.tree_util.tree_map(check, _params(restored), _params(state))
 
 
+@pytest.mark.parametrize("hpz", [False, True])
+def test_the_disk_tier_matches_the_host_tier_on_a_replica_mesh(hpz, tmp_path,
+                                                               monkeypatch):
+  """HSDP on (replica 2, data 4), stage 3 bf16: the step's gradient sink
+  writes each shard once (a replica writes nothing; under hpZ each of the
+  8 devices its own piece d·R + r), and the stream's update is the host
+  tier's: losses and statistics bit-identical, masters to the ulp bound
+  above."""
+  _, _, loss_fn, batches = _problem("transformer", steps=3)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4),
+                           ("replica", "data"))
+  fields = dict(compute_dtype="bfloat16", mesh=mesh, replica_axis="replica",
+                hpz=hpz)
+  host, host_losses = zero_run(_shard(3, offload_optimizer=True,
+                                      update_on="host", **fields),
+                               loss_fn, batches[:1])
+  from zerojax import disk as disk_files
+  write, writes = disk_files.ChunkFiles.write, []
+
+  def counted(self, key, array, at=None):
+    if key.endswith("-grad"):   # (chunk, shard number) of a sink's write
+      writes.append((key.split("-")[1], at[0] // array.dtype.itemsize //
+                     array.shape[-1] % (8 if hpz else 4)))
+    return write(self, key, array, at)
+
+  monkeypatch.setattr(disk_files.ChunkFiles, "write", counted)
+  disk, disk_losses = zero_run(_shard(3, offload_optimizer="disk",
+                                      offload_dir=str(tmp_path), **fields),
+                               loss_fn, batches[:1])
+  np.testing.assert_array_equal(disk_losses, host_losses)
+  assert sorted(writes) == sorted(
+      (f"c{c}", k) for c in range(len(disk.layout.chunks))
+      for k in range(8 if hpz else 4))   # each shard once
+  got = jax.tree_util.tree_leaves(disk_tier.mapped(disk, disk.opt_state))
+  want = jax.tree_util.tree_leaves(host.opt_state)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  for g, w in zip(disk_tier.loaded_master(disk), host.master):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2 ** -22,
+                               atol=2 * np.spacing(np.float32(1e-2)))
+  disk_tier.remove(disk)
+  assert list(tmp_path.iterdir()) == []   # gradient files included
+
 def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
   """SIGKILL after the first shard of step 2's statistics is written: the
   live files are a mix of two steps (scratch); the checkpoint of step 1
@@ -156,7 +199,10 @@ def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
   left = sorted(p.name for p in live.iterdir())
-  assert len(left) == 6   # adam's two moments of three chunks, half rewritten
+  # adam's two moments of three chunks, half rewritten; each chunk's gradient
+  # as the killed step's program wrote it
+  assert len([n for n in left if not n.endswith("-grad.bin")]) == 6, left
+  assert len([n for n in left if n.endswith("-grad.bin")]) == 3, left
 
   plain, loss_fn, batches, fields = disk_worker.problem()
   reference = zerojax.shard(plain, offload_optimizer="disk",

@@ -98,3 +98,78 @@ def on_host(fn):
     return compute_on(fn, compute_type="device_host",
                       out_memory_spaces=spaces)(*args)
   return run
+
+
+# the custom call `write_on_host` lowers to where it cannot run (see there)
+ANALYSIS_TARGET = "zerojax_write_on_host"
+
+
+def write_on_host(fn, *operands) -> None:
+  """Inside a `jax.shard_map` manual over every mesh axis: `fn(*operands)`
+  called on the host for each device, with that device's operands as numpy
+  arrays that are views valid during the call only (`fn` consumes them
+  before it returns). An unordered side effect: the program keeps it, and
+  `jax.effects_barrier()` waits for it.
+
+  `jax.experimental.io_callback` would first copy its operands onto a CPU
+  device; on a CPU backend whose worker threads are all inside such
+  callbacks (simulated devices on a few cores), the copies of large
+  operands never run and the step hangs. This emits the same host callback
+  without that copy, through jax's own lowering (`emit_python_callback`);
+  where this jax lacks it, it falls back to `io_callback`. Lowered for a
+  platform this process has no backend of (`lowering_platforms=("cuda",)`
+  on a CPU machine), it is a custom call named `ANALYSIS_TARGET` with the
+  same operands: that text is for reading (its host moves), not for
+  running."""
+  prim = _write_on_host_p()
+  if prim is None:
+    from jax.experimental import io_callback
+    io_callback(lambda *xs: fn(*map(np.asarray, xs)), None, *operands,
+                ordered=False)
+    return
+  prim.bind(*operands, fn=fn)
+
+
+@functools.cache
+def _write_on_host_p():
+  """`write_on_host`'s primitive, or None where jax's internals differ."""
+  try:
+    from jax._src import callback, core
+    from jax._src.interpreters import mlir
+    effect, emit = callback._IOEffect, callback.emit_python_callback
+    op_sharding, custom_call = callback._callback_op_sharding, mlir.custom_call
+  except (ImportError, AttributeError):
+    _log.info("zerojax: jax's host callback internals moved; write_on_host "
+              "uses io_callback")
+    return None
+  optional = {"returns_token": False} if "returns_token" in (
+      inspect.signature(emit).parameters) else {}
+  prim = core.Primitive("zerojax_write_on_host")
+  prim.multiple_results = True
+
+  def call(*args, fn):
+    fn(*map(np.asarray, args))
+    return []
+
+  prim.def_impl(call)
+  prim.def_effectful_abstract_eval(lambda *avals, fn: ([], {effect}))
+
+  def lowering(ctx, *args, fn):
+    if ctx.module_context.get_backend(optional=True) is None:
+      # lowered for a platform this process has no backend of (a CUDA
+      # program's text on a CPU machine, for analysis): a callback cannot be
+      # registered, so it stands as a custom call of this name; never run
+      custom_call(ANALYSIS_TARGET, result_types=[], operands=list(args),
+                  has_side_effect=True)
+      return []
+
+    def host(*arrays):
+      fn(*arrays)
+      return ()
+    emit(ctx, host, None, list(args), ctx.avals_in, [], has_side_effect=True,
+         sharding=op_sharding(ctx.module_context.axis_context, None, []),
+         **optional)
+    return []
+
+  mlir.register_lowering(prim, lowering, cacheable=False)
+  return prim

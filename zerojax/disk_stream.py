@@ -4,7 +4,11 @@ one layer of a stacked chunk) at a time, each updated on the host by the
 host tier's own computation (`update.update_on_host`).
 
   `step_inputs`      what the step's program hands over: the disk chunks'
-                     gradient shards, the step counts, the finite flag
+                     gradient files (`sink`), the step counts, the finite
+                     flag
+  `sink`             inside the step's program, each device writes its
+                     disk chunks' gradient shards to their files as they
+                     are reduced (ZeRO-Infinity's gradient swap-out)
   `run`              the stream, then the re-gather of stages 1-2
   `update_programs`  each disk chunk's jitted host update and its abstract
                      arguments (for benchmarks: bytes and transfers)
@@ -22,23 +26,75 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import disk_tier, offload, optstate
+from zerojax import compat, disk, disk_tier, offload, optstate
+from zerojax.config import shard_axes
 from zerojax.policy import policy
-from zerojax.state import ZeroTrainState, state_shardings
+from zerojax.state import ZeroTrainState, chunk_spec, state_shardings
 from zerojax.update import gather_updated, update_on_host
 
 
+_FAILED_WRITES: list = []   # `sink`'s write errors, for `run` to raise
+
+
 def step_inputs(state, pending, finite) -> dict:
-  """What `run` needs from the step's program: the disk chunks'
-  gradient shards (on the device), the optimizer state's leaves owned by
-  no chunk (step counts) as they were before the step, by position among
-  the leaves with each `OnDisk` one (`disk_tier.full_leaves`), and the
-  finite flag (None when no step is skipped)."""
+  """What `run` needs from the step's program (inside it): the disk
+  chunks' gradient files, written by `sink`, the optimizer state's leaves
+  owned by no chunk (step counts) as they were before the step, by
+  position among the leaves with each `OnDisk` one
+  (`disk_tier.full_leaves`), and the finite flag (None when no step is
+  skipped)."""
   flat, _ = disk_tier.full_leaves(state.opt_state)
   owners = optstate.owners(state.layout,
                            disk_tier.abstract(state.opt_state)).chunk
   counts = {j: flat[j] for j in optstate.counts(flat, owners)}
-  return {"grads": pending, "counts": counts, "finite": finite}
+  return {"grads": sink(state, pending), "counts": counts, "finite": finite}
+
+
+def sink(state, grads: dict) -> dict:
+  """Inside the step's program: writes each disk chunk's gradient (`grads`,
+  {chunk: its gradient, sharded as its master}) to its file
+  (`disk_tier.grad_file`), each device its own shard through a host
+  callback (`compat.write_on_host`), so the shards leave the device as
+  they are reduced instead of waiting there for the stream (DeepSpeed's
+  `swap_out_gradients` under ZeRO-Infinity), and the host holds no more
+  than the shard being written per device. A replica (HSDP's replica
+  axis) writes nothing: its shard is the first replica's. Returns {chunk:
+  its file's `OnDisk`}; `run` waits for the writes
+  (`jax.effects_barrier`) and raises a failed one's error (a full disk)."""
+  if not grads:
+    return {}
+  cfg = state.config
+  chunks = sorted(grads)
+  out = {c: disk_tier.grad_file(state, c, grads[c].shape, grads[c].dtype)
+         for c in chunks}
+  axes = shard_axes(cfg)
+  others = [a for a in state.mesh.axis_names
+            if a not in (axes if isinstance(axes, tuple) else (axes,))]
+
+  def write(x, k, first, shard):
+    if first:
+      width = shard.shape[-1]
+      try:
+        disk_tier.files(cfg).write(x.key, shard, disk.shard_offsets(
+            x.shape, shard.dtype.itemsize, int(k) * width,
+            (int(k) + 1) * width)).result()
+      except OSError as e:   # raised by `run`, not inside the program
+        _FAILED_WRITES.append(e)
+
+  def local(shards):
+    k = jax.lax.axis_index(axes)
+    first = jnp.bool_(True)
+    for a in others:
+      first = first & (jax.lax.axis_index(a) == 0)
+    for c, shard in zip(chunks, shards):
+      compat.write_on_host(functools.partial(write, out[c]), k, first, shard)
+    return ()
+
+  jax.shard_map(local, mesh=state.mesh, in_specs=(tuple(
+      chunk_spec(len(grads[c].shape), axes) for c in chunks),),
+                out_specs=(), check_vma=False)(
+                    tuple(grads[c] for c in chunks))
+  return out
 
 
 def _skeleton(state) -> ZeroTrainState:
@@ -112,11 +168,11 @@ def _disk_program_and_args(skeleton, state, c: int) -> tuple:
   guard = state.loss_scale is not None or state.config.skip_nonfinite
   finite = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(
       state.mesh, P())) if guard else None)
-  device = where.master[c].with_memory_kind(offload.DEVICE)
+  host = where.master[c].with_memory_kind(offload.HOST)   # from its file
   stats = {j: sds(flat[j], opt_at[j]) for j, o in enumerate(owners)
            if o == c and disk_tier.is_on_disk(full[j])}
   return (_disk_chunk_program(skeleton, c),
-          (stats, counts, sds(skeleton.master[c], device),
+          (stats, counts, sds(skeleton.master[c], host),
            sds(skeleton.master[c], where.master[c]), finite))
 
 
@@ -208,13 +264,15 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
              ([("master", state.master[c], where.master[c])]
               if disk_tier.is_on_disk(state.master[c]) else [])
              for c in inputs["grads"]}
+  # the gradient comes from its file into host memory, read only
+  grads = {c: ("grad", x, where.master[c].with_memory_kind(offload.HOST))
+           for c, x in inputs["grads"].items()}
   items = [(c, l, cols) for c in sorted(entries)
            for l in (range(layout.chunks[c].layers) if layout.chunks[c].layers
                      else (None,))
            for cols in sub_groups(state, c)]
   whole = {c: len(sub_groups(state, c)) == 1 and not layout.chunks[c].layers
            for c in entries}
-  left = {c: sum(i[0] == c for i in items) for c in entries}
   master, compute, counts = list(state.master), list(state.compute), {}
   regather = {}   # stages 1-2: chunk -> its new compute-dtype shards
   sharded_compute, regathers = policy(cfg).sharded_compute, policy(cfg).regather
@@ -238,22 +296,20 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
 
   def read(item):
     c, l, cols = item
-    return disk_tier.read_shards(files, [(x, at) for _, x, at in entries[c]],
-                                 l, None if whole[c] else cols)
+    return disk_tier.read_shards(
+        files, [(x, at) for _, x, at in entries[c] + [grads[c]]], l,
+        None if whole[c] else cols)
 
   def update(item, arrays):
     c, l, cols = item
-    loaded = dict(zip([e for e, _, _ in entries[c]], disk_tier.assemble(
-        [(x, at) for _, x, at in entries[c]], arrays, l,
-        None if whole[c] else cols)))
-    left[c] -= 1
-    grads = inputs["grads"]
+    loaded = dict(zip([e for e, _, _ in entries[c] + [grads[c]]],
+                      disk_tier.assemble(
+                          [(x, at) for _, x, at in entries[c] + [grads[c]]],
+                          arrays, l, None if whole[c] else cols)))
+    grad = loaded.pop("grad")
     if whole[c]:
-      grad, shard = grads.pop(c), loaded.pop("master", master[c])
+      shard = loaded.pop("master", master[c])
     else:
-      grad = take(grads[c], l, cols)
-      if not left[c]:
-        del grads[c]
       shard = loaded.pop("master", None)
       if shard is None:
         shard = take(master[c], l, cols)
@@ -281,6 +337,11 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
     (l, cols), written = done
     return disk_tier.write_shards(files, written, l, cols)
 
+  jax.effects_barrier()   # the step's `sink` has written the gradients
+  if _FAILED_WRITES:
+    error = _FAILED_WRITES[0]
+    _FAILED_WRITES.clear()
+    raise error
   files.stream(items, read, update, write)
   if regathers:
     key = (structure, "regather")

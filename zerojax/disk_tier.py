@@ -265,6 +265,24 @@ def _on_disk(state) -> list:
       (state.opt_state, state.master), is_leaf=is_on_disk) if is_on_disk(x)]
 
 
+def grad_file(state, c: int, shape: tuple, dtype) -> OnDisk:
+  """The file chunk `c`'s gradient shards are written to during a step
+  (`disk_stream.sink`), under the prefix of the state's other files:
+  scratch, rewritten every step, never part of a checkpoint."""
+  prefix = _on_disk(state)[0].key.split("-")[0]
+  return OnDisk(f"{prefix}-c{c}-grad", tuple(shape), np.dtype(dtype).name)
+
+
+def _grad_paths(state) -> list:
+  """The paths of the gradient files of `state`'s disk chunks (written by
+  its steps)."""
+  if not _on_disk(state):
+    return []
+  target = files(state.config)
+  return [target.path(grad_file(state, c, (), np.float32).key)
+          for c in sorted(disk_chunks(state.layout, state.config))]
+
+
 def disk_bytes(state) -> int:
   """Bytes in the disk tier's files: statistics and master shards."""
   return sum(x.nbytes for x in _on_disk(state))
@@ -275,8 +293,9 @@ def remove(state) -> None:
   disk-tier state that it will not step again."""
   if state.config.disk:
     target = files(state.config)
-    for x in _on_disk(state):
+    for path in [target.path(x.key) for x in _on_disk(state)] + _grad_paths(
+        state):
       try:
-        os.unlink(target.path(x.key))
+        os.unlink(path)
       except FileNotFoundError:
         pass
