@@ -288,8 +288,10 @@ def _disk_md(r: dict, mode: str) -> list:
            "in host memory; and the next chunk's read). The host tier is "
            "`offload_optimizer=True, update_on=\"host\"`. Bytes per "
            "parameter per step: PCIe from the programs lowered for a GPU "
-           "(the step, and each disk chunk's host update), disk = every disk "
-           "chunk's files read and written once. `python -m benchmarks.run "
+           "(the step, its gradient sink's writes included, and each disk "
+           "chunk's host update), disk = every disk chunk's files read and "
+           "written once (its gradient: written by the step, read by the "
+           "stream). `python -m benchmarks.run "
            f"--{mode} --suites disk` (`benchmarks/disk.py`).", ""]
   for stage, x in _disk_cases(r).items():
     rows, fit, b, sp = x["rows"], x["largest"], x["budget"], x["speed"]

@@ -18,6 +18,10 @@ memory, `StagePolicy.sharded_compute`, which the update rewrites). At
 stage 3 with fp32 compute the master shard is the parameter every step
 gathers: it stays in host memory (`pinned_host`, as in the host tier).
 
+Each step also writes the disk chunks' gradients to files of their own
+(`grad_file`, from inside its program: `disk_stream.sink`), which the
+stream reads back.
+
 The files are scratch. A step rewrites them in place (the state's keys do
 not change), so the state before a step is gone once it starts, as under
 donation; a checkpoint (`checkpoint.save`) holds the copy to go back to,
