@@ -36,3 +36,65 @@ def test_gpu_overlap_flags_are_added_once_and_known_to_this_xla():
                         env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.strip() == "2.0"
+
+
+_WRITES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from zerojax import compat
+mesh = Mesh(np.array(jax.devices()), ("d",))
+n, got = 2 ** 17, []   # 512 KiB per device: copied off the thread that asks
+
+def local(x):
+  for j in range(4):   # more callbacks in flight than this machine's cores
+    compat.write_on_host(lambda k, a, j=j: got.append(
+        (j, int(k), float(a.sum()), a.shape)), jax.lax.axis_index("d"),
+        x * (j + 1))
+  return x + 1
+
+x = jax.device_put(np.arange(8 * n, dtype=np.float32),
+                   NamedSharding(mesh, P("d")))
+f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x) + 1)
+jax.effects_barrier()
+want = sorted((j, k, float((j + 1) * np.arange(k * n, (k + 1) * n,
+                                               dtype=np.float64).sum()),
+               (n,)) for j in range(4) for k in range(8))
+assert sorted(got) == want, (sorted(got)[:3], want[:3])
+print("ok", len(got))
+"""
+
+
+def test_write_on_host_hands_each_device_its_shard_without_hanging():
+  """Each device's operands reach the callback as numpy arrays, once per
+  call, with many large ones in flight at once on 8 simulated devices: the
+  case where `io_callback`'s copy onto a CPU device never runs (the step
+  hung). In a subprocess with a timeout, so a hang fails instead of
+  stalling the suite."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, "-c", _WRITES], capture_output=True,
+                        text=True, timeout=180, env=env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split() == ["ok", "32"]
+
+
+def test_write_on_host_lowered_for_another_platform_is_a_named_custom_call():
+  """Lowered for CUDA on a machine without a GPU (for reading the program:
+  the benchmarks' host moves), the callback cannot be registered: it is a
+  side-effecting custom call of `ANALYSIS_TARGET` with the same operands."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  spec = jax.sharding.PartitionSpec("d")
+
+  def local(x):
+    compat.write_on_host(lambda a: None, x * 2)
+    return x
+
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))
+  x = jax.ShapeDtypeStruct((8 * 64,), np.float32,
+                           sharding=jax.sharding.NamedSharding(mesh, spec))
+  text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [l for l in text.splitlines() if compat.ANALYSIS_TARGET in l]
+  assert len(calls) == 1 and "has_side_effect = true" in calls[0]
+  assert "tensor<64xf32>" in calls[0]
