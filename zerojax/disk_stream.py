@@ -264,9 +264,10 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
              ([("master", state.master[c], where.master[c])]
               if disk_tier.is_on_disk(state.master[c]) else [])
              for c in inputs["grads"]}
-  # the gradient comes from its file into host memory, read only
-  grads = {c: ("grad", x, where.master[c].with_memory_kind(offload.HOST))
-           for c, x in inputs["grads"].items()}
+  # what each item reads: those, and its gradient (into host memory; read,
+  # never written back)
+  reads = {c: entries[c] + [("grad", x, where.master[c].with_memory_kind(
+      offload.HOST))] for c, x in inputs["grads"].items()}
   items = [(c, l, cols) for c in sorted(entries)
            for l in (range(layout.chunks[c].layers) if layout.chunks[c].layers
                      else (None,))
@@ -296,16 +297,14 @@ def run(state, inputs, programs: dict) -> ZeroTrainState:
 
   def read(item):
     c, l, cols = item
-    return disk_tier.read_shards(
-        files, [(x, at) for _, x, at in entries[c] + [grads[c]]], l,
-        None if whole[c] else cols)
+    return disk_tier.read_shards(files, [(x, at) for _, x, at in reads[c]],
+                                 l, None if whole[c] else cols)
 
   def update(item, arrays):
     c, l, cols = item
-    loaded = dict(zip([e for e, _, _ in entries[c] + [grads[c]]],
-                      disk_tier.assemble(
-                          [(x, at) for _, x, at in entries[c] + [grads[c]]],
-                          arrays, l, None if whole[c] else cols)))
+    loaded = dict(zip([e for e, _, _ in reads[c]], disk_tier.assemble(
+        [(x, at) for _, x, at in reads[c]], arrays, l,
+        None if whole[c] else cols)))
     grad = loaded.pop("grad")
     if whole[c]:
       shard = loaded.pop("master", master[c])

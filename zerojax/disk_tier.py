@@ -269,12 +269,17 @@ def _on_disk(state) -> list:
       (state.opt_state, state.master), is_leaf=is_on_disk) if is_on_disk(x)]
 
 
+def _grad_key(state, c: int) -> str:
+  """The key of chunk `c`'s gradient file, under the prefix of the state's
+  other files."""
+  return f"{_on_disk(state)[0].key.split('-')[0]}-c{c}-grad"
+
+
 def grad_file(state, c: int, shape: tuple, dtype) -> OnDisk:
   """The file chunk `c`'s gradient shards are written to during a step
-  (`disk_stream.sink`), under the prefix of the state's other files:
-  scratch, rewritten every step, never part of a checkpoint."""
-  prefix = _on_disk(state)[0].key.split("-")[0]
-  return OnDisk(f"{prefix}-c{c}-grad", tuple(shape), np.dtype(dtype).name)
+  (`disk_stream.sink`): scratch, rewritten every step, never part of a
+  checkpoint."""
+  return OnDisk(_grad_key(state, c), tuple(shape), np.dtype(dtype).name)
 
 
 def _grad_paths(state) -> list:
@@ -283,7 +288,7 @@ def _grad_paths(state) -> list:
   if not _on_disk(state):
     return []
   target = files(state.config)
-  return [target.path(grad_file(state, c, (), np.float32).key)
+  return [target.path(_grad_key(state, c))
           for c in sorted(disk_chunks(state.layout, state.config))]
 
 
