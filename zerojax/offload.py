@@ -119,15 +119,20 @@ def to_device(tree: Any, shardings: Any) -> Any:
       if s.memory_kind == HOST else x, tree, shardings)
 
 
+def to_host(x, sharding):
+  """Inside jit: `x` moved to `sharding`, a host memory kind, unless it is
+  in host memory already (a host computation's output under
+  `update_on="host"`, the disk tier's gradient read from its file): then
+  it is left as it is, so the lowered program's moves are the real
+  transfers."""
+  if getattr(getattr(x, "aval", None), "memory_space", None) == HOST_SPACE:
+    return x
+  return jax.device_put(x, sharding)
+
+
 def place(tree: Any, shardings: Any) -> Any:
   """Inside jit: constrain each array to its sharding, memory kind included
-  (`with_sharding_constraint` would drop the host kind). An array already
-  in host memory (a host computation's output: `update_on="host"`) is
-  left as it is, so the lowered program's moves are the real transfers."""
-  def one(x, s):
-    if s.memory_kind == HOST:
-      if getattr(getattr(x, "aval", None), "memory_space", None) == HOST_SPACE:
-        return x
-      return jax.device_put(x, s)
-    return jax.lax.with_sharding_constraint(x, s)
-  return jax.tree_util.tree_map(one, tree, shardings)
+  (`with_sharding_constraint` would drop the host kind; `to_host`)."""
+  return jax.tree_util.tree_map(
+      lambda x, s: to_host(x, s) if s.memory_kind == HOST else
+      jax.lax.with_sharding_constraint(x, s), tree, shardings)

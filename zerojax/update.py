@@ -212,11 +212,7 @@ def update_on_host(state, c, grads, master, opt, owners, finite, shardings):
   host memory."""
   cfg = state.config
   opt_at = jax.tree_util.tree_leaves(shardings.opt_state)
-  def on_host(x, s):   # the disk tier's gradient is read into host memory
-    if getattr(getattr(x, "aval", None), "memory_space", None) == (
-        offload.HOST_SPACE):
-      return x
-    return jax.device_put(x, s.with_memory_kind(offload.HOST))
+  on_host = lambda x, s: offload.to_host(x, s.with_memory_kind(offload.HOST))
   # its statistics, and the step counts (the empty statistics of other
   # leaves are made in the host computation)
   mine = sorted([j for j, o in enumerate(owners) if o == c] +
