@@ -1,5 +1,6 @@
 """train_step against the independent reference: plain optax on one device."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +80,12 @@ def test_layer_stacked_chunks_match_plain_optax(stage):
 @pytest.mark.parametrize("num_devices", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_small_meshes(stage, num_devices):
+  """On one device without accumulation nothing sums the gradients, and the
+  global norm (clipping here) is taken per leaf (`step._global_norm`)."""
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",),
               axis_types=(AxisType.Auto,))
-  losses, params, _ = _zero_run("mlp", mesh=mesh, stage=stage, accum_steps=2,
-                                clip_norm=CLIP)
+  losses, params, _ = _zero_run("mlp", mesh=mesh, stage=stage,
+                                accum_steps=num_devices, clip_norm=CLIP)
   _assert_close("mlp", "float32", CLIP, losses, params)
 
 
@@ -101,6 +104,45 @@ def test_a_one_device_mesh_compiles_no_collective(stage):
   found = [op for op in ("all-reduce", "all-gather", "reduce-scatter",
                          "all-to-all", "collective-permute") if op in hlo]
   assert not found, found
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_device_norm_reads_each_leaf_gradient(accum):
+  """On one device with one micro-batch a flat chunk's gradient is the
+  concatenate of its leaves' (nothing sums it), which XLA's CPU backend
+  squares in full before the norm's reduction: the norm is then a dot per
+  leaf. Summed gradients (`accum_steps=2`) keep one dot per chunk."""
+  model, params, loss_fn, batches = _problem("transformer")
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",),
+              axis_types=(AxisType.Auto,))
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=0,
+                        chunk_size=2048, accum_steps=accum, clip_norm=CLIP)
+  text = zerojax.train_step(loss_fn).lower(state, batches[0]).as_text()
+  squares = re.findall(r"stablehlo.dot_general[^\n]*-> tensor<f32>", text)
+  chunks = state.layout.chunks
+  assert all(not c.layers for c in chunks) and len(chunks) > 1
+  want = (sum(len(c.leaves) for c in chunks) if accum == 1 else len(chunks))
+  assert len(squares) == want, (len(squares), want)
+
+
+@pytest.mark.parametrize("stage,devices", [(0, 1), (3, 1), (0, 2)])
+def test_the_donated_master_is_updated_in_place(stage, devices):
+  """Where the forward reads the master itself (stage 0; any stage on one
+  device), the update waits for the loss and the whole backward, and is
+  applied in the chunk's shape: XLA then writes the new master into the
+  donated buffer instead of copying the master (or the new one) whole.
+  The weight decay of `TX` reads the master twice."""
+  model, params, loss_fn, batches = _problem("transformer")
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("data",),
+              axis_types=(AxisType.Auto,))
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=stage,
+                        chunk_size=2048)
+  hlo = zerojax.train_step(loss_fn).lower(state, batches[0]).compile().as_text()
+  sizes = {int(np.prod(c.shape)) for c in state.layout.chunks}
+  copied = [int(n) for n in re.findall(r"= f32\[(\d+)\]\{0\} copy\(", hlo)]
+  assert not [n for n in copied if n in sizes], (copied, sizes)
 
 
 def test_metrics_report_global_norm_before_clipping_and_aux():

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives, compat, disk_tier, offload, optstate
 from zerojax.config import manual_axes, shard_axes
-from zerojax.policy import policy
+from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
 
 
@@ -67,6 +67,16 @@ def gather_updated(state, shards):
   return tuple(out)
 
 
+def forward_reads_master(state) -> bool:
+  """Whether the forward reads the very chunks the update replaces, with no
+  gather in between: the replicated master (`Forward.MASTER`, or the
+  replicated compute copy re-gathered from it), or the shards themselves
+  on a one-device shard group. XLA can then update them in place only if
+  every read comes first (`step._step` orders them; `update_chunks`)."""
+  return (policy(state.config).forward is not Forward.GATHERED or
+          state.num_state_shards == 1)
+
+
 def _update_groups(layout, cfg) -> list:
   """`(chunks, offloaded)` for each `tx.update` call, in order: every chunk
   whose optimizer state is on the device in one call, then each chunk whose
@@ -102,7 +112,15 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
   updates, new_opt = tx.update(
       layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks),
       jax.tree_util.tree_unflatten(treedef, views), params)
-  new_master = layout.from_views(optax.apply_updates(params, updates), chunks)
+  if forward_reads_master(state):
+    # applied in the chunk's own shape, not the view's: XLA's CPU backend
+    # writes the new master into the donated one only if the update reads
+    # it through no reshape, and adamw's weight decay reads it a second
+    # time (measured: a copy of the whole chunk)
+    updates = layout.from_views(updates, chunks)
+    new_master = {c: optax.apply_updates(master[c], updates[c]) for c in chunks}
+  else:
+    new_master = layout.from_views(optax.apply_updates(params, updates), chunks)
   new_master = {c: keep(new_master[c], master[c]) for c in chunks}
   new_leaves = [x for x, d in zip(jax.tree_util.tree_leaves(new_opt), on_disk)
                 if not d]
