@@ -77,6 +77,18 @@ def test_layer_stacked_chunks_match_plain_optax(stage):
   _assert_close("scan_transformer", "float32", CLIP, losses, params)
 
 
+def _transformer_on(devices, **fields):
+  """The test transformer sharded on the first `devices` devices (chunks of
+  2048): `(state, loss_fn, first batch)`, for compiling its step."""
+  model, params, loss_fn, batches = _problem("transformer")
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("data",),
+              axis_types=(AxisType.Auto,))
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh,
+                        chunk_size=2048, **fields)
+  return state, loss_fn, batches[0]
+
+
 @pytest.mark.parametrize("num_devices", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_small_meshes(stage, num_devices):
@@ -94,13 +106,9 @@ def test_a_one_device_mesh_compiles_no_collective(stage):
   """XLA keeps a one-device all-reduce (on CPU a copy of every gradient
   chunk); zerojax emits none, and the step still matches plain optax
   (test_small_meshes)."""
-  model, params, loss_fn, batches = _problem("transformer")
-  mesh = Mesh(np.array(jax.devices()[:1]), ("data",),
-              axis_types=(AxisType.Auto,))
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=stage,
-                        chunk_size=2048, accum_steps=2, clip_norm=CLIP)
-  hlo = zerojax.train_step(loss_fn).lower(state, batches[0]).compile().as_text()
+  state, loss_fn, batch = _transformer_on(1, stage=stage, accum_steps=2,
+                                          clip_norm=CLIP)
+  hlo = zerojax.train_step(loss_fn).lower(state, batch).compile().as_text()
   found = [op for op in ("all-reduce", "all-gather", "reduce-scatter",
                          "all-to-all", "collective-permute") if op in hlo]
   assert not found, found
@@ -112,13 +120,9 @@ def test_one_device_norm_reads_each_leaf_gradient(accum):
   concatenate of its leaves' (nothing sums it), which XLA's CPU backend
   squares in full before the norm's reduction: the norm is then a dot per
   leaf. Summed gradients (`accum_steps=2`) keep one dot per chunk."""
-  model, params, loss_fn, batches = _problem("transformer")
-  mesh = Mesh(np.array(jax.devices()[:1]), ("data",),
-              axis_types=(AxisType.Auto,))
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=0,
-                        chunk_size=2048, accum_steps=accum, clip_norm=CLIP)
-  text = zerojax.train_step(loss_fn).lower(state, batches[0]).as_text()
+  state, loss_fn, batch = _transformer_on(1, stage=0, accum_steps=accum,
+                                          clip_norm=CLIP)
+  text = zerojax.train_step(loss_fn).lower(state, batch).as_text()
   squares = re.findall(r"stablehlo.dot_general[^\n]*-> tensor<f32>", text)
   chunks = state.layout.chunks
   assert all(not c.layers for c in chunks) and len(chunks) > 1
@@ -133,13 +137,8 @@ def test_the_donated_master_is_updated_in_place(stage, devices):
   applied in the chunk's shape: XLA then writes the new master into the
   donated buffer instead of copying the master (or the new one) whole.
   The weight decay of `TX` reads the master twice."""
-  model, params, loss_fn, batches = _problem("transformer")
-  mesh = Mesh(np.array(jax.devices()[:devices]), ("data",),
-              axis_types=(AxisType.Auto,))
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, stage=stage,
-                        chunk_size=2048)
-  hlo = zerojax.train_step(loss_fn).lower(state, batches[0]).compile().as_text()
+  state, loss_fn, batch = _transformer_on(devices, stage=stage)
+  hlo = zerojax.train_step(loss_fn).lower(state, batch).compile().as_text()
   sizes = {int(np.prod(c.shape)) for c in state.layout.chunks}
   copied = [int(n) for n in re.findall(r"= f32\[(\d+)\]\{0\} copy\(", hlo)]
   assert not [n for n in copied if n in sizes], (copied, sizes)
