@@ -103,6 +103,7 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
     # instead of copying it at the start. Unordered otherwise: the loss,
     # and a block's backward that only feeds an earlier chunk's gradient,
     # read it too. Bit for bit the same values (`nn.tie`).
+    #
     # A disk chunk's gradient is not held back: the sink writes it to its
     # file as the backward produces it (`disk_stream.sink`).
     after = zero_nn.tie(grad_norm, loss)
