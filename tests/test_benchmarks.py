@@ -434,6 +434,12 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   assert (row["tflops_per_s"] * 1e12 * row["step_s"] / tokens ==
           pytest.approx(xla_flops, rel=0.05))
   assert row["mfu"] is None and gpu.goal_checks([row]) == []
+  # the unrolled model's prefetch pair: the same model FLOPs, no goal row
+  loop = gpu._child("zero-3-unrolled", "tiny", 1, 16, 1)
+  assert loop["variant"] == "zero-3-unrolled" and loop["step_s"] > 0
+  assert (loop["tflops_per_s"] * loop["step_s"] ==
+          pytest.approx(row["tflops_per_s"] * row["step_s"]))
+  assert gpu.goal_checks([dict(loop, mfu=0.1)]) == []
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   h100 = dict(row, mfu=0.5)
   assert gpu.goal_checks([h100]) == [("zero-3 MFU", 0.5, 0.45, True)]

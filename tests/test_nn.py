@@ -1,6 +1,7 @@
 """zerojax.nn.layerwise: per-layer gathering at stage 3, exact and flat in
 depth; and sharded initialisation (zerojax.create)."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,9 @@ def _all_gathers(hlo):
     (True, True, {}), (True, False, {}), (False, True, {}), (False, False, {}),
     # an unrolled block's shards in host memory: their cotangent goes there
     (False, True, {"offload_optimizer": True, "offload_params": True}),
+    (False, True, {"prefetch": True}),
 ], ids=["scanned-layerwise", "scanned", "unrolled-layerwise", "unrolled",
-        "unrolled-layerwise-offload"])
+        "unrolled-layerwise-offload", "unrolled-layerwise-prefetch"])
 def test_layerwise_matches_plain_optax(layerwise, scan, offload):
   model = ScannedLM(layers=3, layerwise=layerwise, scan=scan)
   batches = _batches(model.vocab)
@@ -118,6 +120,144 @@ def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
   temp = {w: _unrolled_step(4, w)[0].memory_analysis().temp_size_in_bytes
           for w in (True, False)}
   assert temp[True] < temp[False]
+
+
+def _dependences(text):
+  """`{op: (line, operands)}` of an optimized HLO module's entry
+  computation, or of a StableHLO module's values; a fusion (HLO) counts
+  as a dot when its computation holds one."""
+  hlo = "\nENTRY " in text
+  if hlo:
+    bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.S))
+    text = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1)
+  ops = {}
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+)(?::\d+)? = (.*)", line)
+    if not m:
+      continue
+    name, rest = m.groups()
+    head = rest.split(", metadata=")[0].split("calls=")[0]
+    if hlo:
+      calls = re.findall(r"calls=(%[\w.\-]+)", rest)
+      if any(" dot(" in bodies.get(c, "") for c in calls):
+        head = "dot(" + head
+    ops[name] = (rest, {o for o in re.findall(r"%[\w.\-]+", head)
+                        if o != name})
+  return ops
+
+
+def _waits_for(ops):
+  """`before(op)`: every op of `ops` (`_dependences`) that `op` waits for."""
+  waits = {}
+
+  def before(name):
+    if name not in waits:
+      waits[name] = set()
+      for o in ops[name][1]:
+        if o in ops:
+          waits[name] |= {o} | before(o)
+    return waits[name]
+  return before
+
+
+def _is_dot(line):
+  return "dot(" in line or "dot_general" in line
+
+
+def _dots_before_gathers(text):
+  """Per all-gather, in program order (StableHLO) or by `(pass, block)`
+  (optimized HLO, from op names): how many dots it waits for."""
+  ops = _dependences(text)
+  before = _waits_for(ops)
+  out = {}
+  for name, (rest, _) in ops.items():
+    if re.search(r" all-gather(-start)?\(|stablehlo\.all_gather", rest):
+      key = len(out)
+      op = re.search(r'op_name="([^"]*)"', rest)
+      if op:
+        key = ("backward" if "transpose(" in op.group(1) else "forward",
+               int(re.search(r"blocks_(\d+)/", op.group(1)).group(1)))
+      out[key] = sum(_is_dot(ops[o][0]) for o in before(name))
+  return out
+
+
+def test_prefetch_gathers_each_block_one_block_early():
+  """`prefetch`: block i's forward all-gather waits only for what block
+  i-1's waited for without it, so it can run beside block i-1's dots; and
+  block i's re-gather waits only for what block i+1's did, so it runs beside
+  block i+1's backward. One block early, never more (a double buffer). In
+  XLA's CPU program (op names tell the blocks) and in the one lowered for
+  CUDA (blocks in program order: forward 0..3, re-gathers 3..0). No block's
+  dot waits for a gradient's reduce-scatter, so block i's may run beside
+  block i-1's backward."""
+  model = ResidualMLP(layers=4, width=64)
+  x = np.random.RandomState(0).randn(64, 64).astype(np.float32)
+  params = model.init(jax.random.key(0), x[:1])["params"]
+  step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
+  waits, trained, evaluated = {}, {}, {}
+  evaluate = zerojax.eval_step(lambda p, b: {"loss": model.apply({"params": p}, b)})
+  for prefetch in (False, True):
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-2)), stage=3,
+                          prefetch=prefetch)
+    compiled = step.lower(state, x).compile().as_text()
+    ops = _dependences(compiled)
+    before = _waits_for(ops)
+    scatters = {n for n, (line, _) in ops.items() if " reduce-scatter(" in line}
+    assert len(scatters) == 4 and not any(
+        scatters & before(n) for n, (line, _) in ops.items()
+        if _is_dot(line) and "/blocks_" in line)
+    waits[prefetch] = (
+        _dots_before_gathers(compiled),
+        _dots_before_gathers(step.trace(state, x).lower(
+            lowering_platforms=("cuda",)).as_text()))
+    evaluated[prefetch] = evaluate(state, x)["loss"]
+    trained[prefetch] = zerojax.gather_params(step(state, x)[0])
+  (cpu, cuda), (cpu_pf, cuda_pf) = waits[False], waits[True]
+  assert len(cpu) == len(cuda) == 8
+  for i in range(4):
+    earlier = max(i - 1, 0), min(i + 1, 3)   # the block one step before
+    assert cpu_pf["forward", i] == cpu["forward", earlier[0]]
+    assert cpu_pf["backward", i] == cpu["backward", earlier[1]]
+    assert cuda_pf[i] == cuda[earlier[0]]
+    assert cuda_pf[7 - i] == cuda[7 - earlier[1]]
+  # and without prefetch, each block's gathers wait for the block before
+  assert cpu["forward", 1] > cpu["forward", 0]
+  assert cpu["backward", 2] > cpu["backward", 3]
+  # the ties are bitwise identities: the same step, bit for bit
+  assert evaluated[True] == evaluated[False]
+  np.testing.assert_allclose(evaluated[True], model.apply({"params": params}, x),
+                             rtol=1e-6)
+  assert all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(trained[False]), jax.tree.leaves(trained[True])))
+
+
+def test_prefetch_holds_one_more_block_at_any_depth():
+  temps = {}
+  for layers in (4, 16):
+    model = ResidualMLP(layers=layers, width=256)
+    x = np.zeros((64, 256), np.float32)
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), x[:1])["params"])
+    state = zerojax.shard_shape(train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
+                                prefetch=True)
+    step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
+    temps[layers] = step.lower(state, x).compile().memory_analysis(
+        ).temp_size_in_bytes
+  per_block = 4 * sum(c.used for c in state.layout.chunks
+                      if c.stack == "blocks_0")
+  base = _unrolled_step(4, True, 256)[0].memory_analysis().temp_size_in_bytes
+  assert temps[16] <= temps[4] + per_block / 4      # flat in depth
+  # XLA's CPU scheduler copies the prefetched block's weights out of the
+  # gathered chunk as soon as it arrives: two blocks more than without
+  assert temps[4] <= base + 2 * per_block + per_block / 4
+
+
+def test_prefetch_default_is_on_where_collectives_overlap():
+  mesh = jax.make_mesh((8,), ("data",))
+  assert zerojax.config.prefetches(zerojax.ZeroConfig(), mesh) is False
+  assert zerojax.config.prefetches(zerojax.ZeroConfig(prefetch=True), mesh)
 
 
 def _tiny_lm_state(layerwise, scan, stacked):

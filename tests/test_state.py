@@ -94,6 +94,7 @@ def test_gather_params_traces_once_per_state_structure(monkeypatch):
     ({"clip_norm": "1.0"}, TypeError, r"clip_norm='1.0' must be a number"),
     ({"offload_fraction": "half"}, TypeError, r"offload_fraction='half' must be a number"),
     ({"skip_nonfinite": "yes"}, TypeError, r"skip_nonfinite='yes' must be True or False"),
+    ({"prefetch": "yes"}, TypeError, r"prefetch='yes' must be True, False or None"),
     ({"stacked": ("nonexistent",)}, ValueError,
      r"no submodule is named 'nonexistent'; the submodules are \['Dense_0'"),
 ])

@@ -196,6 +196,18 @@ class ZeroConfig:
       path component) whose leaves carry a leading layer axis, as
       `flax.linen.scan` produces; they are chunked per layer. A name that
       matches no submodule is an error (`shard` lists the names).
+    prefetch: stage 3, unrolled blocks opted in with `zerojax.nn.layerwise`:
+      each block's all-gather waits for the previous block's input instead
+      of its own, so it can run while the previous block computes (FSDP2's
+      forward prefetch); in the backward pass each block's re-gather waits
+      for the next block's output cotangent instead of its own, so it runs
+      beside the next block's backward (FSDP's `BACKWARD_PRE`). At most two
+      blocks are gathered at once. Results are bit-identical either way.
+      None (the default): on where collectives run beside compute (GPU,
+      TPU), off on XLA's CPU backend, whose collectives block the device
+      and where it would only hold one more gathered block. Scanned layer
+      stacks are prefetched by XLA's GPU loop pipeliner instead
+      (`zerojax.compat.GPU_OVERLAP_FLAGS`); this field does not touch them.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
       optimizer state and step count stay as they were) in any precision;
       `metrics["skipped"]` says which steps were. Always on under loss
@@ -228,6 +240,7 @@ class ZeroConfig:
   update_on: Optional[str] = None
   placement: str = "manual"
   device_budget: Union[None, int, float] = None
+  prefetch: Optional[bool] = None
   skip_nonfinite: bool = False
 
   def __post_init__(self):
@@ -296,6 +309,10 @@ class ZeroConfig:
       raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
                        "in [0, 1].")
     self._check_disk()
+    if self.prefetch is not None and not isinstance(self.prefetch,
+                                                    (bool, np.bool_)):
+      raise TypeError(f"prefetch={self.prefetch!r} must be True, False or "
+                      "None (on for GPU and TPU meshes, off on CPU).")
     for name in ("hpz", "offload_optimizer", "offload_params", "skip_nonfinite"):
       if name == "offload_optimizer" and self.offload_optimizer == DISK:
         continue
@@ -434,6 +451,14 @@ class ZeroConfig:
   @property
   def mixed_precision(self) -> bool:
     return self.compute_dtype != np.dtype(jnp.float32)
+
+
+def prefetches(config: ZeroConfig, mesh) -> bool:
+  """`config.prefetch`, its default (None) decided for `mesh`'s devices: on
+  where collectives run beside compute, off on XLA's CPU backend."""
+  if config.prefetch is not None:
+    return bool(config.prefetch)
+  return mesh.devices.flat[0].platform != "cpu"
 
 
 def _check_number(name: str, value: Any) -> None:

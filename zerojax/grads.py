@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import collectives, offload, outputs
 from zerojax import nn as zero_nn
-from zerojax.config import batch_axes, manual_axes, shard_axes
+from zerojax.config import batch_axes, manual_axes, prefetches, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
@@ -190,6 +190,7 @@ class ModelCall:
     self.host, self.with_rng = host, with_rng
     # a slot holds the gradient of a shard that is not differentiated
     self.slot_dtypes = [np.dtype(m.dtype) for m in state.master]
+    self.prefetch = prefetches(state.config, state.mesh)
 
   def differentiated(self) -> tuple:
     """Per chunk, what the gradient is taken with respect to: the chunk (or
@@ -224,7 +225,7 @@ class ModelCall:
               called=None):
     """What the user's function returns on this device's `batch`."""
     params = self._tree(diff, layerwise)
-    with zero_nn.active(self.layout, self.cfg, called):
+    with zero_nn.active(self.layout, self.cfg, called, self.prefetch):
       return (self.loss_fn(params, batch, rng, **fields) if self.with_rng
               else self.loss_fn(params, batch, **fields))
 

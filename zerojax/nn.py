@@ -27,6 +27,9 @@ for (`tie`): the forward gather to the block's input (in a train step and
 in `eval_step`), the backward re-gather to the cotangent of the block's
 output. A block call is a
 `custom_vjp` whose residuals are the block's shards and inputs only.
+With `ZeroConfig.prefetch` each gather waits for the block before instead
+(`_Chain`): the forward gather for the previous block's input, the
+re-gather for the next block's output cotangent.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core.tracers import current_trace
 
 from zerojax import collectives
 from zerojax.offload import HOST_SPACE
@@ -50,12 +54,15 @@ _AFTER = contextvars.ContextVar("zerojax_after", default=None)
 
 
 @contextlib.contextmanager
-def active(layout, config, called: Optional[set] = None):
+def active(layout, config, called: Optional[set] = None,
+           prefetch: bool = False):
   """Set by the step while it traces the user's loss (trace-time metadata).
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
-  step learns which stacks and blocks opted in, without guessing."""
-  token = _ACTIVE.set((layout, config, set() if called is None else called))
+  step learns which stacks and blocks opted in, without guessing. With
+  `prefetch`, unrolled blocks are chained (`_Chain`)."""
+  token = _ACTIVE.set((layout, config, set() if called is None else called,
+                       _Chain() if prefetch else None))
   try:
     yield
   finally:
@@ -103,6 +110,52 @@ def _anchor(tree):
   return None
 
 
+def _token(values) -> Optional[jax.Array]:
+  """A float32 scalar computed from `values`' first array (None if they
+  hold none): what a gather that must wait for `values` is tied to."""
+  anchor = _anchor(values)
+  return None if anchor is None else jnp.ravel(anchor)[0].astype(jnp.float32)
+
+
+class _Link:
+  """One unrolled block call; `consumed` once the next block's forward
+  gather waits for its token (so its re-gather may wait for that block's
+  backward to start)."""
+
+  def __init__(self):
+    self.consumed = False
+
+
+class _Chain:
+  """Prefetch (`ZeroConfig.prefetch`) over one traced model call: the token
+  of the last unrolled block called, which the next block's forward gather
+  waits for. Only blocks called from the same module method in the same JAX
+  trace are chained (a block under another transformation starts afresh)."""
+
+  def __init__(self):
+    self.last = None   # (parent, trace, token, link)
+
+  def take(self, module) -> Optional[jax.Array]:
+    """The previous block's token, if `module` may wait for it."""
+    if self.last is None:
+      return None
+    parent, trace, token, link = self.last
+    if (token is None or parent is not module.parent
+        or trace != current_trace()):
+      return None
+    link.consumed = True
+    return token
+
+  def put(self, module, token, link: _Link) -> None:
+    self.last = (module.parent, current_trace(), token, link)
+
+
+def _avals(values) -> set:
+  """`(shape, dtype)` of each array in `values`."""
+  return {(jnp.shape(v), jnp.result_type(v))
+          for v in jax.tree_util.tree_leaves(values)}
+
+
 def _chunk_keys(params) -> dict:
   """`{chunk index: key}` of the chunk shards a block's params hold."""
   return {int(str(k)[len(CHUNK_KEY):]): k for k in params
@@ -118,7 +171,7 @@ def _gather_layer(variables: Any) -> Any:
   if context is None:
     raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
                        "a zerojax train step.")
-  layout, config, _ = context
+  layout, config = context[:2]
   after = _AFTER.get()
   tree = {}
   for c, key in keys.items():
@@ -224,16 +277,24 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       raise TypeError(f"layerwise(NNX block, {sorted(remat_kwargs)}): NNX "
                       "blocks take remat= only.")
     return _nnx_layerwise(block, remat)
-  wrapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
-                             init=True)
-  if remat:
-    wrapped = nn.remat(wrapped, **remat_kwargs)
+  mapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
+                            init=True)
+  wrapped = nn.remat(mapped, **remat_kwargs) if remat else mapped
+  # An unrolled block's call: its ties already keep the re-gather and the
+  # recomputation apart from the forward's, and JAX's CSE guard (an
+  # optimization barrier over the saved values and the output cotangent)
+  # would hold the re-gather back until the cotangent, which prefetch must
+  # not wait for (XLA's GPU backend keeps barriers; its CPU backend drops
+  # them).
+  unit = nn.remat(mapped, **{**remat_kwargs, "prevent_cse": False})
 
   class Layerwise(wrapped):
     """Per call of an unrolled block: a `custom_vjp` around the gathered,
     rematerialised block, its gathers tied to the block's input (forward)
-    and to the output's cotangent (backward); see the module docstring.
-    Inside a zerojax step every call says where it sits (`active`)."""
+    and to the output's cotangent (backward), or with prefetch to the
+    previous block's input and the next block's output cotangent; see the
+    module docstring. Inside a zerojax step every call says where it sits
+    (`active`)."""
 
     def __call__(self, *args, **kwargs):
       context = _ACTIVE.get()
@@ -243,36 +304,55 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
         return super().__call__(*args, **kwargs)
       names = tuple(kwargs)
       count = len(args)
+      values = (*args, *kwargs.values())
+      chain = context[3]
+      # the forward gather waits for `token_in`: from the previous block's
+      # input when prefetching (`_Chain`), else from this block's own
+      token_in = None if chain is None else chain.take(self)
+      link = _Link()
+      if token_in is None and _anchor(values) is not None:
+        token_in = jax.lax.stop_gradient(_token(values))
 
       def call(module, *values):
-        return wrapped.__call__(module, *values[:count],
-                                **dict(zip(names, values[count:])))
+        return unit.__call__(module, *values[:count],
+                             **dict(zip(names, values[count:])))
 
-      def tied(module, *values):
-        """`call` with its gathers waiting for the block's input: the
-        primal (an evaluation, no backward pass) as the forward does."""
-        token = _AFTER.set(_anchor(values))
+      def gathered(run, module, values):
+        """`run` with the block's gathers waiting for `values[-1]`, and the
+        token (this block's input) the next block's gathers may wait for."""
+        token = _AFTER.set(values[-1])
         try:
-          return call(module, *values)
+          return run(module, *values[:-1]), _token(values[:-1])
         finally:
           _AFTER.reset(token)
 
+      def tied(module, *values):
+        """The primal (an evaluation, no backward pass), as the forward."""
+        return gathered(call, module, values)
+
       spaces = []   # per variable of the block: its memory space
+      inputs = set()   # (shape, dtype) of the block's array arguments
 
       def forward(module, *values):
         spaces[:] = [getattr(getattr(x, "aval", None), "memory_space", None)
                      for x in jax.tree_util.tree_leaves(module.variables)]
-        token = _AFTER.set(_anchor(values))
-        try:
-          return nn.vjp(call, module, *values)
-        finally:
-          _AFTER.reset(token)
+        inputs.update(_avals(values[:-1]))
+        (out, vjp_fn), token = gathered(
+            lambda m, *v: nn.vjp(call, m, *v), module, values)
+        return (out, token), vjp_fn
 
-      def backward(vjp_fn, cotangent):
+      def backward(vjp_fn, cotangents):
+        cotangent, token_cotangent = cotangents
         after = _anchor(cotangent)
-        if after is not None:   # the re-gathers wait for the cotangent
+        if after is not None:   # the re-gathers wait for the cotangent...
+          # ...of the next block's output when it prefetches this block:
+          # its token's cotangent (`_Link`), which that block's backward
+          # gives as it starts. The block's saved inputs still wait for
+          # its own, so only the re-gather (shards, token) starts early.
+          early = token_cotangent if link.consumed else after
           vjp_fn = jax.tree_util.tree_map(
-              lambda r: r if _anchor(r) is None else tie(r, after), vjp_fn)
+              lambda r: r if _anchor(r) is None else tie(
+                  r, after if _avals((r,)) <= inputs else early), vjp_fn)
         grads = vjp_fn(cotangent)
         # a shard in host memory (offload) takes its (unused: the gradient
         # goes to a device slot) cotangent there, as JAX requires
@@ -282,10 +362,18 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
                     for g, space in zip(leaves, spaces)]
           grads = (jax.tree_util.tree_unflatten(treedef, leaves),) + tuple(
               grads[1:])
-        return grads
+        # the previous block's token: no gradient flows through a token,
+        # so its cotangent is free to be what the previous block's
+        # re-gathers wait for (this block's output cotangent)
+        return grads + (None if token_in is None else
+                        _token((cotangent,)) if after is not None
+                        else jnp.zeros((), jnp.float32),)
 
-      return nn.custom_vjp(tied, forward_fn=forward, backward_fn=backward)(
-          self, *args, *kwargs.values())
+      out, token = nn.custom_vjp(tied, forward_fn=forward,
+                                 backward_fn=backward)(self, *values, token_in)
+      if chain is not None:
+        chain.put(self, token, link)
+      return out
 
     def _is_unit(self) -> bool:
       """Whether this call holds the shards of an unrolled block's chunks
