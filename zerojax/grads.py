@@ -90,7 +90,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
                     for g, m in zip(grads, rows))
     elif cfg.replica_axis is not None:   # once per step, all chunks together
       grads = collectives.all_reduce(grads, cfg.replica_axis, quant, rows)
-    n = state.num_shards * state.num_replicas
+    n = state.num_batch_shards
     grads = tuple(g / (n * cfg.accum_steps) for g in grads)
     loss = collectives.all_mean(loss, batch_ax)
     return grads, loss, per_device(aux, batch_ax, scalar), fields

@@ -100,6 +100,12 @@ class ZeroTrainState(struct.PyTreeNode):
     return 1 if axis is None else self.mesh.shape[axis]
 
   @property
+  def num_batch_shards(self) -> int:
+    """Devices the batch is split over (data x replica): the gradient is
+    the mean of this many devices' gradients."""
+    return self.num_shards * self.num_replicas
+
+  @property
   def frontend(self):
     """The Flax front end the state came from (`zerojax.frontend`): it adapts
     the user's loss and evaluation functions."""

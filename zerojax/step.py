@@ -90,7 +90,7 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
   # is expected) or when asked for (`skip_nonfinite`).
   guard = state.loss_scale is not None or cfg.skip_nonfinite
   finite = precision.all_finite(grads) if guard else None
-  summed = cfg.accum_steps > 1 or state.num_shards * state.num_replicas > 1
+  summed = cfg.accum_steps > 1 or state.num_batch_shards > 1
   grad_norm = _global_norm(grads, state.layout, summed)   # padding adds nothing
   metrics["grad_norm"] = grad_norm
   if cfg.clip_norm is not None:
@@ -185,7 +185,7 @@ def shard_batch(state, batch, accum_steps: int = 1):
   checked: every array with the same leading (global batch) axis, a
   multiple of devices x `accum_steps`. `ShapeDtypeStruct`s (an abstract
   batch, for `.lower`) get the sharding."""
-  devices = state.num_shards * state.num_replicas
+  devices = state.num_batch_shards
   per_step = devices * accum_steps
   sizes = {np.shape(x)[0] if np.ndim(x) else None
            for x in jax.tree_util.tree_leaves(batch)}
