@@ -268,6 +268,8 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     remat: rematerialise the block (and its gather) in the backward pass; this
       is what keeps gathered parameters from piling up over depth.
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).
+      An unrolled block's calls inside a stage-3 step always rematerialise
+      with `prevent_cse=False`: ties keep them apart instead (see `unit`).
 
   Returns:
     A module class with the block's constructor and call signature.
