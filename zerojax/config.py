@@ -201,11 +201,12 @@ class ZeroConfig:
       of its own, so it can run while the previous block computes (FSDP2's
       forward prefetch); in the backward pass each block's re-gather waits
       for the next block's output cotangent instead of its own, so it runs
-      beside the next block's backward (FSDP's `BACKWARD_PRE`). At most two
-      blocks are gathered at once. Results are bit-identical either way.
-      None (the default): on where collectives run beside compute (GPU,
-      TPU), off on XLA's CPU backend, whose collectives block the device
-      and where it would only hold one more gathered block. Scanned layer
+      beside the next block's backward (FSDP's `BACKWARD_PRE`). Each gather
+      moves one block earlier, so two blocks' gathers overlap at most.
+      Results are bit-identical either way. None (the default): on where
+      collectives run beside compute (GPU, TPU), off on XLA's CPU backend,
+      whose collectives block the device, so that prefetch there only costs
+      memory and time (measured in the README). Scanned layer
       stacks are prefetched by XLA's GPU loop pipeliner instead
       (`zerojax.compat.GPU_OVERLAP_FLAGS`); this field does not touch them.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
