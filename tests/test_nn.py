@@ -123,7 +123,7 @@ def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
 
 
 def _dependences(text):
-  """`{op: (line, operands)}` of an optimized HLO module's entry
+  """`{op: (line, operands, is_dot)}` of an optimized HLO module's entry
   computation, or of a StableHLO module's values; a fusion (HLO) counts
   as a dot when its computation holds one."""
   hlo = "\nENTRY " in text
@@ -137,12 +137,11 @@ def _dependences(text):
       continue
     name, rest = m.groups()
     head = rest.split(", metadata=")[0].split("calls=")[0]
-    if hlo:
-      calls = re.findall(r"calls=(%[\w.\-]+)", rest)
-      if any(" dot(" in bodies.get(c, "") for c in calls):
-        head = "dot(" + head
+    is_dot = (" dot(" in head or "stablehlo.dot_general" in head
+              or hlo and any(" dot(" in bodies.get(c, "") for c in
+                             re.findall(r"calls=(%[\w.\-]+)", rest)))
     ops[name] = (rest, {o for o in re.findall(r"%[\w.\-]+", head)
-                        if o != name})
+                        if o != name}, is_dot)
   return ops
 
 
@@ -160,24 +159,20 @@ def _waits_for(ops):
   return before
 
 
-def _is_dot(line):
-  return "dot(" in line or "dot_general" in line
-
-
 def _dots_before_gathers(text):
   """Per all-gather, in program order (StableHLO) or by `(pass, block)`
   (optimized HLO, from op names): how many dots it waits for."""
   ops = _dependences(text)
   before = _waits_for(ops)
   out = {}
-  for name, (rest, _) in ops.items():
+  for name, (rest, _, _) in ops.items():
     if re.search(r" all-gather(-start)?\(|stablehlo\.all_gather", rest):
       key = len(out)
       op = re.search(r'op_name="([^"]*)"', rest)
       if op:
         key = ("backward" if "transpose(" in op.group(1) else "forward",
                int(re.search(r"blocks_(\d+)/", op.group(1)).group(1)))
-      out[key] = sum(_is_dot(ops[o][0]) for o in before(name))
+      out[key] = sum(ops[o][2] for o in before(name))
   return out
 
 
@@ -203,10 +198,11 @@ def test_prefetch_gathers_each_block_one_block_early():
     compiled = step.lower(state, x).compile().as_text()
     ops = _dependences(compiled)
     before = _waits_for(ops)
-    scatters = {n for n, (line, _) in ops.items() if " reduce-scatter(" in line}
+    scatters = {n for n, (line, _, _) in ops.items()
+                if " reduce-scatter(" in line}
     assert len(scatters) == 4 and not any(
-        scatters & before(n) for n, (line, _) in ops.items()
-        if _is_dot(line) and "/blocks_" in line)
+        scatters & before(n) for n, (line, _, is_dot) in ops.items()
+        if is_dot and "/blocks_" in line)
     waits[prefetch] = (
         _dots_before_gathers(compiled),
         _dots_before_gathers(step.trace(state, x).lower(
