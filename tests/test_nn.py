@@ -76,14 +76,15 @@ def test_stage3_footprint_does_not_grow_with_gathered_layers():
 
 
 @functools.lru_cache(maxsize=None)
-def _unrolled_step(layers, layerwise, width=256):
+def _unrolled_step(layers, layerwise, width=256, prefetch=None):
   """The compiled stage-3 step of `layers` residual blocks, and its
   (abstract) state."""
   model = ResidualMLP(layers=layers, width=width, layerwise=layerwise)
   x = np.zeros((64, width), np.float32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1])["params"])
   state = zerojax.shard_shape(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3)
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
+                              prefetch=prefetch)
   step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
   return step.lower(state, x).compile(), state
 
@@ -229,18 +230,9 @@ def test_prefetch_gathers_each_block_one_block_early():
 
 
 def test_prefetch_holds_one_more_block_at_any_depth():
-  temps = {}
-  for layers in (4, 16):
-    model = ResidualMLP(layers=layers, width=256)
-    x = np.zeros((64, 256), np.float32)
-    params = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), x[:1])["params"])
-    state = zerojax.shard_shape(train_state.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                                prefetch=True)
-    step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
-    temps[layers] = step.lower(state, x).compile().memory_analysis(
-        ).temp_size_in_bytes
+  temps = {layers: _unrolled_step(layers, True, 256, prefetch=True)[0]
+           .memory_analysis().temp_size_in_bytes for layers in (4, 16)}
+  state = _unrolled_step(4, True, 256, prefetch=True)[1]
   per_block = 4 * sum(c.used for c in state.layout.chunks
                       if c.stack == "blocks_0")
   base = _unrolled_step(4, True, 256)[0].memory_analysis().temp_size_in_bytes
