@@ -61,8 +61,12 @@ def _speed_md(r: dict, mode: str) -> list:
            "warm-up; ratios of the medians and of the minima (the least "
            "disturbed samples). The machine is shared (2 cores run 8 "
            "simulated devices, other jobs run beside): read the ratios, not "
-           "the times; over several runs the GPT's zero-*/plain-dp ratios "
-           "spread over about 0.4 at 128 tokens per device and 0.1 at 1024.",
+           "the times. Host memory comes from a pooled malloc where the "
+           "date above says so: with glibc's defaults every step "
+           "page-faults its temporaries afresh, which costs most where "
+           "they are largest (no rematerialisation), so ratios measured "
+           "that way (before 2026-11-25 23:00) are not comparable "
+           "(docs/design.md).",
            ""]
   # a file written before the user models holds one model at the top level
   for m in r.get("models", [r]):
@@ -531,7 +535,10 @@ def markdown(out: str) -> str:
       continue
     meta = next(iter(results.values()))["meta"]
     # suites are rerun separately (--suites): each has its own date
-    dates = ", ".join(f"{suite} {r['meta']['date']}" for suite, r in results.items())
+    dates = ", ".join(
+        f"{suite} {r['meta']['date']}" + (
+            "" if r["meta"].get("allocator", "system") == "system"
+            else " (pooled malloc)") for suite, r in results.items())
     lines += [f"## `--{mode}`", "",
               f"jax {meta['jax']}, {meta['backend']} backend, "
               f"{meta['devices']} devices, {meta['cpu_count']} CPU cores, "

@@ -37,6 +37,25 @@ if "--gpu" not in sys.argv and "--xla_force_host_platform_device_count" not in (
 if "--gpu" not in sys.argv:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# XLA's CPU client mallocs each execution's temporaries and frees them after.
+# glibc serves an allocation over 32 MiB from a worker thread with a fresh
+# mmap (whatever mmap_threshold says), so such a program page-faults its
+# whole temporary buffer in every step: at --full's 1024 tokens per device
+# about 0.35 s of a 0.5 s step was the kernel zeroing pages, charged to the
+# programs with large temporaries (no rematerialisation), which made them
+# look slower than they compute. Accelerators allocate from a pool; so do
+# these runs: one malloc arena, no mmap, no trimming, set before the process
+# starts (a re-exec). --system-allocator keeps glibc's defaults.
+ALLOCATOR_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+                      "glibc.malloc.trim_threshold=4294967295")
+if (__name__ == "__main__" and sys.platform.startswith("linux")
+    and "--gpu" not in sys.argv and "--system-allocator" not in sys.argv
+    and ALLOCATOR_TUNABLES not in os.environ.get("GLIBC_TUNABLES", "")):
+  os.environ["GLIBC_TUNABLES"] = ":".join(
+      t for t in (os.environ.get("GLIBC_TUNABLES"), ALLOCATOR_TUNABLES) if t)
+  os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run",
+                            *sys.argv[1:]])
+
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -167,6 +186,8 @@ def _meta(mode: str) -> dict:
           "devices": jax.device_count(), "python": platform.python_version(),
           "host_memory_bytes": memory.host_memory()["MemTotal"],
           "cpu_count": os.cpu_count(),
+          "allocator": ("pooled (GLIBC_TUNABLES)" if ALLOCATOR_TUNABLES in
+                        os.environ.get("GLIBC_TUNABLES", "") else "system"),
           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -410,6 +431,9 @@ def main(argv=None) -> int:
                      "(CPU), for the tests")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                       help="output folder (default: benchmarks/results)")
+  parser.add_argument("--system-allocator", action="store_true",
+                      help="keep glibc's malloc defaults (by default the run "
+                      "restarts itself with ALLOCATOR_TUNABLES, see above)")
   parser.add_argument("--suites", default=",".join(SUITES),
                       help="comma-separated subset of "
                       f"{','.join(SUITES + EXTRA_SUITES)}")
