@@ -25,8 +25,11 @@ def _all_gathers(hlo):
     # an unrolled block's shards in host memory: their cotangent goes there
     (False, True, {"offload_optimizer": True, "offload_params": True}),
     (False, True, {"prefetch": True}),
+    # stage 2: each layer's gradient reduce-scattered inside the loop
+    (True, True, {"stage": 2}),
 ], ids=["scanned-layerwise", "scanned", "unrolled-layerwise", "unrolled",
-        "unrolled-layerwise-offload", "unrolled-layerwise-prefetch"])
+        "unrolled-layerwise-offload", "unrolled-layerwise-prefetch",
+        "scanned-layerwise-stage2"])
 def test_layerwise_matches_plain_optax(layerwise, scan, offload):
   model = ScannedLM(layers=3, layerwise=layerwise, scan=scan)
   batches = _batches(model.vocab)
@@ -36,9 +39,9 @@ def test_layerwise_matches_plain_optax(layerwise, scan, offload):
   tx = optax.sgd(0.5, momentum=0.9)
   loss_fn = _loss_fn(model)
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), stage=3,
+      apply_fn=model.apply, params=params, tx=tx),
                         stacked=("blocks",) if scan else (), accum_steps=2,
-                        **offload)
+                        **{"stage": 3, **offload})
   if not scan:   # every block has chunks of its own, opted in or not
     assert {c.stack for c in state.layout.chunks} == {
         None, "blocks_0", "blocks_1", "blocks_2"}
@@ -248,14 +251,77 @@ def test_prefetch_default_is_on_where_collectives_overlap():
   assert zerojax.config.prefetches(zerojax.ZeroConfig(prefetch=True), mesh)
 
 
-def _tiny_lm_state(layerwise, scan, stacked):
+def _tiny_lm_state(layerwise, scan, stacked, stage=3):
   model = ScannedLM(layers=2, width=32, vocab=64, layerwise=layerwise, scan=scan)
   batch = _batches(model.vocab, batch=16, seq=8, steps=1)[0]
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=stage,
                         stacked=stacked)
   return model, state, batch
+
+
+def _reduce_scatters(hlo):
+  """`(where, result shape)` of each reduce-scatter in compiled HLO text,
+  where being "entry", "loop body" (a while loop's body) or another
+  computation's name."""
+  bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+  where, out = None, []
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      where = ("entry" if line.startswith("ENTRY") else
+               "loop body" if name in bodies else name)
+    found = re.search(r"= (\S+) reduce-scatter(?:-start)?\(", line)
+    if found:
+      out.append((where, found.group(1)))
+  return out
+
+
+def _lowered_reduce_scatters(text):
+  """`(function, result type)` of each reduce-scatter in StableHLO text:
+  the ones of a loop body's calls sit in functions other than `main`."""
+  func, lines, out = None, text.splitlines(), []
+  for i, line in enumerate(lines):
+    named = re.match(r"\s*func\.func (?:private |public )?@([\w.\-]+)", line)
+    func = named.group(1) if named else func
+    if "stablehlo.reduce_scatter" in line:
+      typed = next(l for l in lines[i:] if re.search(r"\) -> tensor<", l))
+      out.append((func, re.search(r"-> (tensor<[^>]*>)", typed).group(1)))
+  return out
+
+
+def test_stage2_reduces_each_layers_gradient_inside_the_loop():
+  """At stage 2 a wrapped scanned block reduce-scatters its layer's
+  gradient in the backward loop's body, where the backward of the layers
+  below can hide it, instead of the whole stack's after the loop, in the
+  program compiled for CPU and in the one lowered for CUDA (the gradient's
+  values: `test_layerwise_matches_plain_optax`)."""
+  found, lowered = {}, {}
+  for layerwise in (True, False):
+    model, state, batch = _tiny_lm_state(layerwise, True, ("blocks",), 2)
+    step = zerojax.train_step(_loss_fn(model))
+    found[layerwise] = _reduce_scatters(
+        step.lower(state, batch).compile().as_text())
+    lowered[layerwise] = _lowered_reduce_scatters(step.trace(
+        state, batch).lower(lowering_platforms=("cuda",)).as_text())
+    assert step.gathering(state, batch)["blocks"] == (
+        "replicated, gradient reduced per layer" if layerwise
+        else "replicated")
+  stack = next(c for c in state.layout.chunks if c.layers)
+  row = stack.shape[-1] // 8
+  # one layer's row in the loop body; the stack's [layers, row] after it
+  assert any(where == "loop body" and shape.startswith(f"f32[{row}]")
+             for where, shape in found[True])
+  assert not any(where == "entry" and f"{row}]" in shape
+                 for where, shape in found[True])
+  assert any(where == "entry" and shape.startswith(f"f32[2,{row}]")
+             for where, shape in found[False])
+  assert not any(where == "loop body" for where, _ in found[False])
+  assert any(func != "main" and shape == f"tensor<{row}xf32>"
+             for func, shape in lowered[True])
+  assert not any(f"x{row}x" in shape for _, shape in lowered[True])
+  assert ("main", f"tensor<2x{row}xf32>") in lowered[False]
 
 
 @pytest.mark.parametrize("layerwise,scan,want", [

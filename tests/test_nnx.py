@@ -279,12 +279,14 @@ def _scanned_problem(layerwise, layers=4, width=32):
   return (lambda: net(nnx.Rngs(0))), loss_fn, batches
 
 
-def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx():
+@pytest.mark.parametrize("stage,mode", [
+    (3, "per layer"), (2, "replicated, gradient reduced per layer")])
+def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx(stage, mode):
   make, loss_fn, batches = _scanned_problem(layerwise=True)
   ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
-  state = zerojax.shard(make(), stage=3, tx=TX, stacked=("blocks",))
+  state = zerojax.shard(make(), stage=stage, tx=TX, stacked=("blocks",))
   step = zerojax.train_step(loss_fn)
-  assert step.gathering(state, batches[0])["blocks"] == "per layer"
+  assert step.gathering(state, batches[0])["blocks"] == mode
   losses = []
   for b in batches:
     state, metrics = step(state, b)
@@ -292,7 +294,7 @@ def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
   # asked again after the step has run (its trace is cached by then)
-  assert step.gathering(state, batches[0])["blocks"] == "per layer"
+  assert step.gathering(state, batches[0])["blocks"] == mode
 
 
 def _scanned_footprint(layers, width=256):

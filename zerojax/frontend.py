@@ -77,7 +77,8 @@ class Nnx:
       leaves.append(x)
     flat = traverse_util.flatten_dict(params)
     shards = {path: x for path, x in flat.items()
-              if str(path[-1]).startswith(zero_nn.CHUNK_KEY)}
+              if str(path[-1]).startswith((zero_nn.CHUNK_KEY,
+                                           zero_nn.SLOT_KEY))}
     model = nnx.merge(self.graphdef,
                       self.params_def.unflatten(self._param_leaves(flat, shards)),
                       self.rest_def.unflatten(leaves))

@@ -211,14 +211,15 @@ class ModelCall:
     the model's own."""
     layout = self.layout
     own = {c: layout.stack_prefix(c) for c, ch in enumerate(layout.chunks)
-           if self.pol.gathers_params and ch.stack is not None}
+           if self.pol.layer_hooks and ch.stack is not None}
     if not own:
       return frozenset()
     called = set()
     jax.eval_shape(lambda d: self.outputs(d, batch, dev_rng, fields,
                                           called=called), diff)
     layerwise = frozenset(c for c, path in own.items() if path in called)
-    _say_whole(layout, self.cfg, own, layerwise)
+    if self.pol.gathers_params:
+      _say_whole(layout, self.cfg, own, layerwise)
     return layerwise
 
   def outputs(self, diff, batch, rng, fields, layerwise=frozenset(),
@@ -255,15 +256,22 @@ class ModelCall:
                 for c, s in enumerate(diff)
                 if c not in layerwise and c not in self.host}
     elif self.pol.reduction is Reduction.SCATTER_PER_MICRO:
-      chunks = [collectives.scatter_on_backward(
-          p.astype(cfg.compute_dtype), slot, ax, wire[c])
+      # a wrapped stack's block reduce-scatters each layer's gradient itself
+      chunks = [p.astype(cfg.compute_dtype) if c in layerwise else
+                collectives.scatter_on_backward(
+                    p.astype(cfg.compute_dtype), slot, ax, wire[c])
                 for c, (p, slot) in enumerate(zip(self.params_in, diff))]
     else:
       chunks = [p.astype(cfg.compute_dtype) for p in diff]
-    if layerwise:
-      return _with_layer_shards(layout, chunks, leaves, self.rest,
-                                self.params_in, diff, layerwise, self.host)
-    return layout.merge(chunks, self.rest, dtype=None, leaves=leaves)
+    if not layerwise:
+      return layout.merge(chunks, self.rest, dtype=None, leaves=leaves)
+    # per wrapped chunk, what its block reads: the shards it gathers (or
+    # from host memory, beside its gradient slot), or the replicated chunk
+    # beside the slot its gradient is reduce-scattered into (stage 2)
+    own = {c: ((self.params_in[c], diff[c]) if c in self.host else
+               (diff[c], None)) if self.pol.gathers_params else
+           (chunks[c], diff[c]) for c in layerwise}
+    return _with_layer_params(layout, chunks, leaves, self.rest, own)
 
 
 def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
@@ -319,12 +327,15 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
   (<its first leaf>)"; the mode "per layer" (a scanned stack whose block is
   wrapped with `zerojax.nn.layerwise`), "per block" (an unrolled wrapped
   block, gathered at each call), "whole step" (gathered once for the step's
-  forward and backward), or, below stage 3, "replicated" (never gathered)."""
+  forward and backward), or, below stage 3, "replicated" (never gathered;
+  "replicated, gradient reduced per layer" for a wrapped stack at stage 2)."""
   out = {}
   for c, chunk in enumerate(layout.chunks):
     name = ("/".join(layout.stack_prefix(c)) if chunk.stack is not None else
             f"chunk {c} ({layout.leaves[chunk.leaves[0]].path})")
-    out[name] = ("replicated" if not pol.gathers_params else
+    out[name] = ("replicated, gradient reduced per layer"
+                 if c in layerwise and not pol.gathers_params else
+                 "replicated" if not pol.gathers_params else
                  "whole step" if c not in layerwise else
                  "per layer" if chunk.layers else "per block")
   return out
@@ -345,20 +356,20 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
         ", ".join(map(repr, stacks)))
 
 
-def _with_layer_shards(layout, chunks, leaves, rest, shards, slots,
-                       layer_chunks, host):
-  """The parameter tree with each layer-stacked chunk left as its shard
-  `[layers, length / N]` under the stack (see `zerojax.nn.layerwise`); a
-  chunk in `host` memory also leaves its gradient slot there."""
-  tree = layout.merge(chunks, rest, dtype=None, skip=layer_chunks,
+def _with_layer_params(layout, chunks, leaves, rest, own: dict):
+  """The parameter tree with each wrapped layer-stacked chunk `c` left
+  under its stack as `own[c]`: `(value, slot)`, the value (`[layers, ...]`:
+  shards, or the replicated chunk) under `zero_nn.chunk_key(c)` and a
+  gradient slot, if any, under `zero_nn.slot_key(c)` (see
+  `zerojax.nn.layerwise`)."""
+  tree = layout.merge(chunks, rest, dtype=None, skip=frozenset(own),
                       leaves=leaves)
-  skipped = {layout.leaves[i].names for c in layer_chunks
+  skipped = {layout.leaves[i].names for c in own
              for i in layout.chunks[c].leaves}
   flat = {k: v for k, v in traverse_util.flatten_dict(tree).items()
           if k not in skipped}
-  for c in layer_chunks:
-    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = (
-        shards[c] if c in host else slots[c])
-    if c in host:
-      flat[layout.stack_prefix(c) + (zero_nn.slot_key(c),)] = slots[c]
+  for c, (value, slot) in own.items():
+    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = value
+    if slot is not None:
+      flat[layout.stack_prefix(c) + (zero_nn.slot_key(c),)] = slot
   return traverse_util.unflatten_dict(flat)

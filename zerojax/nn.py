@@ -30,6 +30,11 @@ output. A block call is a
 With `ZeroConfig.prefetch` each gather waits for the block before instead
 (`_Chain`): the forward gather for the previous block's input, the
 re-gather for the next block's output cotangent.
+
+At stage 2 a scanned wrapped block holds its layer's replicated row and a
+gradient slot instead of shards: nothing is gathered, and the row's
+gradient is reduce-scattered into the slot inside the backward loop, as
+the backward pass leaves the layer (`StagePolicy.layer_hooks`).
 """
 from __future__ import annotations
 
@@ -45,9 +50,10 @@ from flax.core.tracers import current_trace
 
 from zerojax import collectives
 from zerojax.offload import HOST_SPACE
+from zerojax.policy import policy
 
 CHUNK_KEY = "__zerojax_chunk_"
-SLOT_KEY = "__zerojax_slot_"   # a host chunk's gradient slot (offload_params)
+SLOT_KEY = "__zerojax_slot_"   # a gradient slot (offload_params; stage 2)
 _ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
 # the array a unit's forward gather waits for (its block's input)
 _AFTER = contextvars.ContextVar("zerojax_after", default=None)
@@ -173,9 +179,15 @@ def _gather_layer(variables: Any) -> Any:
                        "a zerojax train step.")
   layout, config = context[:2]
   after = _AFTER.get()
+  gathers = policy(config).gathers_params
   tree = {}
   for c, key in keys.items():
-    if slot_key(c) in params:   # kept in host memory: this layer comes over now
+    if not gathers:   # stage 2: the layer's replicated row, its gradient
+      # reduce-scattered into the slot as the backward pass leaves the layer
+      full = collectives.scatter_on_backward(
+          params[key], params[slot_key(c)], config.axis_name,
+          collectives.Wire.of(config, layout.chunks[c]))
+    elif slot_key(c) in params:   # kept in host memory: comes over now
       full = collectives.gather_from_host(
           params[key], params[slot_key(c)], config.axis_name,
           collectives.Wire.of(config, layout.chunks[c]))
@@ -219,8 +231,13 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
     for name, shard in vars(module).items():
       if name.startswith(CHUNK_KEY):
         c = int(name[len(CHUNK_KEY):])
-        full = collectives.gather(shard[...], config.axis_name,
-                                  collectives.Wire.of(config, layout.chunks[c]))
+        wire = collectives.Wire.of(config, layout.chunks[c])
+        if policy(config).gathers_params:
+          full = collectives.gather(shard[...], config.axis_name, wire)
+        else:   # stage 2: as in `_gather_layer`
+          full = collectives.scatter_on_backward(
+              shard[...], getattr(module, slot_key(c))[...], config.axis_name,
+              wire)
         _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
@@ -264,7 +281,9 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     block: a `flax.linen.Module` class, either scanned with `nn.scan`
       (`variable_axes={"params": 0}`) under a name listed in
       `ZeroConfig.stacked`, or called once per layer under names `<base>_<i>`
-      (unrolled; found by `zerojax.chunking.repeated_blocks`).
+      (unrolled; found by `zerojax.chunking.repeated_blocks`). Stage 3
+      gathers it per layer (or block); stage 2 reduce-scatters a scanned
+      block's gradient per layer; other stages call it as it is.
     remat: rematerialise the block (and its gather) in the backward pass; this
       is what keeps gathered parameters from piling up over depth.
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).

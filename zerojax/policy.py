@@ -77,6 +77,16 @@ class StagePolicy:
   sharded_compute: bool = False
 
   @property
+  def layer_hooks(self) -> bool:
+    """A layer stack whose scanned block is wrapped with
+    `zerojax.nn.layerwise` is handed to the block one layer at a time: its
+    shards, which the block gathers (stage 3), or its replicated rows,
+    whose gradient the block reduce-scatters as the backward pass leaves
+    the layer (stage 2), inside the loop where the next layer's backward
+    can hide it, not after the whole backward pass."""
+    return self.gathers_params or self.reduction is Reduction.SCATTER_PER_MICRO
+
+  @property
   def grads_sharded(self) -> bool:
     """The reduced gradient leaves the step sharded (stages 1-3)."""
     return self.reduction is not Reduction.ALL_REDUCE
