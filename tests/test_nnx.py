@@ -279,12 +279,19 @@ def _scanned_problem(layerwise, layers=4, width=32):
   return (lambda: net(nnx.Rngs(0))), loss_fn, batches
 
 
-@pytest.mark.parametrize("stage,mode", [
-    (3, "per layer"), (2, "replicated, gradient reduced per layer")])
-def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx(stage, mode):
+@pytest.mark.parametrize("stage,mode,offload", [
+    (3, "per layer", {}),
+    # each layer's shards come from host memory (they once met the
+    # device's values in one op and failed)
+    (3, "per layer", {"offload_params": True, "offload_optimizer": True}),
+    (2, "replicated, gradient reduced per layer", {})],
+    ids=["stage3", "stage3-offload", "stage2"])
+def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx(stage, mode,
+                                                                 offload):
   make, loss_fn, batches = _scanned_problem(layerwise=True)
   ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
-  state = zerojax.shard(make(), stage=stage, tx=TX, stacked=("blocks",))
+  state = zerojax.shard(make(), stage=stage, tx=TX, stacked=("blocks",),
+                        **offload)
   step = zerojax.train_step(loss_fn)
   assert step.gathering(state, batches[0])["blocks"] == mode
   losses = []

@@ -265,12 +265,14 @@ class ModelCall:
       chunks = [p.astype(cfg.compute_dtype) for p in diff]
     if not layerwise:
       return layout.merge(chunks, self.rest, dtype=None, leaves=leaves)
-    # per wrapped chunk, what its block reads: the shards it gathers (or
-    # from host memory, beside its gradient slot), or the replicated chunk
-    # beside the slot its gradient is reduce-scattered into (stage 2)
-    own = {c: ((self.params_in[c], diff[c]) if c in self.host else
-               (diff[c], None)) if self.pol.gathers_params else
-           (chunks[c], diff[c]) for c in layerwise}
+    own = {}   # per wrapped chunk, what its block reads (`nn._full_layer`)
+    for c in layerwise:
+      if not self.pol.gathers_params:   # the replicated chunk, and the slot
+        own[c] = (chunks[c], diff[c])   # its gradient is scattered into
+      elif c in self.host:   # shards in host memory, and their gradient slot
+        own[c] = (self.params_in[c], diff[c])
+      else:   # the shards, differentiated
+        own[c] = (diff[c], None)
     return _with_layer_params(layout, chunks, leaves, self.rest, own)
 
 

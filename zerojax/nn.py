@@ -178,25 +178,27 @@ def _gather_layer(variables: Any) -> Any:
     raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
                        "a zerojax train step.")
   layout, config = context[:2]
-  after = _AFTER.get()
-  gathers = policy(config).gathers_params
   tree = {}
   for c, key in keys.items():
-    if not gathers:   # stage 2: the layer's replicated row, its gradient
-      # reduce-scattered into the slot as the backward pass leaves the layer
-      full = collectives.scatter_on_backward(
-          params[key], params[slot_key(c)], config.axis_name,
-          collectives.Wire.of(config, layout.chunks[c]))
-    elif slot_key(c) in params:   # kept in host memory: comes over now
-      full = collectives.gather_from_host(
-          params[key], params[slot_key(c)], config.axis_name,
-          collectives.Wire.of(config, layout.chunks[c]))
-    else:
-      shard = params[key] if after is None else tie(params[key], after)
-      full = collectives.gather(shard, config.axis_name,
-                                collectives.Wire.of(config, layout.chunks[c]))
+    full = _full_layer(layout, config, c, params[key],
+                       params.get(slot_key(c)), _AFTER.get())
     layout.layer_tree(c, full, tree)
   return {**variables, "params": tree}
+
+
+def _full_layer(layout, config, c: int, value, slot, after=None):
+  """This layer's (or block's) row of chunk `c`, whole: `value`, its
+  shard, gathered (stage 3; from host memory where it has a gradient
+  `slot`; waiting for `after`, see `tie`), or at stage 2 `value`, the
+  replicated row, whose gradient is reduce-scattered into `slot` as the
+  backward pass leaves the layer."""
+  wire = collectives.Wire.of(config, layout.chunks[c])
+  if not policy(config).gathers_params:
+    return collectives.scatter_on_backward(value, slot, config.axis_name, wire)
+  if slot is not None:   # kept in host memory: comes over now
+    return collectives.gather_from_host(value, slot, config.axis_name, wire)
+  return collectives.gather(value if after is None else tie(value, after),
+                            config.axis_name, wire)
 
 
 def active_layout():
@@ -231,13 +233,9 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
     for name, shard in vars(module).items():
       if name.startswith(CHUNK_KEY):
         c = int(name[len(CHUNK_KEY):])
-        wire = collectives.Wire.of(config, layout.chunks[c])
-        if policy(config).gathers_params:
-          full = collectives.gather(shard[...], config.axis_name, wire)
-        else:   # stage 2: as in `_gather_layer`
-          full = collectives.scatter_on_backward(
-              shard[...], getattr(module, slot_key(c))[...], config.axis_name,
-              wire)
+        slot = getattr(module, slot_key(c), None)
+        full = _full_layer(layout, config, c, shard[...],
+                           None if slot is None else slot[...])
         _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
