@@ -66,7 +66,8 @@ def _speed_md(r: dict, mode: str) -> list:
            "page-faults its temporaries afresh, which costs most where "
            "they are largest (no rematerialisation), so ratios measured "
            "that way (before 2026-11-25 23:00) are not comparable "
-           "(docs/design.md).",
+           "(docs/design.md). Page faults / step: the process's minor "
+           "faults per step (all devices), the sign of that cost.",
            ""]
   # a file written before the user models holds one model at the top level
   for m in r.get("models", [r]):
@@ -81,18 +82,23 @@ def _speed_model_md(r: dict) -> list:
           "tokens per device" if s["seq"] else
           f"{s['global_batch']} rows = {per_device} per device")
   fsdp = bool(r["ratio_vs_gspmd_fsdp"])
+  # page faults per step: written since 2026-11-26
+  faults = r.get("faults_per_step", {})
   lines = [f"**{s['config']}** ({s.get('model', 'GPT')}: Ψ = "
            f"{s['num_params']:,}, {s['layers']} layers, width {s['width']}; "
            f"batch {rows}, {s['devices']} devices; {r['rounds']} rounds)", "",
            "| variant | median step (ms) | median × plain-dp | min × plain-dp |"
-           + (" median × gspmd-fsdp |" if fsdp else ""),
-           "|---|---:|---:|---:|" + ("---:|" if fsdp else "")]
+           + (" median × gspmd-fsdp |" if fsdp else "")
+           + (" page faults / step |" if faults else ""),
+           "|---|---:|---:|---:|" + ("---:|" if fsdp else "")
+           + ("---:|" if faults else "")]
   for name, ratio in r["ratio_vs_plain_dp"].items():
     vs_fsdp = r["ratio_vs_gspmd_fsdp"].get(name)
     lines.append(f"| {name} | {1e3 * r['median_s'][name]:.1f} | {ratio:.3f} "
                  f"| {r['min_ratio_vs_plain_dp'][name]:.3f} |" + (
                      "" if not fsdp else " |" if vs_fsdp is None
-                     else f" {vs_fsdp:.3f} |"))
+                     else f" {vs_fsdp:.3f} |") + (
+                     f" {faults[name]:,.0f} |" if faults else ""))
   m = r["median_s"]
   for name, ratio in r.get("one_device_ratio", {}).items():
     lines += ["", f"1 device: zerojax stage {name[-1]} on a 1-device mesh "

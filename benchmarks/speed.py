@@ -11,9 +11,10 @@ are meant to be read. Each model's variants are timed among themselves
 from __future__ import annotations
 
 import math
+import resource
 import statistics
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 from benchmarks.variants import Variant
 
@@ -22,10 +23,14 @@ ONE_DEVICE_BASELINE = "1dev-optax"
 
 
 def time_variants(variants: Dict[str, Variant], rounds: int, warmup: int = 2,
-                  sample_s: float = 0.25) -> Dict[str, list]:
+                  sample_s: float = 0.25,
+                  faults: Optional[dict] = None) -> Dict[str, list]:
   """Seconds per step of each variant, `rounds` samples each. A sample
   times enough consecutive steps to last about `sample_s` (from the last
-  warm-up step), so that short steps are not all scheduling noise."""
+  warm-up step), so that short steps are not all scheduling noise. With
+  `faults` (a dict), also the process's minor page faults per step of each
+  sample, per variant: what an allocator that maps buffers afresh costs
+  (see `benchmarks.run`)."""
   names = list(variants)
   steps = {}
   for name in names:
@@ -34,20 +39,28 @@ def time_variants(variants: Dict[str, Variant], rounds: int, warmup: int = 2,
       variants[name].run_once()
     steps[name] = max(1, math.ceil(sample_s / (time.perf_counter() - start)))
   times = {name: [] for name in names}
+  counted = {name: [] for name in names}
   for r in range(rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
+      before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start = time.perf_counter()
       for _ in range(steps[name]):
         variants[name].run_once()
       times[name].append((time.perf_counter() - start) / steps[name])
+      counted[name].append(
+          (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+          / steps[name])
+  if faults is not None:
+    faults.update(counted)
   return times
 
 
-def medians_and_minima(variants: Dict[str, Variant], rounds: int) -> tuple:
+def medians_and_minima(variants: Dict[str, Variant], rounds: int,
+                       faults: Optional[dict] = None) -> tuple:
   """`(times, median, minimum)` of `time_variants`, per variant: the ratios
   the suites report are of medians and of minima (the least disturbed
   samples on a shared machine)."""
-  times = time_variants(variants, rounds)
+  times = time_variants(variants, rounds, faults=faults)
   return (times, {k: statistics.median(v) for k, v in times.items()},
           {k: min(v) for k, v in times.items()})
 
@@ -58,12 +71,14 @@ def run(variants: Dict[str, Variant], rounds: int, setup: dict) -> dict:
   Returns:
     {"setup", "rounds", "times_s", "median_s", "min_s", "ratio_vs_plain_dp",
      "min_ratio_vs_plain_dp", "ratio_vs_gspmd_fsdp", "one_device_ratio",
-     "min_one_device_ratio"}: ratios of medians, and of minima (the least
-    disturbed samples on a shared machine), of the mesh variants against
-    plain DP, of zero-* against GSPMD FSDP (where built) and of zerojax on a
-    1-device mesh against plain optax on that device (where built).
+     "min_one_device_ratio", "faults_per_step"}: ratios of medians, and of
+    minima (the least disturbed samples on a shared machine), of the mesh
+    variants against plain DP, of zero-* against GSPMD FSDP (where built)
+    and of zerojax on a 1-device mesh against plain optax on that device
+    (where built); the median minor page faults per step of each variant.
   """
-  times, median, fastest = medians_and_minima(variants, rounds)
+  faults = {}
+  times, median, fastest = medians_and_minima(variants, rounds, faults)
   mesh = [k for k in median if not k.startswith("1dev-")]
   zero = [k for k in mesh if k.startswith("zero-")]
   one = [k for k in median if k.startswith("1dev-zero-")]
@@ -80,6 +95,7 @@ def run(variants: Dict[str, Variant], rounds: int, setup: dict) -> dict:
       "ratio_vs_gspmd_fsdp": ratios(median, zero, "gspmd-fsdp"),
       "one_device_ratio": ratios(median, one, ONE_DEVICE_BASELINE),
       "min_one_device_ratio": ratios(fastest, one, ONE_DEVICE_BASELINE),
+      "faults_per_step": {k: statistics.median(v) for k, v in faults.items()},
   }
 
 

@@ -291,6 +291,8 @@ def test_smoke_suite_writes_results(tmp_path):
           1e3 * model["median_s"][name], abs=0.05)
       assert _number(r["median × plain-dp"]) == pytest.approx(
           model["ratio_vs_plain_dp"][name], abs=5e-4)
+      assert _number(r["page faults / step"]) == pytest.approx(
+          model["faults_per_step"][name], abs=0.5)
   rows = _table(readme, "persistent MiB", caption="**tiny**")
   assert {r["variant"]: _number(r["persistent MiB"]) for r in rows} == {
       r["variant"]: pytest.approx(r["persistent_bytes"] / MIB, abs=0.005)
