@@ -38,14 +38,15 @@ if "--gpu" not in sys.argv:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # XLA's CPU client mallocs each execution's temporaries and frees them after.
-# glibc serves an allocation over 32 MiB from a worker thread with a fresh
-# mmap (whatever mmap_threshold says), so such a program page-faults its
-# whole temporary buffer in every step: at --full's 1024 tokens per device
-# about 0.35 s of a 0.5 s step was the kernel zeroing pages, charged to the
-# programs with large temporaries (no rematerialisation), which made them
-# look slower than they compute. Accelerators allocate from a pool; so do
-# these runs: one malloc arena, no mmap, no trimming, set before the process
-# starts (a re-exec). --system-allocator keeps glibc's defaults.
+# glibc maps an allocation over 32 MiB afresh (its largest mmap threshold),
+# and one over a thread arena's 64 MiB heap whatever the threshold, so such
+# a program page-faults its whole temporary buffer in every step: at
+# --full's 1024 tokens per device about 0.35 s of a 0.5 s step was the
+# kernel zeroing pages, charged to the programs with large temporaries (no
+# rematerialisation), which made them look slower than they compute.
+# Accelerators allocate from a pool; so do these runs: one malloc arena, no
+# mmap, no trimming, set before the process starts (a re-exec).
+# --system-allocator keeps glibc's defaults.
 ALLOCATOR_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
                       "glibc.malloc.trim_threshold=4294967295")
 if (__name__ == "__main__" and sys.platform.startswith("linux")
