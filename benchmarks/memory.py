@@ -138,17 +138,21 @@ def stage3_expected(cfg, per_device_batch: int, seq: int, n: int) -> dict:
     two layers      2 x 4 bytes x the parameters of one block, gathered
     activations     the saved input of every block (layerwise remat keeps
                     only those: L x b x s x w x 4) plus the logits and their
-                    gradient (2 x b x s x V x 4), b = the per-device batch
+                    gradient (2 x b x s x V x 4, V the config's `loss_block`
+                    where it has one), b = the per-device batch
 
   Not counted, though the step holds them: the non-layer parameters (the
   tied embedding, gathered for the whole step, and its full gradient
   before the reduce-scatter), nor one block's recomputed internals."""
   d, L, V = cfg.width, cfg.layers, cfg.vocab_size
   block = (cfg.num_params - V * d - cfg.max_len * d - 2 * d) // L
+  # a `loss_block` head (`zerojax.losses.linear_cross_entropy`) holds one
+  # block of logits and their gradient, not the vocabulary's
+  logits = min(getattr(cfg, "loss_block", None) or V, V)
   parts = {"state": 12 * cfg.num_params / n,
            "gradient_shard": 4 * cfg.num_params / n,
            "two_layers": 2 * 4 * block,
-           "activations": 4 * per_device_batch * seq * (L * d + 2 * V)}
+           "activations": 4 * per_device_batch * seq * (L * d + 2 * logits)}
   parts["total"] = sum(parts.values())
   return parts
 

@@ -44,8 +44,17 @@ class LanguageModel:
     return jnp.zeros((1, 8), jnp.int32)
 
   def make_loss_fn(self, model: nn.Module):
-    """Mean next-token cross entropy, written on the full parameter tree."""
+    """Mean next-token cross entropy, written on the full parameter tree;
+    with a `loss_block`, of the hidden states and the tied embedding by
+    `zerojax.losses.linear_cross_entropy` (no logits in memory)."""
+    block = getattr(self, "loss_block", None)
+
     def loss_fn(params, batch):
+      if block:
+        hidden = model.apply({"params": params}, batch["tokens"])
+        return zerojax.losses.linear_cross_entropy(
+            hidden, params["wte"]["embedding"], batch["targets"],
+            block_size=block).mean()
       logits = model.apply({"params": params}, batch["tokens"])
       return optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), batch["targets"]).mean()
@@ -81,6 +90,10 @@ class GPTConfig(LanguageModel):
   # split, annotated with nn.with_partitioning: qkv and MLP-in by columns,
   # a head's q, k, v side by side; attention-out and MLP-out by rows)
   tp: int = 1
+  # the head and loss as one `zerojax.losses.linear_cross_entropy` over
+  # vocabulary blocks of this many words (the model returns its hidden
+  # states); None: logits, then optax's cross entropy
+  loss_block: Optional[int] = None
 
   @property
   def stacked(self) -> tuple:
@@ -194,7 +207,7 @@ class GPT(nn.Module):
       for i in range(cfg.layers):
         x, _ = block(cfg, name=f"blocks_{i}")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
-    return wte.attend(x)
+    return x if cfg.loss_block else wte.attend(x)
 
 
 @functools.lru_cache(maxsize=None)

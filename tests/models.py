@@ -74,12 +74,14 @@ class Transformer(nn.Module):
 class ScannedLM(nn.Module):
   """Blocks in one `nn.scan`, or (`scan=False`) called one by one in a
   Python loop as `blocks_0`, `blocks_1`, ...; gathered per layer at stage 3
-  with `layerwise`."""
+  with `layerwise`. With `logits=False` it returns the hidden states before
+  the tied head (for `zerojax.losses.linear_cross_entropy`)."""
   layers: int = 2
   width: int = 64
   vocab: int = 128
   layerwise: bool = True
   scan: bool = True
+  logits: bool = True
 
   @nn.compact
   def __call__(self, tokens):
@@ -93,7 +95,8 @@ class ScannedLM(nn.Module):
     else:
       for i in range(self.layers):
         x, _ = block(self.width, 4, name=f"blocks_{i}")(x)
-    return embed.attend(nn.LayerNorm()(x)).astype(jnp.float32)
+    x = nn.LayerNorm()(x)
+    return embed.attend(x).astype(jnp.float32) if self.logits else x
 
 
 def _split(names, init=nn.initializers.lecun_normal()):

@@ -154,3 +154,30 @@ def test_quantized_block_sends_int8_and_int4(quick_start):
       model.apply({"params": p}, b["tokens"]), b["targets"]).mean()
   state, metrics = zerojax.train_step(loss_fn)(state, quick_start["batch"])
   assert np.isfinite(float(metrics["loss"]))
+
+
+class _HiddenLM(linen.Module):
+  """A tied-embedding LM that returns its hidden states (the head is the
+  loss's), its embedding named as GPT-2's."""
+
+  @linen.compact
+  def __call__(self, tokens):
+    x = linen.Embed(64, 16, name="wte")(tokens)
+    return linen.LayerNorm()(linen.Dense(16)(x))
+
+
+def test_linear_cross_entropy_block_is_optax_on_the_logits():
+  model = _HiddenLM()
+  batch = lm_batches(64, batch=8, seq=8, steps=1)[0]
+  params = model.init(jax.random.key(0), batch["tokens"])["params"]
+  loss_fn = _run(_block("def loss_fn(params, batch):\n  hidden"),
+                 model=model)["loss_fn"]
+  logits = model.apply({"params": params}, batch["tokens"]) @ (
+      params["wte"]["embedding"].T)
+  want = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["targets"]).mean()
+  np.testing.assert_allclose(loss_fn(params, batch), want, rtol=1e-6)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3)
+  _, metrics = zerojax.train_step(loss_fn)(state, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)

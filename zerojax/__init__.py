@@ -7,13 +7,13 @@
     params = zerojax.gather_params(state)
 
 The public surface is `__all__` (docs/design.md, "Public surface"); the
-modules `checkpoint` and `nn`, and `compat.with_gpu_overlap_flags`, are
+modules `checkpoint`, `losses` and `nn`, and `compat.with_gpu_overlap_flags`, are
 public too. Everything else (the chunk layout, the policy, collectives)
 is internal: importable, but free to change.
 """
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.evaluation import eval_step
-from zerojax import checkpoint, nn
+from zerojax import checkpoint, losses, nn
 from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
 from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
                             memory_report)
