@@ -139,21 +139,29 @@ def stage3_expected(cfg, per_device_batch: int, seq: int, n: int) -> dict:
     activations     the saved input of every block (layerwise remat keeps
                     only those: L x b x s x w x 4) plus the logits and their
                     gradient (2 x b x s x V x 4, V the config's `loss_block`
-                    where it has one), b = the per-device batch
+                    or a block of `embed_blocks`' rows where it has one),
+                    b = the per-device batch
 
   Not counted, though the step holds them: the non-layer parameters (the
   tied embedding, gathered for the whole step, and its full gradient
-  before the reduce-scatter), nor one block's recomputed internals."""
+  before the reduce-scatter; a `BlockedEmbed` holds one block of each),
+  nor one block's recomputed internals."""
   d, L, V = cfg.width, cfg.layers, cfg.vocab_size
-  block = (cfg.num_params - V * d - cfg.max_len * d - 2 * d) // L
+  blocks = getattr(cfg, "embed_blocks", None) or 1
+  table = -(-V // blocks) * blocks * d   # a BlockedEmbed's padded rows too
+  block = (cfg.num_params - table - cfg.max_len * d - 2 * d) // L
   # a `loss_block` head (`zerojax.losses.linear_cross_entropy`) holds one
-  # block of logits and their gradient, not the vocabulary's
+  # block of logits and their gradient, not the vocabulary's; so does a
+  # `BlockedEmbed` (`embed_blocks`), one block of rows at a time
   logits = min(getattr(cfg, "loss_block", None) or V, V)
+  if blocks > 1:
+    logits = table // (blocks * d)
   parts = {"state": 12 * cfg.num_params / n,
            "gradient_shard": 4 * cfg.num_params / n,
            "two_layers": 2 * 4 * block,
            "activations": 4 * per_device_batch * seq * (L * d + 2 * logits)}
   parts["total"] = sum(parts.values())
+  parts["table_blocks"] = blocks   # not bytes: how the report words it
   return parts
 
 

@@ -48,8 +48,12 @@ class LanguageModel:
     with a `loss_block`, of the hidden states and the tied embedding by
     `zerojax.losses.linear_cross_entropy` (no logits in memory)."""
     block = getattr(self, "loss_block", None)
+    blocked = getattr(self, "embed_blocks", None)
 
     def loss_fn(params, batch):
+      if blocked:   # the model's BlockedEmbed gives the per-token losses
+        return model.apply({"params": params}, batch["tokens"],
+                           batch["targets"]).mean()
       if block:
         hidden = model.apply({"params": params}, batch["tokens"])
         return zerojax.losses.linear_cross_entropy(
@@ -94,10 +98,15 @@ class GPTConfig(LanguageModel):
   # vocabulary blocks of this many words (the model returns its hidden
   # states); None: logits, then optax's cross entropy
   loss_block: Optional[int] = None
+  # the tied embedding as a `zerojax.nn.BlockedEmbed` of this many
+  # vocabulary blocks (a stack "wte": zerojax gathers one block at a time
+  # at the lookup and at the head, whose loss it computes); None: nn.Embed
+  embed_blocks: Optional[int] = None
 
   @property
   def stacked(self) -> tuple:
-    return ("blocks",) if self.scan else ()
+    return (("blocks",) if self.scan else ()) + (
+        ("wte",) if self.embed_blocks else ())
 
   def replace(self, **kw) -> "GPTConfig":
     return dataclasses.replace(self, **kw)
@@ -123,6 +132,8 @@ class GPTConfig(LanguageModel):
              + d * d + d          # attention out
              + d * 4 * d + 4 * d  # mlp in
              + 4 * d * d + d)     # mlp out
+    if self.embed_blocks:   # the table's rows padded to whole blocks
+      v = -(-v // self.embed_blocks) * self.embed_blocks
     return v * d + t * d + l * block + 2 * d
 
 
@@ -135,6 +146,10 @@ CONFIGS = {
                         heads=4),
     "gpt2-small": GPTConfig(),                                   # 124M
     "gpt2-medium": GPTConfig(width=1024, layers=24, heads=16),  # 355M
+    # the same with the tied embedding as a zerojax.nn.BlockedEmbed
+    "gpt2-small-blocked": GPTConfig(embed_blocks=16),
+    "gpt2-medium-blocked": GPTConfig(width=1024, layers=24, heads=16,
+                                     embed_blocks=16),
     # issue 14's unscanned model: stage 3 without the opt-in against GSPMD
     "gpt2-384-unrolled": GPTConfig(width=384, layers=12, heads=6, scan=False,
                                    opt_in=False),                # 40M
@@ -190,10 +205,18 @@ class GPT(nn.Module):
   cfg: GPTConfig
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, targets=None):
+    """Logits; with `embed_blocks`, the per-token losses against
+    `targets` (the tied head's, `BlockedEmbed.cross_entropy`)."""
     cfg = self.cfg
     init = nn.initializers.normal(0.02)
-    wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=init, name="wte")
+    if cfg.embed_blocks:
+      wte = zerojax.nn.BlockedEmbed(cfg.vocab_size, cfg.width,
+                                    cfg.embed_blocks, embedding_init=init,
+                                    name="wte")
+    else:
+      wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=init,
+                     name="wte")
     wpe = self.param("wpe", init, (cfg.max_len, cfg.width))
     x = wte(tokens) + wpe[: tokens.shape[1]]
     block = (zerojax.nn.layerwise(Block, prevent_cse=False) if cfg.layerwise
@@ -207,6 +230,8 @@ class GPT(nn.Module):
       for i in range(cfg.layers):
         x, _ = block(cfg, name=f"blocks_{i}")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
+    if targets is not None:
+      return wte.cross_entropy(x, targets)
     return x if cfg.loss_block else wte.attend(x)
 
 

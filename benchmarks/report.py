@@ -152,9 +152,12 @@ def _memory_md(r: dict, mode: str) -> list:
                 f"12Ψ/N {_mib(e['state'])}{shard} + two gathered layers "
                 f"{_mib(e['two_layers'])} + activations (saved block inputs, "
                 f"logits and their gradient) {_mib(e['activations'])} = "
-                f"{_mib(e['total'])} MiB; not in it: the tied embedding, "
-                "gathered for the whole step, with its full gradient before "
-                "the reduce-scatter.", ""]
+                f"{_mib(e['total'])} MiB; not in it: "
+                + ("one block of the tied embedding (`BlockedEmbed`, "
+                   f"{e['table_blocks']} blocks) and of its gradient, "
+                   "gathered per use." if e.get("table_blocks", 1) > 1 else
+                   "the tied embedding, gathered for the whole step, with "
+                   "its full gradient before the reduce-scatter."), ""]
   if notes:
     lines += ["¹ " + n for n in notes] + [""]
   d = r["depth_sweep"]

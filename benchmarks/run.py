@@ -145,12 +145,15 @@ MODES = {
                     variants=USER_VARIANTS)),
         # and issue 14's unscanned GPT-2 without the opt-in: stage 3 must
         # never hold more than GSPMD FSDP (a goal row)
-        memory=dict(configs=("gpt2-small", "gpt2-medium", "gpt2-384-unrolled"),
+        # and GPT-2 with its tied embedding gathered by vocabulary blocks
+        memory=dict(configs=("gpt2-small", "gpt2-medium", "gpt2-384-unrolled",
+                             "gpt2-small-blocked", "gpt2-medium-blocked"),
                     batch=8, seq=256),
         depth=dict(config="gpt2-small", layers=(2, 4, 8, 12)),
+        # `also`: configs whose stage 3 is counted too
         comm=dict(config="gpt2-small",
                   chunk_sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24),
-                  chunk_stages=(2, 3)),
+                  chunk_stages=(2, 3), also=("gpt2-small-blocked",)),
         offload=dict(config="gpt2-medium", batch=8, seq=256,
                      speed_config="cpu-1m", speed_batch=64, speed_seq=128,
                      rounds=9),
@@ -221,10 +224,11 @@ def _same_setup(plan: dict, cfg_name: str) -> bool:
           (mp["batch"], mp["seq"]) == (sp["batch"], sp["seq"]))
 
 
-def _analyse_config(cfg_name: str, plan: dict, main: dict, want_comm: bool):
+def _analyse_config(cfg_name: str, plan: dict, main: dict, want_comm):
   """Memory rows (and communication rows) of every mesh variant of one
   config. Variants are built in turn and released; those the speed suite
-  built are reused."""
+  built are reused. `want_comm`: True (every variant's communication),
+  False, or the variants whose rows are named after the config too."""
   cfg = models.CONFIGS[cfg_name]
   mp = plan["memory"]
   reuse = _same_setup(plan, cfg_name)
@@ -241,8 +245,10 @@ def _analyse_config(cfg_name: str, plan: dict, main: dict, want_comm: bool):
                     num_devices=NUM_DEVICES, materialize=not note,
                     options=memory.analysis_options())
       mem_rows.append(memory.row(v, note=note))
-      if want_comm:
+      if want_comm is True:
         comm_rows.append(comm.row(v))
+      elif want_comm and name in want_comm:
+        comm_rows.append({**comm.row(v), "variant": f"{name} ({cfg_name})"})
     except Exception as e:   # noqa: BLE001 - reported, not fatal
       mem_rows.append({"variant": name, "num_params": cfg.num_params,
                        "devices": NUM_DEVICES,
@@ -297,7 +303,9 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
   if analyse:
     for cfg_name in mp["configs"]:
       mem_rows[cfg_name], rows = _analyse_config(
-          cfg_name, plan, main, want_comm=cfg_name == cp["config"])
+          cfg_name, plan, main,
+          want_comm=(cfg_name == cp["config"]
+                     or (cfg_name in cp.get("also", ()) and ("zero-3",))))
       comm_rows += rows
 
   if "memory" in suites:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.nn import layerwise
+from zerojax.nn import BlockedEmbed, layerwise
 
 
 class MLP(nn.Module):
@@ -82,10 +82,15 @@ class ScannedLM(nn.Module):
   layerwise: bool = True
   scan: bool = True
   logits: bool = True
+  # a `zerojax.nn.BlockedEmbed` of this many blocks, named "wte", instead
+  # of nn.Embed; with `targets` the call returns its per-token losses
+  embed_blocks: int = 0
 
   @nn.compact
-  def __call__(self, tokens):
-    embed = nn.Embed(self.vocab, self.width)
+  def __call__(self, tokens, targets=None):
+    embed = (BlockedEmbed(self.vocab, self.width, self.embed_blocks,
+                          name="wte") if self.embed_blocks
+             else nn.Embed(self.vocab, self.width))
     x = embed(tokens)
     block = layerwise(Block) if self.layerwise else Block
     if self.scan:
@@ -96,6 +101,8 @@ class ScannedLM(nn.Module):
       for i in range(self.layers):
         x, _ = block(self.width, 4, name=f"blocks_{i}")(x)
     x = nn.LayerNorm()(x)
+    if targets is not None:
+      return embed.cross_entropy(x, targets)
     return embed.attend(x).astype(jnp.float32) if self.logits else x
 
 

@@ -181,3 +181,23 @@ def test_linear_cross_entropy_block_is_optax_on_the_logits():
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3)
   _, metrics = zerojax.train_step(loss_fn)(state, batch)
   np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+
+
+def test_blocked_embed_block_trains_a_tied_lm_at_stage_3():
+  vocab, width = 600, 16
+  batch = lm_batches(vocab, batch=8, seq=8, steps=1)[0]
+  ns = _run(_block("class TiedLM(nn.Module):"), vocab=vocab, width=width,
+            tokens=batch["tokens"][:1], targets=batch["targets"][:1])
+  state, step = ns["state"], ns["step"]
+  assert step.gathering(state, batch)["wte"] == "per layer"
+  params = ns["params"]
+  table = zerojax.nn.BlockedEmbed.table(params["wte"]["embedding"], vocab)
+  x = table[batch["tokens"]] @ params["Dense_0"]["kernel"] + (
+      params["Dense_0"]["bias"])
+  mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  x = (x - mean) / np.sqrt(var + 1e-6) * params["LayerNorm_0"]["scale"] + (
+      params["LayerNorm_0"]["bias"])
+  want = optax.softmax_cross_entropy_with_integer_labels(
+      x @ table.T, batch["targets"]).mean()
+  _, metrics = step(state, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)

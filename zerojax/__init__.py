@@ -26,6 +26,6 @@ from zerojax.step import train_step
 __all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
            "estimate_memory", "eval_step", "gather_model", "gather_params",
-           "memory_report", "nn", "plan_offload", "shard", "shard_shape",
-           "train_step"]
+           "losses", "memory_report", "nn", "plan_offload", "shard",
+           "shard_shape", "train_step"]
 __version__ = "0.1.0"

@@ -124,28 +124,44 @@ def _logits(h, w, live):
   return jnp.where(live, logits, -jnp.inf)
 
 
+def _running_start(tokens: int) -> tuple:
+  """The running `(maximum, sum of exponentials, target logit)` per token
+  before any block (`_running_add`)."""
+  return (jnp.full((tokens,), -jnp.inf, jnp.float32),
+          jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32))
+
+
+def _running_add(carry: tuple, logits, hit) -> tuple:
+  """`carry` after one block of float32 `logits` `[tokens, rows]` (-inf
+  where a row is no word), `hit` marking each token's target: the running
+  maximum, the sum of exponentials rescaled to it (online softmax), the
+  target's logit."""
+  top, total, picked = carry
+  new_top = jnp.maximum(top, logits.max(axis=1))
+  total = (total * jnp.exp(top - new_top)
+           + jnp.exp(logits - new_top[:, None]).sum(axis=1))
+  return new_top, total, picked + jnp.where(hit, logits, 0.0).sum(axis=1)
+
+
+def _running_losses(carry: tuple) -> tuple:
+  """`(losses, lse)` per token from the carry after the last block."""
+  top, total, picked = carry
+  lse = top + jnp.log(total)
+  return lse - picked, lse
+
+
 def _forward(size, vocab_axis, h, weight, labels):
   """`(losses, lse)`: per token the log-sum-exp over the vocabulary and the
   loss `lse - logits[label]`, one block at a time."""
-  tokens = h.shape[0]
   blocks = math.ceil(weight.shape[vocab_axis] / size)
 
   def body(carry, i):
-    top, total, picked = carry
     w, ids, live = _block(weight, i, size, vocab_axis)
-    logits = _logits(h, w, live)
-    new_top = jnp.maximum(top, logits.max(axis=1))
-    total = (total * jnp.exp(top - new_top)
-             + jnp.exp(logits - new_top[:, None]).sum(axis=1))
     hit = (ids[None, :] == labels[:, None]) & live
-    picked = picked + jnp.where(hit, logits, 0.0).sum(axis=1)
-    return (new_top, total, picked), None
+    return _running_add(carry, _logits(h, w, live), hit), None
 
-  start = (jnp.full((tokens,), -jnp.inf, jnp.float32),
-           jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32))
-  (top, total, picked), _ = jax.lax.scan(body, start, jnp.arange(blocks))
-  lse = top + jnp.log(total)
-  return lse - picked, lse
+  carry, _ = jax.lax.scan(body, _running_start(h.shape[0]), jnp.arange(blocks))
+  return _running_losses(carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -408,3 +408,9 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   # its parameter paths (`Block_0`, not `LayerwiseBlock_0`)
   Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
   return Layerwise
+
+
+# defined in its own module (it reads the helpers above), public here
+from zerojax import embed as _embed  # noqa: E402
+
+BlockedEmbed = _embed.BlockedEmbed
