@@ -97,6 +97,23 @@ def test_training_matches_plain_optax_on_nn_embed(vocab, config):
                      compute_dtype=dtype), compute_dtype=dtype)
 
 
+def test_eval_step_gives_the_plain_models_losses_and_logits():
+  """`zerojax.eval_step` at stage 3 (the table by blocks, the lookup by
+  rows): the per-token losses and the logits (`attend`) of the same model
+  applied to the plain tree."""
+  model = ScannedLM(layers=2, vocab=600, embed_blocks=4)
+  batch = lm_batches(600, steps=1)[0]
+  params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
+                        stacked=("blocks", "wte"))
+  for args in (("tokens", "targets"), ("tokens",)):
+    got = zerojax.eval_step(lambda p, b: model.apply(
+        {"params": p}, *(b[a] for a in args)))(state, batch)
+    want = model.apply({"params": params}, *(batch[a] for a in args))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _stage3(embed_blocks, vocab=8192, width=64):
   model = ScannedLM(layers=2, width=width, vocab=vocab,
                     embed_blocks=embed_blocks)
