@@ -2,8 +2,9 @@
 
 `python -m benchmarks.run --gpu` (or `--gpu-smoke`: a tiny model on CPU, for
 the tests). Each variant (zerojax stages 0-3, plain `jax.jit` data parallel,
-GSPMD FSDP, and stage 3 on the unrolled model with and without prefetch;
-all keep fp32 parameters and AdamW state and compute in bf16)
+GSPMD FSDP, and stage 3 on the unrolled model with and without prefetch
+and with a `BlockedEmbed`; all keep fp32 parameters and AdamW state and
+compute in bf16)
 runs in a fresh process (`python -m benchmarks.gpu VARIANT CONFIG BATCH SEQ`,
 one JSON line on stdout), so that `device.memory_stats()`'s peak belongs to
 that variant alone. Reported per variant: median step time, tokens/s, model
@@ -23,14 +24,20 @@ import time
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM parts).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
-# GPT-2 medium written as a Python loop of blocks (each opted in with
-# `zerojax.nn.layerwise`) at stage 3, with zerojax's prefetch (on by default
-# on a GPU) and without: there is no layer loop for XLA to pipeline, so this
-# pair measures what `ZeroConfig.prefetch` gains. Values: ZeroConfig fields.
-UNROLLED = {"zero-3-unrolled": {},
-            "zero-3-unrolled-no-prefetch": {"prefetch": False}}
+# Stage 3 on GPT-2 medium written otherwise: as a Python loop of blocks
+# (each opted in with `zerojax.nn.layerwise`), with zerojax's prefetch (on
+# by default on a GPU) and without: there is no layer loop for XLA to
+# pipeline, so this pair measures what `ZeroConfig.prefetch` gains; and
+# with its tied embedding as a `zerojax.nn.BlockedEmbed` (no logits in
+# memory, one vocabulary block gathered at a time). Values: (changes to the
+# model config, ZeroConfig fields).
+STAGE3_MODELS = {
+    "zero-3-unrolled": ({"scan": False}, {}),
+    "zero-3-unrolled-no-prefetch": ({"scan": False}, {"prefetch": False}),
+    "zero-3-blocked-embed": ({"embed_blocks": 16}, {}),
+}
 VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
-            "gspmd-fsdp") + tuple(UNROLLED)
+            "gspmd-fsdp") + tuple(STAGE3_MODELS)
 # (config, global batch per device, tokens per row, timed steps)
 PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20), "gpu-smoke": ("tiny", 2, 16, 2)}
 MFU_GOAL = {"zero-3": 0.45}   # the target recorded for one H100
@@ -54,12 +61,11 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
 
   n = jax.device_count()
   cfg = models.CONFIGS[config]
-  fields = UNROLLED.get(variant)
-  if fields is not None:
-    cfg = cfg.replace(scan=False)
-  v = V.build("zero-3" if fields is not None else variant, cfg,
+  changes, fields = STAGE3_MODELS.get(variant, ({}, {}))
+  cfg = cfg.replace(**changes)
+  v = V.build("zero-3" if variant in STAGE3_MODELS else variant, cfg,
               global_batch=batch_per_device * n, seq=seq, num_devices=n,
-              compute_dtype=jnp.bfloat16, **(fields or {}))
+              compute_dtype=jnp.bfloat16, **fields)
   v.compiled()
   for _ in range(2):
     v.run_once()

@@ -442,6 +442,11 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   assert (loop["tflops_per_s"] * loop["step_s"] ==
           pytest.approx(row["tflops_per_s"] * row["step_s"]))
   assert gpu.goal_checks([dict(loop, mfu=0.1)]) == []
+  # the tied embedding by vocabulary blocks: the same model FLOPs, within
+  # the padding of its last block
+  blocked = gpu._child("zero-3-blocked-embed", "tiny", 1, 16, 1)
+  assert (blocked["tflops_per_s"] * blocked["step_s"] ==
+          pytest.approx(row["tflops_per_s"] * row["step_s"], rel=1e-3))
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   h100 = dict(row, mfu=0.5)
   assert gpu.goal_checks([h100]) == [("zero-3 MFU", 0.5, 0.45, True)]
