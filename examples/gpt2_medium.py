@@ -127,6 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tensor parallelism beside ZeRO: attention heads and "
                  "MLP split over a 'model' axis of M devices, ZeRO over the "
                  "other N/M ('data'); a mesh (data=N/M, model=M)")
+  p.add_argument("--embed-blocks", type=int, default=0, metavar="K",
+                 help="the tied embedding as a zerojax.nn.BlockedEmbed of K "
+                 "vocabulary blocks: no logits in memory (the head's loss "
+                 "runs block by block), and at stage 3 one block of the "
+                 "table gathered at a time (0: nn.Embed)")
   p.add_argument("--hpz", action="store_true",
                  help="with --mesh: ZeRO++ hpZ, the fp32 master and optimizer "
                  "state sharded over replica x data too; each step gathers "
@@ -238,6 +243,7 @@ class GPTConfig:
   remat: bool = False
   layerwise: bool = True
   tp: int = 1        # devices of the "model" axis the heads and MLP split over
+  embed_blocks: int = 0   # > 0: the tied embedding as a BlockedEmbed
 
 
 def _split(init, cfg: GPTConfig, spec: tuple):
@@ -306,9 +312,18 @@ class GPT(nn.Module):
   cfg: GPTConfig
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, targets=None):
+    """Next-token logits; with `targets`, the mean cross entropy (what
+    `--embed-blocks` computes without the logits)."""
     cfg = self.cfg
-    wte = nn.Embed(cfg.vocab, cfg.width, embedding_init=_normal(0.02), name="wte")
+    if cfg.embed_blocks:
+      # zerojax.nn.BlockedEmbed: nn.Embed by vocabulary blocks, a layer stack
+      # (stacked=("blocks", "wte")) gathered one block at a time at stage 3
+      wte = zerojax.nn.BlockedEmbed(cfg.vocab, cfg.width, cfg.embed_blocks,
+                                    embedding_init=_normal(0.02), name="wte")
+    else:
+      wte = nn.Embed(cfg.vocab, cfg.width, embedding_init=_normal(0.02),
+                     name="wte")
     wpe = nn.Embed(cfg.ctx, cfg.width, embedding_init=_normal(0.01), name="wpe")
     x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))
     if cfg.layerwise:
@@ -324,7 +339,11 @@ class GPT(nn.Module):
                      metadata_params={nn.PARTITION_NAME: None})  # layers unsplit
     x, _ = blocks(cfg, name="blocks")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
-    return wte.attend(x)  # tied output embedding: x @ wte.T
+    if targets is None:
+      return wte.attend(x)  # tied output embedding: x @ wte.T
+    if cfg.embed_blocks:
+      return wte.cross_entropy(x, targets).mean()
+    return cross_entropy(wte.attend(x), targets)
 
 
 def cross_entropy(logits, targets):
@@ -465,14 +484,21 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
     raise SystemExit(f"--width {width} is not divisible by {heads} heads.")
   if n_devices % args.tp:
     raise SystemExit(f"--tp {args.tp} does not divide the {n_devices} devices.")
+  if args.embed_blocks < 0:
+    raise SystemExit(f"--embed-blocks must be 0 (nn.Embed) or a number of "
+                     f"vocabulary blocks, got {args.embed_blocks}.")
   if heads % args.tp:
     raise SystemExit(f"--tp {args.tp} does not divide the {heads} heads: "
                      "each model device computes whole heads.")
   vocab = BYTE_VOCAB if args.text else pre["vocab"]
+  if args.embed_blocks > vocab:
+    raise SystemExit(f"--embed-blocks {args.embed_blocks} is more than the "
+                     f"{vocab} words: give at most one block per word.")
   seq = args.seq or min(pre["seq"], pre["ctx"])
   cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
                   layers=args.layers or pre["layers"], width=width, heads=heads,
-                  remat=args.remat, layerwise=args.layerwise, tp=args.tp)
+                  remat=args.remat, layerwise=args.layerwise, tp=args.tp,
+                  embed_blocks=args.embed_blocks)
   steps = args.steps or pre["steps"]
   batch = args.batch or pre["micro_batch"] * n_devices * args.accum
   data = n_devices // args.tp   # the devices a batch is split over
@@ -525,7 +551,9 @@ def main(argv=None) -> dict:
                          quantize_grads=args.quantize_grads,
                          quantize_block=args.quantize_block,
                          compute_dtype=run["precision"], accum_steps=args.accum,
-                         clip_norm=args.clip or None, stacked=("blocks",),
+                         clip_norm=args.clip or None,
+                         stacked=("blocks", "wte") if cfg.embed_blocks
+                         else ("blocks",),
                          offload_optimizer={None: False, "host": True,
                                             "disk": "disk"}[args.offload],
                          offload_dir=args.offload_dir,
@@ -538,8 +566,7 @@ def main(argv=None) -> dict:
     log(f"resumed from {args.checkpoint_dir} at step {int(state.step)}")
 
   def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["tokens"])
-    return cross_entropy(logits, batch["targets"])
+    return model.apply({"params": params}, batch["tokens"], batch["targets"])
 
   step = zerojax.train_step(loss_fn)
   data = Batches(cfg.vocab, run["batch"], run["seq"], args.seed, args.text)

@@ -125,6 +125,20 @@ def test_tensor_parallel_flag_trains(tmp_path, flags, shape):
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
+def test_blocked_embedding_trains_as_nn_embed(runs, tmp_path):
+  """`--embed-blocks 4`: the tied embedding as a BlockedEmbed (stage 3, its
+  table gathered by blocks, the loss without logits) starts from the same
+  values and follows nn.Embed's run (the same seed and data)."""
+  out = _run(["--embed-blocks", "4"], tmp_path / "blocked.json",
+             tmp_path / "cache")
+  assert out["config"]["embed_blocks"] == 4
+  got, want = _losses(out), _losses(runs["random"])
+  # the same float32 sums in another order: AdamW (lr 3e-3) lets the
+  # difference grow over the run (1.7e-4 by step 40 in one run)
+  assert got[:20] == pytest.approx(want[:20], rel=1e-5)
+  assert got == pytest.approx(want, rel=1e-3)
+
+
 def test_offload_with_the_host_update_trains(tmp_path):
   """`--offload --update-on host`: the optimizer state in host memory,
   updated there."""
@@ -162,6 +176,8 @@ def test_the_disk_tier_trains(tmp_path):
     ("--tp=3", "--tp 3 does not divide the 8 devices"),
     ("--tp=8", "--tp 8 does not divide the 4 heads"),
     ("--tp=0", "--tp must be positive, got 0"),
+    ("--embed-blocks=-1", "--embed-blocks must be 0 (nn.Embed) or a number"),
+    ("--embed-blocks=300", "--embed-blocks 300 is more than the 256 words"),
     ("--tp=2 --mesh=replica=2,data=4",
      "needs replica=R,data=D with R x D = 4 devices (8 / --tp 2)"),
 ])
