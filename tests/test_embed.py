@@ -4,6 +4,7 @@ nn.Embed model; stage 3 gathering one block of the table at a time, in
 the compiled program and in its footprint."""
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +96,43 @@ def test_training_matches_plain_optax_on_nn_embed(vocab, config):
       *reference_run(lm_loss_fn(ScannedLM(layers=2, vocab=vocab)),
                      _plain_params(params, vocab), tx, batches,
                      compute_dtype=dtype), compute_dtype=dtype)
+
+
+class _UntiedLM(nn.Module):
+  """An untied head: a `BlockedEmbed` used only for its cross entropy
+  (`blocked`), or the same `[vocab, d]` weight as a plain parameter."""
+  blocked: bool
+
+  @nn.compact
+  def __call__(self, tokens, targets):
+    x = nn.LayerNorm()(nn.Dense(32)(nn.Embed(VOCAB, 32)(tokens)))
+    if self.blocked:
+      return BlockedEmbed(VOCAB, 32, 4, name="head").cross_entropy(x, targets)
+    weight = self.param("head", nn.linear.default_embed_init, (VOCAB, 32))
+    return optax.softmax_cross_entropy_with_integer_labels(x @ weight.T,
+                                                           targets)
+
+
+def test_an_untied_head_trains_at_stage3_as_a_plain_weight():
+  batches = lm_batches(VOCAB, steps=3)
+  model, plain = _UntiedLM(True), _UntiedLM(False)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1],
+                      batches[0]["targets"][:1])["params"]
+  to_plain = lambda p: {**{k: v for k, v in p.items() if k != "head"},
+                        "head": BlockedEmbed.table(p["head"]["embedding"],
+                                                   VOCAB)}
+  tx = optax.sgd(0.5, momentum=0.9)
+  loss = lambda m: (lambda p, b: m.apply({"params": p}, b["tokens"],
+                                         b["targets"]).mean())
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3,
+                        stacked=("head",))
+  assert zerojax.train_step(loss(model)).gathering(
+      state, batches[0])["head"] == "per layer"
+  state, losses = zero_run(state, loss(model), batches)
+  assert_matches_reference(losses, to_plain(zerojax.gather_params(state)),
+                           *reference_run(loss(plain), to_plain(params), tx,
+                                          batches))
 
 
 def test_eval_step_gives_the_plain_models_losses_and_logits():
