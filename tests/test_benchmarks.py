@@ -638,3 +638,27 @@ def test_disk_suite_measures_bytes_and_depth_and_reports(tmp_path):
   text = _quick_report(tmp_path, "disk", result, goals)
   assert "Disk tier against host offload" in text and "| disk |" in text
   assert (tmp_path / "quick_disk.png").exists()
+
+
+def test_host_memory_counts_what_malloc_keeps_for_reuse():
+  """The allocation check's available memory is the kernel's MemAvailable
+  plus what this process freed but glibc's malloc keeps. Under the pooled
+  allocator the suites run with (`run.ALLOCATOR_TUNABLES`), a freed 512
+  MiB buffer stays in the process, and the sum stays where it was (the
+  kernel's figure alone drops by the buffer)."""
+  import os
+  import subprocess
+  import sys
+  from benchmarks import run
+  code = ("import numpy as np; from benchmarks import memory as m\n"
+          "b = m.host_memory()['MemAvailable']; k = m._kept_by_malloc()\n"
+          "x = np.ones(2 ** 26); x[::512] = 2.0; del x\n"
+          "print(b, k, m.host_memory()['MemAvailable'], m._kept_by_malloc())")
+  root = os.path.join(os.path.dirname(__file__), os.pardir)
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                       capture_output=True, text=True,
+                       env={**os.environ, "GLIBC_TUNABLES":
+                            run.ALLOCATOR_TUNABLES}).stdout.split()
+  before, kept_before, after, kept_after = map(int, out)
+  assert kept_after - kept_before > 2 ** 28      # the buffer, kept
+  assert abs(after - before) < 2 ** 27, (before, after)
