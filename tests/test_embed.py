@@ -1,7 +1,7 @@
-"""zerojax.nn.BlockedEmbed: nn.Embed and optax's cross entropy in values
-and gradients; zerojax training with it against plain optax on a plain
-nn.Embed model; stage 3 gathering one block of the table at a time, in
-the compiled program and in its footprint."""
+"""zerojax.nn.BlockedEmbed (and NnxBlockedEmbed): nn.Embed and optax's
+cross entropy in values and gradients; zerojax training with it against
+plain optax on a plain nn.Embed model; stage 3 gathering one block of the
+table at a time, in the compiled program and in its footprint."""
 import re
 
 import flax.linen as nn
@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training import train_state
 
 import zerojax
 from zerojax.nn import BlockedEmbed
 from models import (ScannedLM, assert_matches_reference, lm_batches,
-                    lm_loss_fn, reference_run, zero_run)
+                    lm_loss_fn, nnx_reference_run, reference_run, zero_run)
 
 # 4 blocks of 63 rows (the last has 61 words and 2 padding rows): fewer
 # words than the 8 devices' 32 tokens each, so stage 3 looks up by blocks
@@ -133,6 +134,50 @@ def test_an_untied_head_trains_at_stage3_as_a_plain_weight():
   assert_matches_reference(losses, to_plain(zerojax.gather_params(state)),
                            *reference_run(loss(plain), to_plain(params), tx,
                                           batches))
+
+
+class _NnxLM(nnx.Module):
+  """An NNX LM whose tied embedding is a `NnxBlockedEmbed` (`blocked`), or
+  the same `[vocab, d]` table as a plain parameter used by hand."""
+
+  def __init__(self, vocab, rngs, blocked=True):
+    self.blocked = blocked
+    wte = zerojax.nn.NnxBlockedEmbed(vocab, 32, 4, rngs=rngs)
+    self.wte = wte if blocked else nnx.Param(
+        BlockedEmbed.table(wte.embedding[...], vocab))
+    self.lin = nnx.Linear(32, 32, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+
+  def __call__(self, tokens, targets):
+    table = None if self.blocked else self.wte[...]
+    x = self.wte(tokens) if self.blocked else table[tokens]
+    x = self.norm(self.lin(x))
+    if self.blocked:
+      return self.wte.cross_entropy(x, targets).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        x @ table.T, targets).mean()
+
+
+@pytest.mark.parametrize("vocab,stage", [(600, 3), (VOCAB, 3), (VOCAB, 2)],
+                         ids=["stage3-rows", "stage3-blocks", "stage2"])
+def test_nnx_module_trains_as_a_plain_table(vocab, stage):
+  """`NnxBlockedEmbed` (a stack "wte" of an NNX model) trained by zerojax
+  matches a plain NNX optimizer loop on one device over the same model
+  with its table as a plain `[vocab, d]` parameter."""
+  batches = lm_batches(vocab, steps=3)
+  tx = optax.sgd(0.5, momentum=0.9)
+  loss_fn = lambda m, b: m(b["tokens"], b["targets"])
+  state = zerojax.shard(_NnxLM(vocab, nnx.Rngs(0)), tx=tx, stage=stage,
+                        stacked=("wte",))
+  assert zerojax.train_step(loss_fn).gathering(state, batches[0])["wte"] == (
+      "per layer" if stage == 3 else "replicated, gradient reduced per layer")
+  state, losses = zero_run(state, loss_fn, batches)
+  ref_losses, ref = nnx_reference_run(
+      lambda: _NnxLM(vocab, nnx.Rngs(0), blocked=False), loss_fn, tx, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  trained = zerojax.gather_model(state).wte.embedding[...]
+  np.testing.assert_allclose(BlockedEmbed.table(trained, vocab),
+                             ref.wte[...], rtol=1e-5, atol=1e-6)
 
 
 def test_eval_step_gives_the_plain_models_losses_and_logits():

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from zerojax import collectives, losses
 from zerojax import nn as zero_nn
@@ -63,22 +64,10 @@ def _say_unstacked(layout, config, path: tuple) -> None:
       "/".join(path), tuple(config.stacked), path[-1])
 
 
-class BlockedEmbed(nn.Module):
-  """`nn.Embed` whose table is stored, gathered and differentiated by
-  vocabulary blocks, with the tied head's cross entropy (module docstring).
-
-  Attributes:
-    num_embeddings: the vocabulary size.
-    features: the embedding width.
-    blocks: how many vocabulary blocks the table is stored in; at stage 3
-      one block of the table is gathered at a time.
-    embedding_init: `nn.Embed`'s initializer, applied to the `[vocab,
-      features]` table before it is cut into blocks.
-  """
-  num_embeddings: int
-  features: int
-  blocks: int = 16
-  embedding_init: Callable[..., Any] = nn.linear.default_embed_init
+class _Blocks:
+  """The vocabulary-block computations `BlockedEmbed` and `NnxBlockedEmbed`
+  share. A subclass has `num_embeddings`, `features`, `blocks` and says
+  where its table is (`_source`) and how the step hears it (`_heard`)."""
 
   @property
   def rows(self) -> int:
@@ -91,7 +80,18 @@ class BlockedEmbed(nn.Module):
     features]` parameter."""
     return embedding.reshape(-1, embedding.shape[-1])[:num_embeddings]
 
-  def setup(self):
+  def _source(self):
+    """`(table, None)`: the plain `[blocks, rows, features]` parameter; or
+    inside a zerojax step whose stack this is, `(None, (c, value,
+    slot))`: the table's chunk `c`, this device's value of it (shards, or
+    at stage 2 the replicated rows) and its gradient slot (or None)."""
+    raise NotImplementedError
+
+  def _heard(self) -> None:
+    """Says this module's path to the step tracing it (the opt-in)."""
+    raise NotImplementedError
+
+  def _check_shape(self) -> None:
     for name, value in (("num_embeddings", self.num_embeddings),
                         ("features", self.features), ("blocks", self.blocks)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -101,21 +101,25 @@ class BlockedEmbed(nn.Module):
       raise ValueError(f"BlockedEmbed(blocks={self.blocks}) is more than its "
                        f"{self.num_embeddings} words: give at most one block "
                        "per word.")
-    if not zero_nn._chunk_keys(self.variables.get("params", {})):
-      self.embedding = self.param("embedding", self._init)
 
-  def _init(self, key):
-    table = self.embedding_init(key, (self.num_embeddings, self.features))
+  def _initial(self, init, key):
+    table = init(key, (self.num_embeddings, self.features))
     pad = self.blocks * self.rows - self.num_embeddings
     return jnp.pad(table, ((0, pad), (0, 0))).reshape(
         self.blocks, self.rows, self.features)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """`tokens`' embeddings, `[..., features]`, looked up block by block."""
+  def _lookup(self, tokens: jax.Array) -> jax.Array:
+    """`tokens`' embeddings, `[..., features]`, looked up block by block
+    (or at stage 3 by rows, `_rows_lookup`)."""
     tokens = jnp.asarray(tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise TypeError(f"BlockedEmbed: tokens have dtype {tokens.dtype}; "
                       "give integer token ids.")
+    table, chunk = self._source()
+    if chunk is not None:
+      rows = self._rows_lookup(tokens, *chunk)
+      if rows is not None:
+        return rows
 
     def body(x, i, w):
       local = tokens - i * self.rows
@@ -124,13 +128,12 @@ class BlockedEmbed(nn.Module):
                            jnp.take(w, jnp.clip(local, 0, self.rows - 1),
                                     axis=0), 0).astype(x.dtype)
 
-    sparse = self._sparse_lookup(tokens)
-    if sparse is not None:
-      return sparse
-    start = jnp.zeros(tokens.shape + (self.features,), self._dtype())
-    return self._over_blocks(body, start)
+    dtype = (table.dtype if table is not None
+             else zero_nn.active_layout()[1].compute_dtype)
+    return self._over_blocks(body, jnp.zeros(
+        tokens.shape + (self.features,), dtype))
 
-  def _sparse_lookup(self, tokens):
+  def _rows_lookup(self, tokens, c: int, value, slot):
     """At stage 3, the lookup by rows instead of blocks (None where it does
     not apply): every device's token ids are all-gathered, each device
     takes from its own shard the elements of those rows it holds, and a
@@ -142,22 +145,15 @@ class BlockedEmbed(nn.Module):
     Megatron's vocabulary-parallel embedding sums partial lookups the same
     way. Not for shards in host memory or split over a model axis: those
     take the blocks."""
-    context = zero_nn._ACTIVE.get()
-    keys = zero_nn._chunk_keys(self.variables.get("params", {}))
-    if context is None or not keys:
-      return None
-    layout, config = context[:2]
-    (c, key), = keys.items()
-    params = self.variables["params"]
+    layout, config = zero_nn.active_layout()
     ax = config.axis_name
     n = jax.lax.axis_size(ax)
-    if (not policy(config).gathers_params
-        or zero_nn.slot_key(c) in params
+    if (not policy(config).gathers_params or slot is not None
         or collectives.Wire.of(config, layout.chunks[c]).model is not None
         or n * tokens.size > self.blocks * self.rows):
       return None
-    context[2].add(tuple(self.scope.path))   # the step hears the opt-in
-    shard = params[key].astype(config.compute_dtype)   # [blocks, length / n]
+    self._heard()
+    shard = value.astype(config.compute_dtype)   # [blocks, length / n]
     width = shard.shape[-1]
     ids = jax.lax.all_gather(tokens.reshape(-1), ax)   # [n, tokens]
     # where each element of each token's row lies: the leaf is the row's
@@ -211,11 +207,6 @@ class BlockedEmbed(nn.Module):
                       hidden.dtype)
     return self._over_blocks(body, start)[..., :self.num_embeddings]
 
-  def _dtype(self):
-    if hasattr(self, "embedding"):
-      return self.embedding.dtype
-    return zero_nn.active_layout()[1].compute_dtype
-
   def _over_blocks(self, body, carry):
     """`body(carry, i, w)` over the blocks `i` in order, `w` block `i` of
     the table (`[rows, features]`): a slice of the plain parameter, or
@@ -223,18 +214,15 @@ class BlockedEmbed(nn.Module):
     (`nn._full_layer`: gathered at stage 3). The loop rematerialises each
     iteration, so the backward pass gathers the block again instead of
     keeping it."""
-    context = zero_nn._ACTIVE.get()
-    if context is not None and not self.is_initializing():
-      context[2].add(tuple(self.scope.path))   # the step hears the opt-in
-      _say_unstacked(context[0], context[1], tuple(self.scope.path))
-    if hasattr(self, "embedding"):
+    self._heard()
+    table, chunk = self._source()
+    if chunk is None:
       block = lambda i, w: w
-      xs = (self.embedding,)
+      xs = (table,)
     else:
-      layout, config = context[:2]
-      params = self.variables["params"]
-      (c, key), = zero_nn._chunk_keys(params).items()   # one leaf, one chunk
-      xs = (params[key], params.get(zero_nn.slot_key(c)))
+      layout, config = zero_nn.active_layout()
+      c, value, slot = chunk
+      xs = (value, slot)
 
       def block(i, value, slot):
         full = zero_nn._full_layer(layout, config, c, value, slot)
@@ -244,3 +232,82 @@ class BlockedEmbed(nn.Module):
                                                 None))
     xs = (jnp.arange(self.blocks),) + xs
     return jax.lax.scan(lambda c, x: step(c, *x), carry, xs)[0]
+
+
+class BlockedEmbed(_Blocks, nn.Module):
+  """`nn.Embed` whose table is stored, gathered and differentiated by
+  vocabulary blocks, with the tied head's cross entropy (module docstring).
+  Flax linen; `NnxBlockedEmbed` is the NNX module.
+
+  Attributes:
+    num_embeddings: the vocabulary size.
+    features: the embedding width.
+    blocks: how many vocabulary blocks the table is stored in; at stage 3
+      one block of the table is gathered at a time.
+    embedding_init: `nn.Embed`'s initializer, applied to the `[vocab,
+      features]` table before it is cut into blocks.
+  """
+  num_embeddings: int
+  features: int
+  blocks: int = 16
+  embedding_init: Callable[..., Any] = nn.linear.default_embed_init
+
+  def setup(self):
+    self._check_shape()
+    if not zero_nn._chunk_keys(self.variables.get("params", {})):
+      self.embedding = self.param(
+          "embedding", lambda key: self._initial(self.embedding_init, key))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """`tokens`' embeddings, `[..., features]`, looked up block by block."""
+    return self._lookup(tokens)
+
+  def _source(self):
+    if hasattr(self, "embedding"):
+      return self.embedding, None
+    params = self.variables["params"]
+    (c, key), = zero_nn._chunk_keys(params).items()   # one leaf, one chunk
+    return None, (c, params[key], params.get(zero_nn.slot_key(c)))
+
+  def _heard(self) -> None:
+    context = zero_nn._ACTIVE.get()
+    if context is not None and not self.is_initializing():
+      context[2].add(tuple(self.scope.path))
+      _say_unstacked(context[0], context[1], tuple(self.scope.path))
+
+
+class NnxBlockedEmbed(_Blocks, nnx.Module):
+  """`BlockedEmbed` as a Flax NNX module (`nnx.Embed`'s place); list its
+  attribute path in `stacked=` (`stacked=("wte",)` for `model.wte`).
+
+  Args:
+    num_embeddings, features, blocks, embedding_init: as `BlockedEmbed`'s.
+    rngs: the `nnx.Rngs` its table is drawn from (`rngs.params()`).
+  """
+
+  def __init__(self, num_embeddings: int, features: int, blocks: int = 16, *,
+               embedding_init: Callable[..., Any] = nn.linear.default_embed_init,
+               rngs: nnx.Rngs):
+    self.num_embeddings, self.features, self.blocks = (num_embeddings,
+                                                       features, blocks)
+    self._check_shape()
+    self.embedding = nnx.Param(self._initial(embedding_init, rngs.params()))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """`tokens`' embeddings, `[..., features]`, looked up block by block."""
+    return self._lookup(tokens)
+
+  def _source(self):
+    shards = {int(k[len(zero_nn.CHUNK_KEY):]): v for k, v in vars(self).items()
+              if k.startswith(zero_nn.CHUNK_KEY)}
+    if not shards:
+      return self.embedding[...], None
+    (c, value), = shards.items()
+    slot = getattr(self, zero_nn.slot_key(c), None)
+    return None, (c, value[...], None if slot is None else slot[...])
+
+  def _heard(self) -> None:
+    context = zero_nn._ACTIVE.get()
+    stack = getattr(self, zero_nn.STACK_ATTR, None)
+    if context is not None and stack is not None:
+      context[2].add(stack)

@@ -414,3 +414,4 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
 from zerojax import embed as _embed  # noqa: E402
 
 BlockedEmbed = _embed.BlockedEmbed
+NnxBlockedEmbed = _embed.NnxBlockedEmbed
