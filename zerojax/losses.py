@@ -1,6 +1,6 @@
 """Cross entropy of a linear head without its logits in memory.
 
-    h = model.apply({"params": params}, tokens, logits=False)   # [..., d]
+    h = model.apply({"params": params}, tokens)   # hidden states, [..., d]
     loss = zerojax.losses.linear_cross_entropy(
         h, params["wte"]["embedding"], targets).mean()
 
