@@ -2,21 +2,28 @@
 
 `python -m benchmarks.run --gpu` (or `--gpu-smoke`: a tiny model on CPU, for
 the tests). Each variant (zerojax stages 0-3, plain `jax.jit` data parallel,
-GSPMD FSDP, and stage 3 on the unrolled model with and without prefetch
-and with a `BlockedEmbed`; all keep fp32 parameters and AdamW state and
-compute in bf16)
-runs in a fresh process (`python -m benchmarks.gpu VARIANT CONFIG BATCH SEQ`,
+GSPMD FSDP, and stage 3 on the unrolled model with and without prefetch,
+with a `BlockedEmbed`, and with a layer remat that keeps the matmul
+outputs; all keep fp32 parameters and AdamW state and compute in bf16, with
+cuDNN's flash attention) runs in a fresh process
+(`python -m benchmarks.gpu VARIANT CONFIG BATCH SEQ STEPS [ATTENTION]`,
 one JSON line on stdout), so that `device.memory_stats()`'s peak belongs to
 that variant alone. Reported per variant: median step time, tokens/s, model
 TFLOP/s, MFU against the device's dense bf16 peak, and the peak device
 bytes. Model FLOPs per token are 6Ψ + 12·layers·width·seq (PaLM's count:
 weights forward and backward, attention scores and values), whatever a
 variant recomputes (stage 3 rematerialises each layer).
+
+Inside a short GPU lease, `benchmarks/gpu_lease.sh` runs the same children
+under a time limit each and keeps each row as it finishes; `python -m
+benchmarks.run --gpu --rows FILE...` turns those rows into the results
+(`read_rows`, `summarize`).
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -35,11 +42,15 @@ STAGE3_MODELS = {
     "zero-3-unrolled": ({"scan": False}, {}),
     "zero-3-unrolled-no-prefetch": ({"scan": False}, {"prefetch": False}),
     "zero-3-blocked-embed": ({"embed_blocks": 16}, {}),
+    "zero-3-save-dots": (
+        {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
 }
 VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
             "gspmd-fsdp") + tuple(STAGE3_MODELS)
-# (config, global batch per device, tokens per row, timed steps)
-PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20), "gpu-smoke": ("tiny", 2, 16, 2)}
+# (config, global batch per device, tokens per row, timed steps, attention:
+# GPTConfig.attention, cuDNN's flash attention on the GPU)
+PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20, "cudnn"),
+         "gpu-smoke": ("tiny", 2, 16, 2, "einsum")}
 MFU_GOAL = {"zero-3": 0.45}   # the target recorded for one H100
 
 
@@ -53,7 +64,7 @@ def peak_flops(device_kind: str):
 
 
 def _child(variant: str, config: str, batch_per_device: int, seq: int,
-           steps: int) -> dict:
+           steps: int, attention: str = "einsum") -> dict:
   """One variant in this process: warm up, time `steps` steps."""
   import jax
   import jax.numpy as jnp
@@ -62,11 +73,13 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
   n = jax.device_count()
   cfg = models.CONFIGS[config]
   changes, fields = STAGE3_MODELS.get(variant, ({}, {}))
-  cfg = cfg.replace(**changes)
+  cfg = cfg.replace(attention=attention, **changes)
   v = V.build("zero-3" if variant in STAGE3_MODELS else variant, cfg,
               global_batch=batch_per_device * n, seq=seq, num_devices=n,
               compute_dtype=jnp.bfloat16, **fields)
+  start = time.perf_counter()
   v.compiled()
+  compile_s = time.perf_counter() - start
   for _ in range(2):
     v.run_once()
   times = []
@@ -81,6 +94,13 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
   peak = peak_flops(jax.devices()[0].device_kind)
   return {"variant": variant, "devices": n,
           "device_kind": jax.devices()[0].device_kind,
+          "jax": jax.__version__, "python": platform.python_version(),
+          "cpu_count": os.cpu_count(),
+          "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") *
+          os.sysconf("SC_PHYS_PAGES"),
+          "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "attention": attention,
+          "compile_s": compile_s,
           "step_s": step_s, "tokens_per_s": tokens / step_s,
           "tflops_per_s": tflops,
           "mfu": tflops * 1e12 / (peak * n) if peak else None,
@@ -90,37 +110,71 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
 
 def run(mode: str, log=print) -> dict:
   """Every variant of `mode` ("gpu" or "gpu-smoke"), each in a fresh
-  process; returns {"setup", "rows", "goals"}."""
-  config, per_device, seq, steps = PLANS[mode]
+  process; returns {"setup", "rows", "goals"} (`summarize`)."""
+  config, per_device, seq, steps, attention = PLANS[mode]
   rows = []
   for variant in VARIANTS:
     log(f"gpu: {variant} ({config}, {per_device} x {seq} tokens per device)")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", variant, config,
-         str(per_device), str(seq), str(steps)], capture_output=True, text=True,
+         str(per_device), str(seq), str(steps), attention],
+        capture_output=True, text=True,
         timeout=1800)
     if proc.returncode:
-      rows.append({"variant": variant,
+      rows.append({"variant": variant, "attention": attention,
                    "error": proc.stderr.strip().splitlines()[-1][:500]
                    if proc.stderr.strip() else f"exit {proc.returncode}"})
       continue
     rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-  base = {r["variant"]: r for r in rows if "error" not in r}
+  return summarize(mode, rows)
+
+
+def summarize(mode: str, rows: list) -> dict:
+  """{"setup", "rows", "goals"} of `rows` (`_child`'s, measured by `run`
+  or by `benchmarks/gpu_lease.sh` elsewhere): each row's step time against
+  plain data parallel and GSPMD FSDP with the same attention, rows in
+  `VARIANTS` order within each attention."""
+  config, per_device, seq, steps, attention = PLANS[mode]
+  attentions = list(dict.fromkeys(r.get("attention", attention)
+                                  for r in rows))
+  order = {v: i for i, v in enumerate(VARIANTS)}
+  rows = sorted(rows, key=lambda r: (attentions.index(
+      r.get("attention", attention)), order.get(r["variant"], len(order))))
   for r in rows:
+    base = {b["variant"]: b for b in rows if "error" not in b
+            and b.get("attention") == r.get("attention")}
     for ref in ("plain-dp", "gspmd-fsdp"):
       if "error" not in r and ref in base:
         r[f"step_vs_{ref}"] = r["step_s"] / base[ref]["step_s"]
   return {"setup": {"config": config, "batch_per_device": per_device,
                     "seq": seq, "timed_steps": steps, "compute": "bf16",
+                    "attention": attentions,
                     "optimizer": "AdamW, fp32 state"},
           "rows": rows, "goals": goal_checks(rows)}
+
+
+def read_rows(paths) -> list:
+  """The rows (one JSON object per line) that `benchmarks/gpu_lease.sh`
+  appended to each of `paths`; a variant measured again in a later file,
+  with the same attention, replaces its earlier row (a failed row replaces
+  none)."""
+  rows = {}
+  for path in paths:
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          r = json.loads(line)
+          key = r["variant"], r.get("attention")
+          if "error" not in r or "error" in rows.get(key, r):
+            rows[key] = r
+  return list(rows.values())
 
 
 def goal_checks(rows: list) -> list:
   """(what, value, bound, met) of the MFU goals that were measured: a row
   without a known device peak (CPU) has no MFU and no goal row."""
-  return [(f"{r['variant']} MFU", r["mfu"], MFU_GOAL[r["variant"]],
-           r["mfu"] >= MFU_GOAL[r["variant"]])
+  return [(f"{r['variant']} MFU ({r.get('attention', 'einsum')} attention)",
+           r["mfu"], MFU_GOAL[r["variant"]], r["mfu"] >= MFU_GOAL[r["variant"]])
           for r in rows if r["variant"] in MFU_GOAL and r.get("mfu") is not None]
 
 
@@ -131,4 +185,5 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(
       os.environ.get("XLA_FLAGS", ""))
   print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]),
-                          int(sys.argv[4]), int(sys.argv[5]))))
+                          int(sys.argv[4]), int(sys.argv[5]),
+                          *sys.argv[6:7])))

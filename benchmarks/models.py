@@ -102,6 +102,14 @@ class GPTConfig(LanguageModel):
   # vocabulary blocks (a stack "wte": zerojax gathers one block at a time
   # at the lookup and at the head, whose loss it computes); None: nn.Embed
   embed_blocks: Optional[int] = None
+  # the attention: "einsum" (scores written out, then a softmax), or a
+  # `jax.nn.dot_product_attention` implementation ("xla"; "cudnn", its
+  # fused flash attention on an NVIDIA GPU)
+  attention: str = "einsum"
+  # a `jax.checkpoint_policies` name for the layerwise block's remat (e.g.
+  # "dots_with_no_batch_dims_saveable": the backward keeps the matmul
+  # outputs and recomputes the rest, the gathers included); "": recompute all
+  remat_policy: str = ""
 
   @property
   def stacked(self) -> tuple:
@@ -177,11 +185,19 @@ class Block(nn.Module):
     else:
       qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.heads, hd)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    attn = jax.nn.softmax(scores, axis=-1)
-    h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
+    if cfg.attention == "einsum":
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+      attn = jax.nn.softmax(scores, axis=-1)
+      h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
+    else:
+      # (cuDNN takes half precision only: fp32 runs, and the parameters'
+      # fp32 init, take XLA's)
+      half = q.dtype in (jnp.bfloat16, jnp.float16)
+      h = jax.nn.dot_product_attention(
+          q, k, v, is_causal=True,
+          implementation=cfg.attention if half else "xla").reshape(b, t, d)
     x = x + self._dense(d, "attn_out", cols=False)(h)
     h = nn.LayerNorm(name="ln_2")(x)
     h = nn.gelu(self._dense(4 * d, "mlp_in", cols=True)(h))
@@ -219,8 +235,10 @@ class GPT(nn.Module):
                      name="wte")
     wpe = self.param("wpe", init, (cfg.max_len, cfg.width))
     x = wte(tokens) + wpe[: tokens.shape[1]]
-    block = (zerojax.nn.layerwise(Block, prevent_cse=False) if cfg.layerwise
-             else Block)
+    policy = ({"policy": getattr(jax.checkpoint_policies, cfg.remat_policy)}
+              if cfg.remat_policy else {})
+    block = (zerojax.nn.layerwise(Block, prevent_cse=False, **policy)
+             if cfg.layerwise else Block)
     if cfg.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0},
                      split_rngs={"params": True}, length=cfg.layers,

@@ -410,20 +410,29 @@ def _throughput_md(r: dict, mode: str) -> list:
            f"is the median of {s['timed_steps']} steps; model FLOPs are "
            "6Ψ + 12·layers·width·seq per token; MFU against the device's "
            "dense bf16 peak (— where the device's peak is unknown: not "
-           f"measured). `python -m benchmarks.run --{mode}`.", "",
-           "| variant | device | step s | tokens/s | TFLOP/s | MFU | peak MiB "
-           "| × plain DP | × GSPMD FSDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "measured). Attention `einsum`: the scores written out, then a "
+           "softmax; `cudnn`: `jax.nn.dot_product_attention`'s cuDNN flash "
+           "attention. Ratios are against plain DP and GSPMD FSDP with the "
+           f"same attention. `python -m benchmarks.run --{mode}`"
+           + (" (here: `benchmarks/gpu_lease.sh` on a lent machine, then "
+              "`--rows`)." if r.get("meta", {}).get("rows_from") else "."),
+           "", "| variant | attention | device | step s | tokens/s | TFLOP/s "
+           "| MFU | peak MiB | × plain DP | × GSPMD FSDP |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for row in r["rows"]:
+    attention = row.get("attention", "einsum")
     if "error" in row:
-      lines.append(f"| {row['variant']} | error: {row['error']} |||||||")
+      lines.append(f"| {row['variant']} | {attention} | error: "
+                   f"{row['error']} |||||||")
       continue
     mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
     ratio = lambda k: f"{row[k]:.3f}" if k in row else ""
-    lines.append(f"| {row['variant']} | {row['devices']}× {row['device_kind']} | "
+    lines.append(f"| {row['variant']} | {attention} | {row['devices']}× "
+                 f"{row['device_kind']} | "
                  f"{row['step_s']:.4f} | {row['tokens_per_s']:,.0f} | "
                  f"{row['tflops_per_s']:.2f} | {mfu} | {_mib(row['peak_bytes'])} | "
                  f"{ratio('step_vs_plain-dp')} | {ratio('step_vs_gspmd-fsdp')} |")
-  return lines + [""]
+  return lines + ["", f"![throughput]({mode}_throughput.png)", ""]
 
 
 def _frontends_md(r: dict, mode: str) -> list:
@@ -550,9 +559,11 @@ def markdown(out: str) -> str:
             else " (pooled malloc)") for suite, r in results.items())
     lines += [f"## `--{mode}`", "",
               f"jax {meta['jax']}, {meta['backend']} backend, "
-              f"{meta['devices']} devices, {meta['cpu_count']} CPU cores, "
-              f"{meta['host_memory_bytes'] / 2 ** 30:.0f} GiB host memory. "
-              f"Measured: {dates}.", ""]
+              f"{meta['devices']} devices, " + (
+                  f"{meta['cpu_count']} CPU cores, "
+                  f"{meta['host_memory_bytes'] / 2 ** 30:.0f} GiB host "
+                  "memory" if meta.get("cpu_count") else "host not recorded")
+              + f". Measured: {dates}.", ""]
     goals = _goals_table(results)
     if goals:
       lines += ["Goals:", ""] + goals + [""]
@@ -643,6 +654,36 @@ def plot_memory(r: dict, path: str):
     n_params = r["configs"][cfg_name]["num_params"]
     ax.set_title(f"{cfg_name} (Ψ = {n_params / 1e6:.1f}M)", fontsize=10)
     ax.legend(fontsize=8)
+  _save(fig, path)
+
+
+def plot_throughput(r: dict, path: str):
+  """Model TFLOP/s per variant (MFU where the device's peak is known), one
+  bar per attention."""
+  rows = [row for row in r["rows"] if "error" not in row]
+  attentions = list(dict.fromkeys(row.get("attention", "einsum")
+                                  for row in rows))
+  variants = list(dict.fromkeys(row["variant"] for row in rows))
+  mfu = all(row["mfu"] is not None for row in rows)
+  fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(variants) + 1.5))
+  height = 0.8 / max(len(attentions), 1)
+  for k, attention in enumerate(attentions):
+    got = {row["variant"]: row for row in rows
+           if row.get("attention", "einsum") == attention}
+    ys = [i + k * height for i, v in enumerate(variants) if v in got]
+    xs = [100 * got[v]["mfu"] if mfu else got[v]["tflops_per_s"]
+          for v in variants if v in got]
+    ax.barh(ys, xs, height=height, label=f"{attention} attention")
+  ax.set_yticks([i + height * (len(attentions) - 1) / 2
+                 for i in range(len(variants))], variants)
+  ax.invert_yaxis()
+  ax.set_xlabel("MFU %" if mfu else "model TFLOP/s")
+  goal = next((bound for _, _, bound, _ in r.get("goals", [])), None)
+  if mfu and goal is not None:
+    ax.axvline(100 * goal, color="k", ls="--", lw=1, label="zero-3 goal")
+  ax.legend(fontsize=8)
+  ax.set_title(f"{r['setup']['config']}, {r['setup']['batch_per_device']}×"
+               f"{r['setup']['seq']} tokens per device")
   _save(fig, path)
 
 
@@ -1002,6 +1043,9 @@ def write(out: str, mode: str):
   if "quantized" in results:
     plot_quantized(results["quantized"],
                    os.path.join(out, f"{mode}_quantized.png"))
+  if "throughput" in results:
+    plot_throughput(results["throughput"],
+                    os.path.join(out, f"{mode}_throughput.png"))
   if "frontends" in results:
     plot_frontends(results["frontends"], os.path.join(out, f"{mode}_frontends.png"))
   if "comm" in results:

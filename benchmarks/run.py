@@ -411,11 +411,27 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
   return written
 
 
-def run_gpu(mode: str, out: str) -> dict:
-  """The throughput suite (`benchmarks.gpu`) on the local devices."""
+def run_gpu(mode: str, out: str, rows=None) -> dict:
+  """The throughput suite (`benchmarks.gpu`) on the local devices, or the
+  results of `rows` files that `benchmarks/gpu_lease.sh` measured on
+  another machine (described by its rows)."""
   os.makedirs(out, exist_ok=True)
-  result = gpu.run(mode, log=_log)
-  result["meta"] = _meta(mode)
+  if rows is None:
+    result = gpu.run(mode, log=_log)
+    result["meta"] = _meta(mode)
+  else:
+    measured = gpu.read_rows(rows)
+    result = gpu.summarize(mode, measured)
+    first = next((r for r in measured if "error" not in r), {})
+    result["meta"] = {
+        "mode": mode, "jax": first.get("jax"), "backend": "gpu",
+        "devices": first.get("devices"), "python": first.get("python"),
+        "host_memory_bytes": first.get("host_memory_bytes"),
+        "cpu_count": first.get("cpu_count"), "allocator": "system",
+        "date": max((r["date"] for r in measured if "date" in r),
+                    default=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(
+                        max(map(os.path.getmtime, rows))))),
+        "rows_from": [os.path.basename(p) for p in rows]}
   _write(out, f"{mode}_throughput.json", result)
   report.write(out, mode)
   return result
@@ -438,6 +454,10 @@ def main(argv=None) -> int:
   group.add_argument("--gpu-smoke", action="store_const", dest="mode",
                      const="gpu-smoke", help="--gpu's path on a tiny model "
                      "(CPU), for the tests")
+  parser.add_argument("--rows", nargs="+", metavar="FILE",
+                      help="with --gpu: write the results of the rows that "
+                      "benchmarks/gpu_lease.sh measured (on a lent GPU) "
+                      "instead of measuring here")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                       help="output folder (default: benchmarks/results)")
   parser.add_argument("--system-allocator", action="store_true",
@@ -452,9 +472,11 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f"unknown suite(s) {unknown}; use "
                  f"{','.join(SUITES + EXTRA_SUITES)}")
+  if args.rows and args.mode not in gpu.PLANS:
+    parser.error(f"--rows {' '.join(args.rows)}: rows are --gpu's; add --gpu")
   start = time.time()
   if args.mode in gpu.PLANS:
-    written = {"throughput": run_gpu(args.mode, args.out)}
+    written = {"throughput": run_gpu(args.mode, args.out, args.rows)}
   else:
     written = run(args.mode, args.out, suites)
   _log(f"done in {time.time() - start:.0f} s")

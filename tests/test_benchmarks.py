@@ -449,7 +449,8 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
           pytest.approx(row["tflops_per_s"] * row["step_s"], rel=1e-3))
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   h100 = dict(row, mfu=0.5)
-  assert gpu.goal_checks([h100]) == [("zero-3 MFU", 0.5, 0.45, True)]
+  assert gpu.goal_checks([h100]) == [
+      ("zero-3 MFU (einsum attention)", 0.5, 0.45, True)]
   table = report._throughput_md(
       {"setup": {"config": "tiny", "compute": "bf16", "optimizer": "AdamW",
                  "batch_per_device": 1, "seq": 16, "timed_steps": 1},
@@ -462,6 +463,78 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
   assert _number(zero3["TFLOP/s"]) == pytest.approx(row["tflops_per_s"], abs=0.005)
   assert zero3["MFU"] == "—"                          # no known peak
   assert "OOM" in rows["plain-dp"]["device"]
+
+
+def test_gpu_model_options_compute_the_same_step():
+  """The --gpu runs' model options change how, not what: the attention as
+  `jax.nn.dot_product_attention` (XLA's; "cudnn" in fp32, as at init, is
+  XLA's too) gives the einsum attention's loss and gradients, and a zero-3
+  step whose layer remat saves the matmul outputs gives the same losses and
+  gradient norms."""
+  import numpy as np
+  from benchmarks import models, variants as V
+  cfg = models.CONFIGS["tiny"]
+  batch = cfg.make_batch(2, 16)
+
+  def grads(c):
+    model = c.make_model()
+    params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
+    return jax.value_and_grad(c.make_loss_fn(model))(params, batch)
+
+  ref = grads(cfg)
+  for attention in ("xla", "cudnn"):
+    got = grads(cfg.replace(attention=attention))
+    for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  losses = {}
+  for policy in ("", "dots_with_no_batch_dims_saveable"):
+    v = V.build("zero-3", cfg.replace(remat_policy=policy), global_batch=16,
+                seq=16, num_devices=8)
+    losses[policy] = [[float(m) for m in v.run_once().values()]
+                      for _ in range(2)]   # loss and gradient norm
+    v.release()
+  np.testing.assert_allclose(losses[""], losses["dots_with_no_batch_dims_saveable"],
+                             rtol=1e-6)
+
+
+def test_gpu_rows_measured_elsewhere_are_reported_against_their_own_baseline(
+    tmp_path):
+  """`benchmarks.run --gpu --rows`: rows that `benchmarks/gpu_lease.sh`
+  wrote on a lent machine become the results. Ratios are taken against the
+  plain-DP row of the same attention; a later row replaces an earlier one,
+  but a failed row replaces no measured one; the run fails its missed MFU
+  goal. Without --gpu, --rows is refused."""
+  from benchmarks import run
+  def row(variant, attention, step_s, mfu):
+    return {"variant": variant, "attention": attention, "devices": 1,
+            "device_kind": "NVIDIA H100", "jax": "j", "step_s": step_s,
+            "tokens_per_s": 8192 / step_s, "tflops_per_s": 400 * mfu,
+            "mfu": mfu, "peak_bytes": 2 ** 30, "cpu_count": 16,
+            "host_memory_bytes": 2 ** 37, "date": "2026-01-02 03:04:05"}
+  first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  first.write_text("\n".join(json.dumps(r) for r in [
+      row("plain-dp", "einsum", 0.2, 0.2), row("zero-3", "einsum", 0.3, 0.1),
+      row("plain-dp", "cudnn", 0.1, 0.4), row("zero-3", "cudnn", 0.2, 0.3)]))
+  second.write_text("\n".join(json.dumps(r) for r in [
+      row("zero-3", "cudnn", 0.12, 0.5),
+      {"variant": "plain-dp", "attention": "cudnn", "error": "exit 124"}]))
+  out = tmp_path / "out"
+  status = run.main(["--gpu", "--rows", str(first), str(second),
+                     "--out", str(out)])
+  result = json.loads((out / "gpu_throughput.json").read_text())
+  got = {(r["variant"], r["attention"]): r for r in result["rows"]}
+  assert len(got) == 4 and "error" not in got["plain-dp", "cudnn"]
+  assert got["zero-3", "cudnn"]["step_vs_plain-dp"] == pytest.approx(1.2)
+  assert got["zero-3", "einsum"]["step_vs_plain-dp"] == pytest.approx(1.5)
+  assert [g[:2] for g in result["goals"]] == [
+      ["zero-3 MFU (einsum attention)", 0.1], ["zero-3 MFU (cudnn attention)", 0.5]]
+  assert status == 1     # the einsum row misses its goal
+  assert result["meta"]["date"] == "2026-01-02 03:04:05"
+  readme = (out / "README.md").read_text()
+  assert "1 devices, 16 CPU cores, 128 GiB host memory" in readme
+  assert (out / "gpu_throughput.png").stat().st_size > 0
+  with pytest.raises(SystemExit):
+    run.main(["--quick", "--rows", str(first), "--out", str(out)])
 
 
 def _quick_report(tmp_path, suite: str, result: dict, goals: list) -> str:

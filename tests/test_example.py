@@ -178,6 +178,7 @@ def test_the_disk_tier_trains(tmp_path):
     ("--tp=0", "--tp must be positive, got 0"),
     ("--embed-blocks=-1", "--embed-blocks must be 0 (nn.Embed) or a number"),
     ("--embed-blocks=300", "--embed-blocks 300 is more than the 256 words"),
+    ("--attention=cudnn", "--attention cudnn needs an NVIDIA GPU"),
     ("--tp=2 --mesh=replica=2,data=4",
      "needs replica=R,data=D with R x D = 4 devices (8 / --tp 2)"),
 ])

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `python -m benchmarks.run --gpu`'s variants inside one short GPU lease: each
+# variant in a fresh process (`python -m benchmarks.gpu`), most wanted first,
+# each under a time limit and all under one deadline, so that a slow compile
+# costs one row, not the lease. Every finished row is appended to
+# $OUT/rows.jsonl at once; stdout and stderr go to $OUT/log.txt. Back here,
+# `python -m benchmarks.run --gpu --rows rows.jsonl` writes the results.
+#
+#   BUDGET=480 PER_VARIANT=150 bash benchmarks/gpu_lease.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/zerojax_gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+CONFIG=${CONFIG:-gpt2-medium}
+deadline=$((SECONDS + ${BUDGET:-480}))
+{
+  date -u
+  nvidia-smi -L
+  "$PY" -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', \
+jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, \
+jax.devices())"
+} >>"$OUT/log.txt" 2>&1
+for v in ${VARIANTS:-zero-3 plain-dp gspmd-fsdp zero-3-blocked-embed zero-0 \
+         zero-1 zero-2 zero-3-unrolled zero-3-unrolled-no-prefetch}; do
+  left=$((deadline - SECONDS))
+  limit=$((left < ${PER_VARIANT:-150} ? left : ${PER_VARIANT:-150}))
+  if [ "$limit" -lt 30 ]; then
+    echo "{\"variant\": \"$v\", \"error\": \"not run: the lease's time ran out\"}" >>"$OUT/rows.jsonl"
+    continue
+  fi
+  echo "=== $v (limit ${limit} s) $(date -u +%T)" >>"$OUT/log.txt"
+  start=$SECONDS
+  timeout "$limit" "$PY" -m benchmarks.gpu "$v" "$CONFIG" "${BATCH:-8}" "${SEQ:-1024}" "${STEPS:-20}" "${ATTENTION:-cudnn}" \
+    >"$OUT/row.tmp" 2>>"$OUT/log.txt"
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    tail -n 1 "$OUT/row.tmp" >>"$OUT/rows.jsonl"
+  else
+    echo "{\"variant\": \"$v\", \"error\": \"exit $rc after $((SECONDS - start)) s (124: over its ${limit} s limit); see log.txt\"}" >>"$OUT/rows.jsonl"
+  fi
+  echo "=== $v done rc=$rc in $((SECONDS - start)) s" >>"$OUT/log.txt"
+  tail -n 1 "$OUT/rows.jsonl"
+done
+rm -f "$OUT/row.tmp"
