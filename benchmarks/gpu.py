@@ -2,10 +2,9 @@
 
 `python -m benchmarks.run --gpu` (or `--gpu-smoke`: a tiny model on CPU, for
 the tests). Each variant (zerojax stages 0-3, plain `jax.jit` data parallel,
-GSPMD FSDP, and stage 3 on the unrolled model with and without prefetch,
-with a `BlockedEmbed`, and with a layer remat that keeps the matmul
-outputs; all keep fp32 parameters and AdamW state and compute in bf16, with
-cuDNN's flash attention) runs in a fresh process
+GSPMD FSDP, and the model written otherwise: see `MODELS`; all keep fp32
+parameters and AdamW state and compute in bf16, with cuDNN's flash
+attention) runs in a fresh process
 (`python -m benchmarks.gpu VARIANT CONFIG BATCH SEQ STEPS [ATTENTION]`,
 one JSON line on stdout), so that `device.memory_stats()`'s peak belongs to
 that variant alone. Reported per variant: median step time, tokens/s, model
@@ -31,22 +30,29 @@ import time
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM parts).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
-# Stage 3 on GPT-2 medium written otherwise: as a Python loop of blocks
-# (each opted in with `zerojax.nn.layerwise`), with zerojax's prefetch (on
-# by default on a GPU) and without: there is no layer loop for XLA to
-# pipeline, so this pair measures what `ZeroConfig.prefetch` gains; and
-# with its tied embedding as a `zerojax.nn.BlockedEmbed` (no logits in
-# memory, one vocabulary block gathered at a time). Values: (changes to the
-# model config, ZeroConfig fields).
-STAGE3_MODELS = {
-    "zero-3-unrolled": ({"scan": False}, {}),
-    "zero-3-unrolled-no-prefetch": ({"scan": False}, {"prefetch": False}),
-    "zero-3-blocked-embed": ({"embed_blocks": 16}, {}),
+# GPT-2 medium written otherwise, under one of the variants above. Stage 3
+# as a Python loop of blocks (each opted in with `zerojax.nn.layerwise`),
+# with zerojax's prefetch (on by default on a GPU) and without: there is no
+# layer loop for XLA to pipeline, so this pair measures what
+# `ZeroConfig.prefetch` gains; with its tied embedding as a
+# `zerojax.nn.BlockedEmbed` (no logits in memory, one vocabulary block
+# gathered at a time); with the layer remat keeping the matmul outputs; with
+# the head's loss as `zerojax.losses.linear_cross_entropy` (no logits in
+# memory, the embedding held). And plain data parallel with each block
+# rematerialised as stage 3's are, which tells remat's cost from zerojax's.
+# Values: (the variant, changes to the model config, ZeroConfig fields).
+MODELS = {
+    "zero-3-unrolled": ("zero-3", {"scan": False}, {}),
+    "zero-3-unrolled-no-prefetch": ("zero-3", {"scan": False},
+                                    {"prefetch": False}),
+    "zero-3-blocked-embed": ("zero-3", {"embed_blocks": 16}, {}),
     "zero-3-save-dots": (
-        {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
+        "zero-3", {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
+    "zero-3-loss-block": ("zero-3", {"loss_block": 8192}, {}),
+    "plain-dp-remat": ("plain-dp", {"remat": True}, {}),
 }
 VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
-            "gspmd-fsdp") + tuple(STAGE3_MODELS)
+            "gspmd-fsdp") + tuple(MODELS)
 # (config, global batch per device, tokens per row, timed steps, attention:
 # GPTConfig.attention, cuDNN's flash attention on the GPU)
 PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20, "cudnn"),
@@ -68,13 +74,13 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
   """One variant in this process: warm up, time `steps` steps."""
   import jax
   import jax.numpy as jnp
-  from benchmarks import models, variants as V
+  from benchmarks import memory, models, variants as V
 
   n = jax.device_count()
   cfg = models.CONFIGS[config]
-  changes, fields = STAGE3_MODELS.get(variant, ({}, {}))
+  base, changes, fields = MODELS.get(variant, (variant, {}, {}))
   cfg = cfg.replace(attention=attention, **changes)
-  v = V.build("zero-3" if variant in STAGE3_MODELS else variant, cfg,
+  v = V.build(base, cfg,
               global_batch=batch_per_device * n, seq=seq, num_devices=n,
               compute_dtype=jnp.bfloat16, **fields)
   start = time.perf_counter()
@@ -96,8 +102,7 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
           "device_kind": jax.devices()[0].device_kind,
           "jax": jax.__version__, "python": platform.python_version(),
           "cpu_count": os.cpu_count(),
-          "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") *
-          os.sysconf("SC_PHYS_PAGES"),
+          "host_memory_bytes": memory.host_memory()["MemTotal"],
           "date": time.strftime("%Y-%m-%d %H:%M:%S"),
           "attention": attention,
           "compile_s": compile_s,

@@ -110,6 +110,8 @@ class GPTConfig(LanguageModel):
   # "dots_with_no_batch_dims_saveable": the backward keeps the matmul
   # outputs and recomputes the rest, the gathers included); "": recompute all
   remat_policy: str = ""
+  # rematerialise each block (nn.remat) where stage 3's layerwise does not
+  remat: bool = False
 
   @property
   def stacked(self) -> tuple:
@@ -237,8 +239,10 @@ class GPT(nn.Module):
     x = wte(tokens) + wpe[: tokens.shape[1]]
     policy = ({"policy": getattr(jax.checkpoint_policies, cfg.remat_policy)}
               if cfg.remat_policy else {})
-    block = (zerojax.nn.layerwise(Block, prevent_cse=False, **policy)
-             if cfg.layerwise else Block)
+    if cfg.layerwise:
+      block = zerojax.nn.layerwise(Block, prevent_cse=False, **policy)
+    else:
+      block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
     if cfg.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0},
                      split_rngs={"params": True}, length=cfg.layers,

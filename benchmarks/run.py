@@ -304,8 +304,8 @@ def run(mode: str, out: str, suites=SUITES) -> dict:
     for cfg_name in mp["configs"]:
       mem_rows[cfg_name], rows = _analyse_config(
           cfg_name, plan, main,
-          want_comm=(cfg_name == cp["config"]
-                     or (cfg_name in cp.get("also", ()) and ("zero-3",))))
+          want_comm=(True if cfg_name == cp["config"] else
+                     ("zero-3",) if cfg_name in cp.get("also", ()) else False))
       comm_rows += rows
 
   if "memory" in suites:

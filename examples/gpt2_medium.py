@@ -19,7 +19,8 @@ The model's blocks are a `flax.linen.scan` under the submodule "blocks", and
 blocks are chunked per layer. Parameters stay float32 (the ZeRO master); the
 model computes in the dtype of the parameters it is handed, which is
 zerojax's `compute_dtype` (`--precision`). Softmax and cross-entropy run in
-float32 whatever the precision.
+float32 whatever the precision. On a GPU in half precision the attention is
+cuDNN's flash attention (`--attention`).
 
 One file on purpose (past STYLE.md's ~400 lines): it is the script users
 copy, so model, data, loop and measurements sit together.

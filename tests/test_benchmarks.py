@@ -468,7 +468,8 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it():
 def test_gpu_model_options_compute_the_same_step():
   """The --gpu runs' model options change how, not what: the attention as
   `jax.nn.dot_product_attention` (XLA's; "cudnn" in fp32, as at init, is
-  XLA's too) gives the einsum attention's loss and gradients, and a zero-3
+  XLA's too) gives the einsum attention's loss and gradients, as does the
+  model with its blocks rematerialised; and a zero-3
   step whose layer remat saves the matmul outputs gives the same losses and
   gradient norms."""
   import numpy as np
@@ -482,8 +483,9 @@ def test_gpu_model_options_compute_the_same_step():
     return jax.value_and_grad(c.make_loss_fn(model))(params, batch)
 
   ref = grads(cfg)
-  for attention in ("xla", "cudnn"):
-    got = grads(cfg.replace(attention=attention))
+  for changes in ({"attention": "xla"}, {"attention": "cudnn"},
+                  {"remat": True}):
+    got = grads(cfg.replace(**changes))
     for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   losses = {}

@@ -186,7 +186,7 @@ class _Blocks:
     def body(carry, i, w):
       ids = i * self.rows + jnp.arange(self.rows)
       live = ids < self.num_embeddings
-      hit = (ids[None, :] == y[:, None]) & live
+      hit = losses._hit(ids, y, live)
       logits = losses._logits(h, w.astype(h.dtype), live)
       return losses._running_add(carry, logits, hit)
 

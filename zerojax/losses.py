@@ -143,6 +143,12 @@ def _running_add(carry: tuple, logits, hit) -> tuple:
   return new_top, total, picked + jnp.where(hit, logits, 0.0).sum(axis=1)
 
 
+def _hit(ids, labels, live):
+  """`[tokens, rows]`: where a block's row (word `ids`, `live` if real) is
+  the token's label."""
+  return (ids[None, :] == labels[:, None]) & live
+
+
 def _running_losses(carry: tuple) -> tuple:
   """`(losses, lse)` per token from the carry after the last block."""
   top, total, picked = carry
@@ -157,7 +163,7 @@ def _forward(size, vocab_axis, h, weight, labels):
 
   def body(carry, i):
     w, ids, live = _block(weight, i, size, vocab_axis)
-    hit = (ids[None, :] == labels[:, None]) & live
+    hit = _hit(ids, labels, live)
     return _running_add(carry, _logits(h, w, live), hit), None
 
   carry, _ = jax.lax.scan(body, _running_start(h.shape[0]), jnp.arange(blocks))
@@ -187,7 +193,7 @@ def _blocked_bwd(size, vocab_axis, residuals, g):
     dh, dweight = carry
     w, ids, live = _block(weight, i, size, vocab_axis)
     probs = jnp.exp(_logits(h, w, live) - lse[:, None])   # 0 where not live
-    hit = (ids[None, :] == labels[:, None]) & live
+    hit = _hit(ids, labels, live)
     dlogits = (probs - hit) * g[:, None]
     dh = dh + jnp.dot(dlogits, w.astype(jnp.float32))
     dw = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())),
