@@ -192,6 +192,39 @@ class ResidualMLP(nn.Module):
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
 
+class Bridge(nn.Module):
+  """A wide residual MLP between two stacks of blocks (an encoder's
+  projection into a decoder): one module, called once."""
+  width: int = 64
+  hidden: int = 512
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(self.hidden)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.width)(nn.gelu(h))
+
+
+class Bridged(nn.Module):
+  """Residual blocks `enc_<i>`, a `Bridge` named "bridge", blocks `dec_<i>`
+  (all wrapped with `layerwise`, the bridge when `wrap`); mean-square loss
+  of the output."""
+  layers: int = 2
+  width: int = 64
+  hidden: int = 512
+  wrap: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    block = layerwise(ResidualBlock)
+    for i in range(self.layers):
+      x = block(self.width, name=f"enc_{i}")(x)
+    bridge = layerwise(Bridge) if self.wrap else Bridge
+    x = bridge(self.width, self.hidden, name="bridge")(x)
+    for i in range(self.layers):
+      x = block(self.width, name=f"dec_{i}")(x)
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
 class ResBlock(nn.Module):
   channels: int
   axis_name: Optional[str] = None

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import repeated_blocks, search_chunk_size
+from zerojax.chunking import named_units, repeated_blocks, search_chunk_size
 
 
 def _block(width, hidden=None):
@@ -42,3 +42,16 @@ def _waste(sizes, capacity):
       used = 0
     used += s
   return waste + (capacity - used if used else 0)
+
+
+def test_named_units_refuse_a_module_around_a_repeated_block():
+  """`per_use` names a module to gather alone: not one holding repeated
+  blocks, which are gathered on their own already."""
+  block = {"Dense_0": {"kernel": np.zeros((4, 4))}}
+  tree = {"enc": {"blocks_0": block, "blocks_1": block},
+          "head": {"kernel": np.zeros((4, 2))}}
+  found = repeated_blocks(tree)
+  assert found == ("blocks_0", "blocks_1")
+  assert named_units(tree, ("head", "blocks_0"), (), found) == ("head",)
+  with pytest.raises(ValueError, match="'enc' is around 'blocks_0'"):
+    named_units(tree, ("enc",), (), found)

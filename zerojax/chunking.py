@@ -89,6 +89,57 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
   return tuple(n for n in found if counts[n] == 1)
 
 
+def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
+                found: Sequence[str] = ()) -> tuple:
+  """`names` (`ZeroConfig.per_use`) as units beside the repeated blocks
+  `found`: each must name exactly one submodule of the parameter tree, with
+  no `stacked` module or found block above or below it. Raises ValueError
+  naming the name and the fix."""
+  modules = []   # (path, node) of every submodule
+
+  def visit(node, path):
+    for k, v in node.items():
+      if isinstance(v, dict):
+        modules.append((path + (str(k),), v))
+        visit(v, path + (str(k),))
+
+  params = _as_dict(params)
+  if isinstance(params, dict):
+    visit(params, ())
+  fenced = {*stacked, *found}
+  out = []
+  for name in names:
+    if name in found or name in out:
+      continue         # a repeated block already, or named twice
+    at = [p for p, _ in modules if p[-1] == name]
+    if not at:
+      raise ValueError(
+          f"per_use={tuple(names)!r}: no submodule is named {name!r}; the "
+          f"submodules are {sorted({p[-1] for p, _ in modules})[:40]}.")
+    if len(at) > 1:
+      raise ValueError(
+          f"per_use={tuple(names)!r}: {name!r} names {len(at)} submodules "
+          f"({', '.join('/'.join(p) for p in at[:4])}); name a module used "
+          "once in the tree (e.g. its parent).")
+    if name in stacked:
+      raise ValueError(
+          f"per_use={tuple(names)!r}: {name!r} is a stacked module, gathered "
+          "per layer already (with its block wrapped in "
+          "zerojax.nn.layerwise); leave it out of per_use.")
+    path = at[0]
+    inside = [p[-1] for p, _ in modules
+              if p[:len(path)] == path and p[-1] in fenced]
+    above = [c for c in path[:-1] if c in fenced]
+    if above or inside:
+      raise ValueError(
+          f"per_use={tuple(names)!r}: {name!r} is "
+          f"{'inside' if above else 'around'} "
+          f"{(above or inside)[0]!r}, a stacked module or repeated block, "
+          "which is gathered on its own already; name a module beside it.")
+    out.append(name)
+  return tuple(out)
+
+
 def _as_dict(node):
   """Nested dicts of a (possibly frozen) parameter mapping."""
   if hasattr(node, "items"):

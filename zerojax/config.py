@@ -196,6 +196,20 @@ class ZeroConfig:
       path component) whose leaves carry a leading layer axis, as
       `flax.linen.scan` produces; they are chunked per layer. A name that
       matches no submodule is an error (`shard` lists the names).
+    per_use: stage 3, names of other submodules (path components) to gather
+      at each use rather than hold for the whole step, FSDP2's
+      `reshard_after_forward=True` for that module: each named module's
+      leaves get chunks of their own, and with its class wrapped in
+      `zerojax.nn.layerwise` the step gathers it when it is called, drops
+      it after, and gathers it again in its backward pass. Worth it for a
+      large module called between others (an encoder's projection into a
+      decoder), whose held leaves would stay gathered from its forward to
+      its backward; repeated blocks (`<base>_<i>`) are found without
+      naming. The default holds the rest (measured: for GPT-2's embedding,
+      final norm and head, a held leaf is already freed after its last use,
+      and the tied head's peak is inside its one use, see
+      `zerojax.nn.BlockedEmbed`). A name must match exactly one submodule,
+      outside `stacked` modules and repeated blocks; ignored below stage 3.
     prefetch: stage 3, unrolled blocks opted in with `zerojax.nn.layerwise`:
       each block's all-gather waits for the previous block's input instead
       of its own, so it can run while the previous block computes (FSDP2's
@@ -233,6 +247,7 @@ class ZeroConfig:
   loss_scale: Union[None, float, DynamicLossScale] = None
   frozen: Union[None, Callable, Any] = None
   stacked: Sequence[str] = ()
+  per_use: Sequence[str] = ()
   offload_optimizer: Union[bool, str] = False
   offload_dir: Optional[str] = None
   sub_group_size: Optional[int] = None
@@ -300,12 +315,13 @@ class ZeroConfig:
         raise ValueError(f"loss_scale={scale!r} must be positive.")
       scale = float(scale)
     set_("loss_scale", scale)
-    if isinstance(self.stacked, str):
-      set_("stacked", (self.stacked,))
-    set_("stacked", tuple(self.stacked))
-    if not all(isinstance(s, str) and s for s in self.stacked):
-      raise TypeError(f"stacked={self.stacked!r} must be a sequence of "
-                      "submodule names.")
+    for field in ("stacked", "per_use"):   # submodule names
+      names = getattr(self, field)
+      names = (names,) if isinstance(names, str) else tuple(names)
+      if not all(isinstance(s, str) and s for s in names):
+        raise TypeError(f"{field}={getattr(self, field)!r} must be a "
+                        "sequence of submodule names.")
+      set_(field, names)
     if not 0.0 <= self.offload_fraction <= 1.0:
       raise ValueError(f"offload_fraction={self.offload_fraction!r} must be "
                        "in [0, 1].")

@@ -345,7 +345,8 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
 
 def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
   """A scanned stack whose blocks are not wrapped is gathered whole, every
-  layer at once: legal, but not what `stacked=` at stage 3 is for."""
+  layer at once, and a `per_use` module not wrapped is held: legal, but not
+  what `stacked=` or `per_use=` at stage 3 is for."""
   stacks = sorted({layout.chunks[c].stack for c in own_gather
                    if c not in layerwise and layout.chunks[c].layers})
   if stacks:
@@ -356,6 +357,16 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
         "the block class, Block = zerojax.nn.layerwise(Block), to gather one "
         "layer at a time.", tuple(config.stacked),
         ", ".join(map(repr, stacks)))
+  named = sorted({layout.chunks[c].stack for c in own_gather
+                  if c not in layerwise
+                  and layout.chunks[c].stack in config.per_use})
+  if named:
+    _log.warning(
+        "zerojax: per_use=%r at stage 3, but %s is not wrapped with "
+        "zerojax.nn.layerwise, so the step holds it gathered for the whole "
+        "step. Wrap its class (e.g. Head = zerojax.nn.layerwise(Head)) to "
+        "gather it at each call.", tuple(config.per_use),
+        ", ".join(map(repr, named)))
 
 
 def _with_layer_params(layout, chunks, leaves, rest, own: dict):

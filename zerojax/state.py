@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import (disk_tier, frontend, meshes, offload, optim, optstate,
                      precision, reshard, tensor_parallel)
 from zerojax.config import FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes
-from zerojax.chunking import repeated_blocks
+from zerojax.chunking import named_units, repeated_blocks
 from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
 
@@ -367,9 +367,11 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
     labels = check_tx(tx, abstract, config)
-  # stage 3 gathers an unrolled block's chunks alone (`zerojax.nn.layerwise`)
-  units = (repeated_blocks(abstract, config.stacked)
-           if policy(config).gathers_params else ())
+  # stage 3 gathers an unrolled block's chunks alone (`zerojax.nn.layerwise`),
+  # and those of a module named in `per_use`
+  found = repeated_blocks(abstract, config.stacked)
+  named = named_units(abstract, config.per_use, config.stacked, found)
+  units = found + named if policy(config).gathers_params else ()
   return ChunkLayout.build(
       abstract, num_shards, chunk_size=config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
