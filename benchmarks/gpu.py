@@ -16,16 +16,19 @@ variant recomputes (stage 3 rematerialises each layer).
 Inside a short GPU lease, `benchmarks/gpu_lease.sh` runs the same children
 under a time limit each and keeps each row as it finishes; `python -m
 benchmarks.run --gpu --rows FILE...` turns those rows into the results
-(`read_rows`, `summarize`).
+(`read_rows`, `summarize`). With `PROFILE=path.json` in its environment a
+child also traces three steps and writes `profile_summary` there.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM parts).
@@ -70,8 +73,10 @@ def peak_flops(device_kind: str):
 
 
 def _child(variant: str, config: str, batch_per_device: int, seq: int,
-           steps: int, attention: str = "einsum") -> dict:
-  """One variant in this process: warm up, time `steps` steps."""
+           steps: int, attention: str = "einsum", profile=None) -> dict:
+  """One variant in this process: warm up, time `steps` steps. With
+  `profile` (a JSON path), then three steps under `jax.profiler.trace`,
+  summarized there (`profile_summary`)."""
   import jax
   import jax.numpy as jnp
   from benchmarks import memory, models, variants as V
@@ -94,6 +99,14 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
     v.run_once()
     times.append(time.perf_counter() - start)
   stats = jax.devices()[0].memory_stats() or {}
+  if profile:
+    with tempfile.TemporaryDirectory() as trace:
+      with jax.profiler.trace(trace):
+        for _ in range(3):
+          v.run_once()
+      with open(profile, "w") as f:
+        json.dump({"variant": variant, "attention": attention, "steps": 3,
+                   "planes": profile_summary(trace)}, f, indent=1)
   step_s = statistics.median(times)
   tokens = batch_per_device * n * seq
   tflops = tokens * flops_per_token(cfg, seq) / step_s / 1e12
@@ -111,6 +124,37 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
           "mfu": tflops * 1e12 / (peak * n) if peak else None,
           "peak_bytes": stats.get("peak_bytes_in_use"),
           "bytes_limit": stats.get("bytes_limit")}
+
+
+def profile_summary(trace_dir: str, top: int = 40) -> list:
+  """The `jax.profiler` trace in `trace_dir` by plane and line (a GPU's
+  streams and XLA ops; the host's threads): per line its event count and
+  total time, and its `top` events by total time, each with the stats of
+  its first occurrence (on a GPU: the HLO op and module of a kernel)."""
+  from jax.profiler import ProfileData
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  data = ProfileData.from_file(max(files, key=os.path.getmtime))
+  planes = []
+  for plane in data.planes:
+    lines = []
+    for line in plane.lines:
+      agg = {}
+      for event in line.events:
+        entry = agg.setdefault(event.name, {
+            "name": event.name, "count": 0, "total_ns": 0.0,
+            "stats": {str(k): str(v)[:200] for k, v in event.stats}})
+        entry["count"] += 1
+        entry["total_ns"] += event.duration_ns
+      if agg:
+        ranked = sorted(agg.values(), key=lambda e: -e["total_ns"])
+        lines.append({"line": line.name,
+                      "events": sum(e["count"] for e in ranked),
+                      "total_ns": sum(e["total_ns"] for e in ranked),
+                      "top": ranked[:top]})
+    if lines:
+      planes.append({"plane": plane.name, "lines": lines})
+  return planes
 
 
 def run(mode: str, log=print) -> dict:
@@ -189,6 +233,8 @@ if __name__ == "__main__":
   from zerojax import compat
   os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(
       os.environ.get("XLA_FLAGS", ""))
+  # PROFILE: a JSON path for the profile summary of this variant
   print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]),
                           int(sys.argv[4]), int(sys.argv[5]),
-                          *sys.argv[6:7])))
+                          *sys.argv[6:7],
+                          profile=os.environ.get("PROFILE") or None)))

@@ -3,7 +3,9 @@
 # variant in a fresh process (`python -m benchmarks.gpu`), most wanted first,
 # each under a time limit and all under one deadline, so that a slow compile
 # costs one row, not the lease. Every finished row is appended to
-# $OUT/rows.jsonl at once; stdout and stderr go to $OUT/log.txt. Back here,
+# $OUT/rows.jsonl at once; stdout and stderr go to $OUT/log.txt; the variants
+# in PROFILE_VARIANTS (default: zero-3 plain-dp) also leave a summary of a
+# three-step jax.profiler trace in $OUT/profile_<variant>.json. Back here,
 # `python -m benchmarks.run --gpu --rows rows.jsonl` writes the results.
 #
 #   BUDGET=480 PER_VARIANT=150 bash benchmarks/gpu_lease.sh
@@ -33,7 +35,11 @@ for v in ${VARIANTS:-zero-3 plain-dp gspmd-fsdp zero-3-save-dots \
   fi
   echo "=== $v (limit ${limit} s) $(date -u +%T)" >>"$OUT/log.txt"
   start=$SECONDS
-  timeout "$limit" "$PY" -m benchmarks.gpu "$v" "$CONFIG" "${BATCH:-8}" "${SEQ:-1024}" "${STEPS:-20}" "${ATTENTION:-cudnn}" \
+  profile=
+  case " ${PROFILE_VARIANTS-zero-3 plain-dp} " in
+    *" $v "*) profile="$OUT/profile_$v.json" ;;
+  esac
+  PROFILE=$profile timeout "$limit" "$PY" -m benchmarks.gpu "$v" "$CONFIG" "${BATCH:-8}" "${SEQ:-1024}" "${STEPS:-20}" "${ATTENTION:-cudnn}" \
     >"$OUT/row.tmp" 2>>"$OUT/log.txt"
   rc=$?
   if [ $rc -eq 0 ]; then

@@ -413,12 +413,22 @@ def test_checkpoint_suite_summary_and_report(tmp_path):
   assert (tmp_path / "smoke_checkpoint.png").stat().st_size > 0
 
 
-def test_gpu_throughput_child_measures_one_variant_and_reports_it():
+def test_gpu_throughput_child_measures_one_variant_and_reports_it(tmp_path):
   """`python -m benchmarks.run --gpu`'s per-variant measurement, run here on
   the CPU devices with the tiny model: no known peak, so no MFU and no goal
-  row; the table says so."""
+  row; the table says so. Its profile summary ranks each trace line's
+  events by total time."""
   from benchmarks import gpu, models, report
-  row = gpu._child("zero-3", "tiny", 1, 16, 1)
+  row = gpu._child("zero-3", "tiny", 1, 16, 1, profile=tmp_path / "p.json")
+  summary = json.loads((tmp_path / "p.json").read_text())
+  lines = [l for p in summary["planes"] for l in p["lines"]]
+  assert summary["steps"] == 3 and lines
+  for line in lines:
+    times = [e["total_ns"] for e in line["top"]]
+    assert times == sorted(times, reverse=True)
+    assert sum(times) <= line["total_ns"] + 1e-6
+  assert any("run_once" in e["name"] and e["count"] == 3
+             for l in lines for e in l["top"])    # the three traced steps
   cfg = models.CONFIGS["tiny"]
   tokens = 8 * 16
   assert row["devices"] == 8 and row["step_s"] > 0
