@@ -200,6 +200,8 @@ def test_nnx_bad_input():
     zerojax.shard(nnx.Rngs(0), stage=3)
   with pytest.raises(ValueError, match="wrt=nnx.Param"):
     zerojax.shard(model, optimizer=nnx.Optimizer(model, TX, wrt=nnx.Variable))
+  with pytest.raises(ValueError, match="an NNX model gathers per use only"):
+    zerojax.shard(model, tx=TX, stage=3, per_use=("hidden",))
   with pytest.raises(TypeError, match="carries its own tx"):
     zerojax.shard(train_state.TrainState.create(
         apply_fn=None, params={"w": jnp.ones(3)}, tx=TX), tx=TX)

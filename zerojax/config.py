@@ -210,6 +210,7 @@ class ZeroConfig:
       and the tied head's peak is inside its one use, see
       `zerojax.nn.BlockedEmbed`). A name must match exactly one submodule,
       outside `stacked` modules and repeated blocks; ignored below stage 3.
+      Flax linen only (refused for an NNX model).
     prefetch: stage 3, unrolled blocks opted in with `zerojax.nn.layerwise`:
       each block's all-gather waits for the previous block's input instead
       of its own, so it can run while the previous block computes (FSDP2's
