@@ -127,10 +127,11 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
 
 
 def profile_summary(trace_dir: str, top: int = 40) -> list:
-  """The `jax.profiler` trace in `trace_dir` by plane and line (a GPU's
-  streams and XLA ops; the host's threads): per line its event count and
-  total time, and its `top` events by total time, each with the stats of
-  its first occurrence (on a GPU: the HLO op and module of a kernel)."""
+  """The `jax.profiler` trace in `trace_dir` by plane (with the plane's
+  stats, e.g. the device's properties) and line (a GPU's streams and XLA
+  ops; the host's threads): per line its event count and total time, and
+  its `top` events by total time, each with the stats of its first
+  occurrence (on a GPU: the HLO op and module of a kernel)."""
   from jax.profiler import ProfileData
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                     recursive=True)
@@ -153,7 +154,8 @@ def profile_summary(trace_dir: str, top: int = 40) -> list:
                       "total_ns": sum(e["total_ns"] for e in ranked),
                       "top": ranked[:top]})
     if lines:
-      planes.append({"plane": plane.name, "lines": lines})
+      planes.append({"plane": plane.name, "lines": lines,
+                     "stats": {str(k): str(v)[:200] for k, v in plane.stats}})
   return planes
 
 

@@ -401,25 +401,22 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
                            *reference_run(loss_fn, params, tx, batches))
 
 
-def test_per_use_drops_a_module_between_others_from_the_step_footprint():
-  """Held, the bridge's gathered weights stay from its forward call to its
-  backward, across the decoder's blocks; per use they are gathered twice and
-  held only at its calls. Measured (2026-11-26, jax 0.10.2): 27.8 MiB held,
-  21.8 MiB per use, for a 4 MiB bridge."""
-  model, held, x = _bridged_state((), hidden=2048, batch=2048)
-  _, per_use, _ = _bridged_state(("bridge",), hidden=2048, batch=2048)
+def test_a_per_use_module_is_gathered_once_per_call():
+  """Held, the bridge's chunks are gathered once for the step; per use, at
+  its forward call and again in its backward pass (one more all-gather per
+  chunk), the rest of the program unchanged. Whether that lowers the
+  footprint is up to XLA's scheduler: the compiled footprints, measured
+  2026-11-26 (width 256, 2,048 rows a device, a 4 MiB bridge), were 27.8 MiB
+  held and 21.8 per use on jax 0.10.2, but 22.1 held and 23.8 per use on
+  jax 0.12.0.1, so no footprint is asserted here."""
+  model, held, x = _bridged_state(())
+  _, per_use, _ = _bridged_state(("bridge",))
   loss_fn = lambda p, b: model.apply({"params": p}, b)
-  compiled = {k: zerojax.train_step(loss_fn).lower(s, x).compile()
-              for k, s in (("held", held), ("per use", per_use))}
-  bridge = 4 * sum(c.used for c in per_use.layout.chunks
-                   if c.stack == "bridge")            # gathered bytes
-  assert bridge == 4 * (2 * 256 * 2048 + 2048 + 256 + 2 * 256)
-  fp = {k: zerojax.compiled_footprint(c)["footprint"]
-        for k, c in compiled.items()}
-  assert fp["held"] - fp["per use"] >= bridge
+  text = {k: zerojax.train_step(loss_fn).lower(s, x).compile().as_text()
+          for k, s in (("held", held), ("per use", per_use))}
   bridge_chunks = sum(1 for c in per_use.layout.chunks if c.stack == "bridge")
-  assert (_all_gathers(compiled["per use"].as_text())
-          == _all_gathers(compiled["held"].as_text()) + bridge_chunks)
+  assert bridge_chunks >= 1
+  assert _all_gathers(text["per use"]) == _all_gathers(text["held"]) + bridge_chunks
 
 
 def test_a_per_use_module_left_unwrapped_is_held_and_told_so(caplog):

@@ -201,11 +201,13 @@ class ZeroConfig:
       `reshard_after_forward=True` for that module: each named module's
       leaves get chunks of their own, and with its class wrapped in
       `zerojax.nn.layerwise` the step gathers it when it is called, drops
-      it after, and gathers it again in its backward pass. Worth it for a
+      it after, and gathers it again in its backward pass. Meant for a
       large module called between others (an encoder's projection into a
       decoder), whose held leaves would stay gathered from its forward to
-      its backward; repeated blocks (`<base>_<i>`) are found without
-      naming. The default holds the rest (measured: for GPT-2's embedding,
+      its backward; whether the compiled step is smaller depends on XLA's
+      scheduler (README: smaller on jax 0.10, larger on 0.12 in one
+      measured model), so compare `compiled_footprint`s. Repeated blocks
+      (`<base>_<i>`) are found without naming. The default holds the rest (measured: for GPT-2's embedding,
       final norm and head, a held leaf is already freed after its last use,
       and the tied head's peak is inside its one use, see
       `zerojax.nn.BlockedEmbed`). A name must match exactly one submodule,
