@@ -225,6 +225,53 @@ class Bridged(nn.Module):
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
 
+class FlagBlock(nn.Module):
+  """A residual MLP block called as Hugging Face's Flax blocks are: an
+  optional mask and Python flags beside the array (`deterministic`)."""
+  width: int = 32
+
+  @nn.compact
+  def __call__(self, x, mask=None, deterministic: bool = True):
+    h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+    h = nn.Dropout(0.5, deterministic=deterministic)(nn.gelu(h))
+    return x + nn.Dense(self.width)(h) * (1.0 if mask is None else mask)
+
+
+class BlockList(nn.Module):
+  """Blocks kept in a setup-time list, named by their index (`h/0`, `h/1`,
+  as `transformers`' `FlaxGPT2BlockCollection` names them)."""
+  layers: int = 2
+  width: int = 32
+  layerwise: bool = True
+
+  def setup(self):
+    block = layerwise(FlagBlock) if self.layerwise else FlagBlock
+    self.blocks = [block(self.width, name=str(i)) for i in range(self.layers)]
+
+  def __call__(self, x, deterministic: bool = True):
+    for block in self.blocks:
+      x = block(x, None, deterministic=deterministic)
+    return x
+
+
+class ListedLM(nn.Module):
+  """Two block lists, "enc" and "dec" (so each index names two blocks), an
+  embedding and a head; with `deterministic=False` the blocks draw
+  dropout."""
+  layers: int = 2
+  width: int = 32
+  vocab: int = 64
+  layerwise: bool = True
+
+  @nn.compact
+  def __call__(self, tokens, deterministic: bool = True):
+    x = nn.Embed(self.vocab, self.width)(tokens)
+    for name in ("enc", "dec"):
+      x = BlockList(self.layers, self.width, self.layerwise, name=name)(
+          x, deterministic=deterministic)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x)).astype(jnp.float32)
+
+
 class ResBlock(nn.Module):
   channels: int
   axis_name: Optional[str] = None

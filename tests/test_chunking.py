@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import named_units, repeated_blocks, search_chunk_size
+from zerojax.chunking import (named_units, repeated_blocks, search_chunk_size,
+                              unit_depth)
 
 
 def _block(width, hidden=None):
@@ -17,6 +18,29 @@ def test_a_block_name_used_twice_is_not_a_unit():
   params = {"a": {"blocks_0": _block(4), "blocks_1": _block(4)},
             "b": {"blocks_0": _block(4), "blocks_1": _block(4)}}
   assert repeated_blocks(params) == ()
+
+
+def test_blocks_named_by_index_are_units_by_path():
+  """A list's items (`h/0`, `h/1`, each index used twice here) are units
+  named by their path from the root; a lone item, an item holding no
+  submodule, or one shaped unlike its siblings is not."""
+  params = {"enc": {"h": {"0": _block(4), "1": _block(4)}},
+            "dec": {"h": {"0": _block(4), "1": _block(4), "2": _block(8)}},
+            "lone": {"0": _block(4)},
+            "flat": {"0": {"kernel": np.zeros(4)},
+                     "1": {"kernel": np.zeros(4)}}}
+  assert repeated_blocks(params) == ("enc/h/0", "enc/h/1", "dec/h/0",
+                                     "dec/h/1")
+  assert unit_depth(("dec", "h", "1", "fc", "kernel"), "dec/h/1") == 3
+  assert unit_depth(("dec", "h", "1"), "dec/h/1") == 0      # a leaf, not in it
+  assert unit_depth(("enc", "h", "1", "fc", "kernel"), "dec/h/1") == 0
+  assert unit_depth(("x", "blocks_2", "fc", "kernel"), "blocks_2") == 2
+  found = repeated_blocks(params)
+  with pytest.raises(ValueError, match="'enc' is around 'enc/h/0'"):
+    named_units(params, ("enc",), (), found)
+  with pytest.raises(ValueError, match="'fc' names 6 submodules"):
+    named_units(params, ("fc",), (), found)
+  assert named_units(params, ("lone",), (), found) == ("lone",)
 
 
 @settings(max_examples=60, deadline=None)

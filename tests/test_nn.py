@@ -11,8 +11,8 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import (Bridged, ResidualMLP, ScannedLM, assert_matches_reference,
-                    reference_run, zero_run)
+from models import (Bridged, ListedLM, ResidualMLP, ScannedLM,
+                    assert_matches_reference, reference_run, zero_run)
 from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
 
@@ -357,6 +357,47 @@ def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
   assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
   assert [v for k, v in modes.items() if not k.startswith("blocks")] == [
       "whole step"]                      # the embedding, final norm
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_listed_blocks_called_with_flags_are_gathered_per_block(prefetch):
+  """Blocks in a setup-time list named by index (each index twice: "enc" and
+  "dec"), called with None and a Python flag, as Hugging Face's Flax models
+  call theirs: units by path, the flag closed over (not traced by the
+  remat and custom_vjp), training as plain optax."""
+  model = ListedLM()
+  batches = _batches(model.vocab, batch=16, seq=8, steps=3)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  tx = optax.sgd(0.5, momentum=0.9)
+  loss_fn = _loss_fn(model)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3, accum_steps=2,
+                        prefetch=prefetch)
+  modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
+  assert {k: v for k, v in modes.items() if "/" in k} == {
+      f"{name}/{i}": "per block" for name in ("enc", "dec") for i in (0, 1)}
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
+
+
+def test_a_wrapped_block_with_flags_runs_as_the_block_outside_a_step():
+  """Outside a step (and below stage 3) the wrapped block is the block under
+  `nn.remat`, its flags static: dropout on and off, values and gradients
+  those of the unwrapped block."""
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  plain, wrapped = ListedLM(layerwise=False), ListedLM()
+  params = plain.init(jax.random.key(0), tokens)["params"]
+  for deterministic in (True, False):
+    def loss(p, model):
+      out = model.apply({"params": p}, tokens, deterministic=deterministic,
+                        rngs={"dropout": jax.random.key(1)})
+      return jnp.mean(out ** 2)
+    want = jax.value_and_grad(loss)(params, plain)
+    got = jax.value_and_grad(loss)(params, wrapped)
+    # (remat may change XLA's fusions: float reordering only)
+    jax.tree_util.tree_map(functools.partial(
+        np.testing.assert_allclose, rtol=1e-5, atol=1e-8), got, want)
 
 
 def test_a_stacked_model_without_the_opt_in_is_told_so(caplog):

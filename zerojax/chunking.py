@@ -51,12 +51,15 @@ def search_chunk_size(groups: Sequence[Sequence[int]], *, min_chunk_size: int,
 
 
 def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
-  """Names of the unrolled blocks of a parameter tree: sibling submodules
-  named `<base>_<i>` (`blocks_0`, `Block_3`, Flax's automatic names) with
-  the same structure (relative paths, shapes, dtypes) as at least one
-  sibling, that themselves contain submodules (a block, not one `Dense`),
-  and whose name is used once in the tree. Subtrees under `stacked` are
-  skipped; blocks inside blocks are not looked for.
+  """The unrolled blocks of a parameter tree: sibling submodules with the same
+  structure (relative paths, shapes, dtypes) as at least one sibling, that
+  themselves contain submodules (a block, not one `Dense`), named either
+  `<base>_<i>` (`blocks_0`, `Block_3`, Flax's automatic names), each then
+  given by its name, which must be used once in the tree, or `<i>` (a list's
+  items: `h/0`, `h/1` in Hugging Face's Flax models, `layers/0` in an
+  `nnx.List`), each then given by its path from the root, `"transformer/h/0"`
+  (`unit_depth` reads both). Subtrees under `stacked` are skipped; blocks
+  inside blocks are not looked for.
   """
   def signature(node):
     if isinstance(node, dict):
@@ -69,24 +72,38 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
 
   found, names = [], []
 
-  def visit(node):
+  def visit(node, path):
     groups = {}
     for k, v in node.items():
       names.append(str(k))
       base, _, index = str(k).rpartition("_")
-      if base and index.isdigit() and is_block(v) and str(k) not in stacked:
-        groups.setdefault((base, signature(v)), []).append(str(k))
+      numbered = str(k).isdigit()
+      if ((base or numbered) and (index or str(k)).isdigit() and is_block(v)
+          and str(k) not in stacked):
+        groups.setdefault((base, numbered, signature(v)), []).append(str(k))
     units = {k for group in groups.values() if len(group) > 1 for k in group}
-    found.extend(k for k in node if str(k) in units)
+    found.extend("/".join(path + (k,)) if k.isdigit() else k
+                 for k in map(str, node) if k in units)
     for k, v in node.items():
       if isinstance(v, dict) and str(k) not in units and str(k) not in stacked:
-        visit(v)
+        visit(v, path + (str(k),))
 
   params = _as_dict(params)
   if isinstance(params, dict):
-    visit(params)
+    visit(params, ())
   counts = {n: names.count(n) for n in found}
-  return tuple(n for n in found if counts[n] == 1)
+  return tuple(n for n in found if "/" in n or counts[n] == 1)
+
+
+def unit_depth(names: Sequence[str], unit: str) -> int:
+  """How many leading components of the path `names` lead to `unit` (a
+  stacked module's or block's name, anywhere on the path, or a block's path
+  from the root, `"h/0"`), 0 where the path is not inside it."""
+  parts = tuple(unit.split("/"))
+  if len(parts) == 1:
+    return names.index(unit) + 1 if unit in names[:-1] else 0
+  return (len(parts) if len(names) > len(parts)
+          and tuple(names[:len(parts)]) == parts else 0)
 
 
 def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
@@ -127,9 +144,9 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
           "per layer already (with its block wrapped in "
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
-    inside = [p[-1] for p, _ in modules
-              if p[:len(path)] == path and p[-1] in fenced]
-    above = [c for c in path[:-1] if c in fenced]
+    inside = [f for p, _ in modules if p[:len(path)] == path
+              for f in fenced if unit_depth(p + ("",), f) == len(p)]
+    above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:
       raise ValueError(
           f"per_use={tuple(names)!r}: {name!r} is "

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zerojax.chunking import search_chunk_size
+from zerojax.chunking import search_chunk_size, unit_depth
 
 
 def _round_up(x: int, m: int) -> int:
@@ -210,8 +210,9 @@ class ChunkLayout:
       trainable: per leaf (tree order), False keeps the leaf out of chunks.
       labels: per leaf, the optimizer class; chunks never mix classes.
       stacked: path components marking leaves with a leading layer axis.
-      units: path components marking unrolled blocks (`repeated_blocks`):
-        a chunk never holds leaves of two units, or of a unit and others.
+      units: unrolled blocks (`repeated_blocks`: a name on the path, or a
+        path from the root, `"h/0"`): a chunk never holds leaves of two
+        units, or of a unit and others.
       model_dims: per leaf, the dim the model splits over its model axis
         (tensor parallelism), or None; `model_shards`: that axis's devices.
       min_chunk_size, search_range, search_interval: the search's candidates.
@@ -240,7 +241,7 @@ class ChunkLayout:
                       model_shards=model_shards if dim is not None else 1)
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
       unit = (None if stack is not None else
-               next((u for u in units if u in names[:-1]), None))
+              next((u for u in units if unit_depth(names, u)), None))
       infos.append(info)
       keys.append((stack or unit, shape[0] if stack else 0, int(label),
                    dtype.name, model_shards if dim is not None else 0)
@@ -341,7 +342,7 @@ class ChunkLayout:
     `c`."""
     chunk = self.chunks[c]
     names = self.leaves[chunk.leaves[0]].names
-    return names[:names.index(chunk.stack) + 1]
+    return names[:unit_depth(names, chunk.stack)]
 
   def layer_tree(self, c: int, full: Any, tree: Optional[dict] = None) -> dict:
     """One layer's (or unit's) parameters (nested dicts, paths relative to

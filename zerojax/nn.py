@@ -45,6 +45,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
@@ -272,6 +273,32 @@ def _write(values: dict, tree: dict) -> None:
       values[k] = sub
 
 
+class _Arguments:
+  """A block call's arguments split into arrays, which `nn.remat` and
+  `custom_vjp` trace, and the rest (flags such as `deterministic=True`,
+  `None`), which they must not: closed over, as `static_argnums` would."""
+
+  def __init__(self, args: tuple, kwargs: dict):
+    self.count, self.names = len(args), tuple(kwargs)
+    self.values = (*args, *kwargs.values())
+    self.static = tuple(
+        not any(isinstance(x, (jax.Array, np.ndarray))
+                for x in jax.tree_util.tree_leaves(v)) for v in self.values)
+    self.arrays = tuple(v for v, s in zip(self.values, self.static) if not s)
+
+  @property
+  def any_static(self) -> bool:
+    return any(self.static)
+
+  def call(self, method, module, arrays):
+    """`method(module, *args, **kwargs)` with `arrays` in the arrays'
+    places."""
+    it = iter(arrays)
+    values = [v if s else next(it) for v, s in zip(self.values, self.static)]
+    return method(module, *values[:self.count],
+                  **dict(zip(self.names, values[self.count:])))
+
+
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """Wraps a Flax block class so zerojax gathers its parameters per layer.
 
@@ -279,7 +306,9 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     block: a `flax.linen.Module` class, either scanned with `nn.scan`
       (`variable_axes={"params": 0}`) under a name listed in
       `ZeroConfig.stacked`, or called once per layer under names `<base>_<i>`
-      (unrolled; found by `zerojax.chunking.repeated_blocks`). Stage 3
+      or, in a list, `<i>` (unrolled; found by
+      `zerojax.chunking.repeated_blocks`). Arguments holding no array
+      (`deterministic=True`, `None`) are static, not traced. Stage 3
       gathers it per layer (or block); stage 2 reduce-scatters a scanned
       block's gradient per layer; other stages call it as it is.
     remat: rematerialise the block (and its gather) in the backward pass; this
@@ -319,11 +348,12 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       context = _ACTIVE.get()
       if context is not None and not self.is_initializing():
         context[2].add(tuple(self.scope.path))
+      arguments = _Arguments(args, kwargs)
       if not (remat and self._is_unit()):
+        if remat and arguments.any_static:
+          return self._remat(arguments, remat_kwargs)(self, *arguments.arrays)
         return super().__call__(*args, **kwargs)
-      names = tuple(kwargs)
-      count = len(args)
-      values = (*args, *kwargs.values())
+      values = arguments.arrays
       chain = context[3]
       # the forward gather waits for `token_in`: from the previous block's
       # input when prefetching (`_Chain`), else from this block's own
@@ -332,9 +362,10 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       if token_in is None and _anchor(values) is not None:
         token_in = jax.lax.stop_gradient(_token(values))
 
-      def call(module, *values):
-        return unit.__call__(module, *values[:count],
-                             **dict(zip(names, values[count:])))
+      call = (self._remat(arguments, {**remat_kwargs, "prevent_cse": False})
+              if arguments.any_static else
+              lambda module, *values: arguments.call(unit.__call__, module,
+                                                     values))
 
       def gathered(run, module, values):
         """`run` with the block's gathers waiting for `values[-1]`, and the
@@ -393,6 +424,16 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       if chain is not None:
         chain.put(self, token, link)
       return out
+
+    @staticmethod
+    def _remat(arguments: _Arguments, kwargs: dict):
+      """`nn.remat` of the gathered block, as a function of the module and
+      the call's arrays, the other arguments closed over (a user's
+      `static_argnums` counted them; they are static here already)."""
+      kwargs = {k: v for k, v in kwargs.items() if k != "static_argnums"}
+      return nn.remat(
+          lambda module, *arrays: arguments.call(mapped.__call__, module,
+                                                 arrays), **kwargs)
 
     def _is_unit(self) -> bool:
       """Whether this call holds the shards of an unrolled block's chunks
