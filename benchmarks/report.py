@@ -72,6 +72,8 @@ def _speed_md(r: dict, mode: str) -> list:
   # a file written before the user models holds one model at the top level
   for m in r.get("models", [r]):
     lines += _speed_model_md(m)
+  if r.get("meta", {}).get("third_party"):
+    lines += [f"Not timed: {r['meta']['third_party']}.", ""]
   return lines + [f"![step time]({mode}_speed.png)", ""]
 
 
@@ -546,7 +548,10 @@ def markdown(out: str) -> str:
            "(`benchmarks/user_models.py`: a residual MLP and a transformer, "
            "one submodule per block in a Python loop, no `nn.scan`, so many "
            "leaves share a chunk) against plain DP, and zerojax stage 0 on "
-           "a 1-device mesh against plain optax on that device.", ""]
+           "a 1-device mesh against plain optax on that device, and "
+           "third-party code: Hugging Face's Flax GPT-2 "
+           "(`benchmarks/third_party.py`, `transformers` 4.x, the `hf` "
+           "extra), its blocks a setup-time list.", ""]
   for mode in MODES:
     results = _load(out, mode)
     if not results:

@@ -68,7 +68,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
-from benchmarks import user_models  # noqa: E402
+from benchmarks import third_party, user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
 from benchmarks import checkpoint, disk, frontends, gpu, hybrid  # noqa: E402
 from benchmarks import quantized, tensor_parallel  # noqa: E402
@@ -76,7 +76,7 @@ from benchmarks import quantized, tensor_parallel  # noqa: E402
 SUITES = ("speed", "memory", "comm")   # run by default
 EXTRA_SUITES = ("offload", "checkpoint", "frontends", "hybrid",
                 "quantized", "disk", "tp")  # when named
-CONFIGS = {**models.CONFIGS, **user_models.CONFIGS}
+CONFIGS = {**models.CONFIGS, **user_models.CONFIGS, **third_party.CONFIGS}
 # The user-written models against plain DP, not GSPMD FSDP: the comparison
 # the issue sets goals for, at half the time.
 USER_VARIANTS = tuple(f"zero-{s}" for s in V.ZERO_STAGES) + (
@@ -84,6 +84,15 @@ USER_VARIANTS = tuple(f"zero-{s}" for s in V.ZERO_STAGES) + (
 # 32 rows of 256 features per device, in --quick and --full alike
 MLP_SPEED = dict(config="mlp-3m", batch=256, seq=None, rounds=9,
                  variants=USER_VARIANTS)
+
+
+
+def _third_party(config: str, **kw) -> tuple:
+  """The speed config of a third-party model (`benchmarks.third_party`),
+  none where its package is not installed (`_meta` says so)."""
+  return ((dict(config=config, variants=USER_VARIANTS, **kw),)
+          if config in CONFIGS else ())
+
 
 # Per mode: the speed configs, each timed on its own (the first, the GPT, is
 # also analysed for memory and communication when it is the first memory
@@ -99,7 +108,9 @@ MODES = {
                dict(config="mlp-tiny", batch=8, seq=None, rounds=1,
                     variants=USER_VARIANTS, options=memory.sweep_options()),
                dict(config="transformer-tiny", batch=8, seq=16, rounds=1,
-                    variants=USER_VARIANTS, options=memory.sweep_options())),
+                    variants=USER_VARIANTS, options=memory.sweep_options()),
+               *_third_party("hf-gpt2-tiny", batch=8, seq=16, rounds=1,
+                             options=memory.sweep_options())),
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
         comm=dict(config="tiny", chunk_sizes=(2 ** 12,), chunk_stages=(3,)),
@@ -117,7 +128,8 @@ MODES = {
                     variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
                MLP_SPEED,
                dict(config="transformer-6m", batch=16, seq=32, rounds=9,
-                    variants=USER_VARIANTS)),
+                    variants=USER_VARIANTS),
+               *_third_party("hf-gpt2-6m", batch=16, seq=32, rounds=9)),
         memory=dict(configs=("cpu-1m",), batch=16, seq=64),
         depth=dict(config="cpu-1m", layers=(2, 4, 8)),
         comm=dict(config="cpu-1m", chunk_sizes=(2 ** 14, 2 ** 16, 2 ** 18),
@@ -142,7 +154,8 @@ MODES = {
                     variants=V.MESH_VARIANTS + V.ONE_DEVICE_VARIANTS),
                MLP_SPEED,
                dict(config="transformer-6m", batch=32, seq=64, rounds=9,
-                    variants=USER_VARIANTS)),
+                    variants=USER_VARIANTS),
+               *_third_party("hf-gpt2-6m", batch=32, seq=64, rounds=9)),
         # and issue 14's unscanned GPT-2 without the opt-in: stage 3 must
         # never hold more than GSPMD FSDP (a goal row)
         # and GPT-2 with its tied embedding gathered by vocabulary blocks
@@ -190,6 +203,8 @@ def _meta(mode: str) -> dict:
           "devices": jax.device_count(), "python": platform.python_version(),
           "host_memory_bytes": memory.host_memory()["MemTotal"],
           "cpu_count": os.cpu_count(),
+          **({"third_party": third_party.missing} if third_party.missing
+             else {}),
           "allocator": ("pooled (GLIBC_TUNABLES)" if ALLOCATOR_TUNABLES in
                         os.environ.get("GLIBC_TUNABLES", "") else "system"),
           "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -119,15 +119,19 @@ class TransformerConfig(_UserConfig, LanguageModel):
   @property
   def num_params(self) -> int:
     d, v = self.width, self.vocab_size
-    block = (2 * 2 * d            # two LayerNorms
-             + d * 3 * d + 3 * d  # qkv
-             + d * d + d          # attention out
-             + d * 4 * d + 4 * d  # mlp in
-             + 4 * d * d + d)     # mlp out
-    return v * d + self.layers * block + 2 * d + d * v
+    return v * d + self.layers * block_params(d) + 2 * d + d * v
 
   def make_model(self) -> "Transformer":
     return Transformer(self)
+
+
+def block_params(d: int) -> int:
+  """Parameters of a pre-LayerNorm GPT block of width `d` with biases."""
+  return (2 * 2 * d            # two LayerNorms
+          + d * 3 * d + 3 * d  # qkv
+          + d * d + d          # attention out
+          + d * 4 * d + 4 * d  # mlp in
+          + 4 * d * d + d)     # mlp out
 
 
 class TransformerBlock(nn.Module):

@@ -252,8 +252,11 @@ def test_smoke_suite_writes_results(tmp_path):
           "ratio_vs_gspmd_fsdp"} <= set(speed)
   assert speed["ratio_vs_plain_dp"]["plain-dp"] == 1.0
   # the models written as users write them: every variant built and stepped
+  # and third-party code where its package is installed (else said so)
+  third = ["hf-gpt2-tiny"] if "hf-gpt2-tiny" in run.CONFIGS else []
   assert [u["setup"]["config"] for u in users] == ["mlp-tiny",
-                                                   "transformer-tiny"]
+                                                   "transformer-tiny", *third]
+  assert bool(result["meta"].get("third_party")) == (not third)
   goals = {g[0] for g in result["goals"]}
   for u in users:
     config = u["setup"]["config"]
@@ -304,6 +307,7 @@ def test_smoke_suite_writes_results(tmp_path):
   rows = _table(readme, "chunk_size")
   assert [(_number(r["chunk_size"]), _number(r["chunks"])) for r in rows] == [
       (c["chunk_size"], c["chunks"]) for c in comm["chunk_sweep"]]
+  assert ("Not timed: transformers' Flax GPT-2" in readme) == (not third)
   goals = {r["goal"]: r for r in _table(readme, "goal")}
   assert set(goals) == {g[0] for r in results for g in r["goals"]}
   for what, value, _, met in (g for r in results for g in r["goals"]):
@@ -311,15 +315,18 @@ def test_smoke_suite_writes_results(tmp_path):
     assert goals[what]["met"] == ("yes" if met else "no")
 
 
-@pytest.mark.parametrize("config, leaves", [("mlp-tiny", 2 * 6 + 2),
-                                            ("transformer-tiny", 2 * 12 + 4)])
+@pytest.mark.parametrize("config, leaves", [
+    ("mlp-tiny", 2 * 6 + 2), ("transformer-tiny", 2 * 12 + 4),
+    ("hf-gpt2-tiny", 2 + 2 * 12 + 2)])
 def test_user_model_variants_train_the_same_problem(config, leaves):
-  """Every variant of a user-written model computes the same first loss as
-  plain optax with the same batch: the mesh variants over the global batch,
-  the 1-device ones over one device's share."""
-  from benchmarks import memory, user_models, variants
+  """Every variant of a user-written (or third-party) model computes the
+  same first loss as plain optax with the same batch: the mesh variants over
+  the global batch, the 1-device ones over one device's share."""
+  from benchmarks import memory, third_party, user_models, variants
 
-  cfg = user_models.CONFIGS[config]
+  if config not in {**user_models.CONFIGS, **third_party.CONFIGS}:
+    pytest.skip(third_party.missing)
+  cfg = {**user_models.CONFIGS, **third_party.CONFIGS}[config]
   kw = dict(global_batch=N, seq=8, num_devices=N,
             options=memory.sweep_options())
   loss = {}
