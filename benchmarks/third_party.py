@@ -86,3 +86,85 @@ CONFIGS = {} if _hf is None else {
     # transformer-6m's shape (6 blocks of width 256, vocabulary 2,048)
     "hf-gpt2-6m": HFGPT2Config(),
 }
+
+
+# ---- stage-3 footprint, one-off (not a suite) -------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Held(HFGPT2Config):
+  """Stage 3 without the one line: the blocks held gathered for the step."""
+
+  def for_variant(self, name, data):
+    return self.replace(layerwise=False)
+
+
+def footprints(layers=(4, 12), batch: int = 8, seq: int = 256,
+               devices: int = 8) -> list:
+  """Compiled footprint per device of GPT-2 small's shape (width 768,
+  vocabulary 50,257) through the Hugging Face code at `layers` blocks:
+  zerojax stage 3 with and without the `layerwise` line, and GSPMD FSDP.
+  Abstract states: compiled for analysis, nothing allocated."""
+  from benchmarks import memory, variants
+  rows = []
+  for n in layers:
+    shape = dict(vocab_size=50257, width=768, layers=n, heads=12,
+                 positions=1024)
+    for label, cfg, name in (("zero-3, layerwise", HFGPT2Config(**shape),
+                              "zero-3"),
+                             ("zero-3, held", _Held(**shape), "zero-3"),
+                             ("gspmd-fsdp", HFGPT2Config(**shape),
+                              "gspmd-fsdp")):
+      v = variants.build(name, cfg, global_batch=batch, seq=seq,
+                         num_devices=devices, materialize=False,
+                         options=memory.analysis_options())
+      rows.append({"layers": n, "variant": label, "num_params": cfg.num_params,
+                   **zerojax.compiled_footprint(v.compiled())})
+  return rows
+
+
+def write(rows: list, out: str, meta: dict) -> str:
+  """`third_party_footprint.{json,md,png}` in `out`; returns the table."""
+  import json
+  import os
+  from benchmarks import report
+  table = ["| layers | Ψ | variant | footprint MiB | temp MiB |",
+           "|---:|---:|---|---:|---:|"] + [
+               f"| {r['layers']} | {r['num_params']:,} | {r['variant']} | "
+               f"{r['footprint'] / 2 ** 20:,.1f} | {r['temp'] / 2 ** 20:,.1f} |"
+               for r in rows]
+  text = "\n".join([
+      "# Hugging Face's Flax GPT-2 at stage 3: compiled footprint per device",
+      "", f"`python -m benchmarks.third_party`, {meta['date']}, jax "
+      f"{meta['jax']}, batch 8×256 tokens, {meta['devices']} simulated CPU "
+      "devices, fp32 AdamW; GPT-2 small's width and vocabulary at each "
+      "depth (12 blocks: GPT-2 small). `layerwise`: the block class wrapped "
+      "(the one line); `held`: not wrapped.", "", *table, "",
+      "![footprint](third_party_footprint.png)", ""])
+  with open(os.path.join(out, "third_party_footprint.md"), "w") as f:
+    f.write(text)
+  with open(os.path.join(out, "third_party_footprint.json"), "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  layers = sorted({r["layers"] for r in rows})
+  footprint = {}
+  for r in rows:
+    footprint.setdefault(r["variant"], []).append(r["footprint"])
+  report.plot_depth({"depth_sweep": {"layers": layers, "footprint": footprint},
+                     "depth_config": "Hugging Face GPT-2 small"},
+                    os.path.join(out, "third_party_footprint.png"))
+  return text
+
+
+if __name__ == "__main__":
+  # python -m benchmarks.third_party [LAYERS...]: the footprint table, into
+  # benchmarks/results
+  import os
+  import sys
+  import time
+  import jax
+  if _hf is None:
+    raise SystemExit(missing)
+  # read when the backend starts (the first device query), not at import
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__,
+          "devices": jax.device_count()}
+  print(write(footprints(tuple(int(a) for a in sys.argv[1:]) or (4, 12, 16)),
+              os.path.join("benchmarks", "results"), info))
