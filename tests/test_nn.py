@@ -400,13 +400,22 @@ def test_a_wrapped_block_with_flags_runs_as_the_block_outside_a_step():
         np.testing.assert_allclose, rtol=1e-5, atol=1e-8), got, want)
 
 
-def test_a_stacked_model_without_the_opt_in_is_told_so(caplog):
-  model, state, batch = _tiny_lm_state(False, True, ("blocks",))
+@pytest.mark.parametrize("scan,said", [
+    (True, "the blocks scanned under 'blocks' are not wrapped with "
+     "zerojax.nn.layerwise"),
+    (False, "gathers the 2 repeated blocks 'blocks_0', 'blocks_1' for the "
+     "whole step")])
+def test_a_model_without_the_opt_in_is_told_so(caplog, scan, said):
+  model, state, batch = _tiny_lm_state(False, scan, ("blocks",) if scan else ())
   with caplog.at_level("WARNING", logger="zerojax"):
     modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
-  assert modes["blocks"] == "whole step"
-  said = " ".join(r.getMessage() for r in caplog.records)
-  assert "not wrapped with zerojax.nn.layerwise" in said and "'blocks'" in said
+  assert modes["blocks" if scan else "blocks_0"] == "whole step"
+  assert said in " ".join(r.getMessage() for r in caplog.records)
+  caplog.clear()   # wrapped: nothing said
+  model, state, batch = _tiny_lm_state(True, scan, ("blocks",) if scan else ())
+  with caplog.at_level("WARNING", logger="zerojax"):
+    zerojax.train_step(_loss_fn(model)).gathering(state, batch)
+  assert not [r for r in caplog.records if "layerwise" in r.getMessage()]
 
 
 def _bridged_state(per_use, wrap=True, hidden=512, batch=64):

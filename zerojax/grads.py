@@ -345,8 +345,9 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
 
 def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
   """A scanned stack whose blocks are not wrapped is gathered whole, every
-  layer at once, and a `per_use` module not wrapped is held: legal, but not
-  what `stacked=` or `per_use=` at stage 3 is for."""
+  layer at once, and so are repeated blocks not wrapped, and a `per_use`
+  module not wrapped is held: legal, but not what `stacked=`, stage 3 on a
+  deep model, or `per_use=` is for."""
   stacks = sorted({layout.chunks[c].stack for c in own_gather
                    if c not in layerwise and layout.chunks[c].layers})
   if stacks:
@@ -357,6 +358,20 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
         "the block class, Block = zerojax.nn.layerwise(Block), to gather one "
         "layer at a time.", tuple(config.stacked),
         ", ".join(map(repr, stacks)))
+  blocks = list(dict.fromkeys(
+      layout.chunks[c].stack for c in sorted(own_gather)
+      if c not in layerwise and not layout.chunks[c].layers
+      and layout.chunks[c].stack not in config.per_use))
+  if blocks:
+    _log.warning(
+        "zerojax: stage 3 gathers the %d repeated blocks %s%s for the whole "
+        "step, all at once (memory grows with depth, as under GSPMD FSDP): "
+        "their class is not wrapped with zerojax.nn.layerwise. Wrap it, Block "
+        "= zerojax.nn.layerwise(Block) (in third-party code, assign the "
+        "wrapped class where the model looks it up), to gather one block at "
+        "a time; an NNX model's blocks are gathered per layer when scanned "
+        "(nnx.scan, stacked=).", len(blocks),
+        ", ".join(map(repr, blocks[:3])), ", ..." if len(blocks) > 3 else "")
   named = sorted({layout.chunks[c].stack for c in own_gather
                   if c not in layerwise
                   and layout.chunks[c].stack in config.per_use})
