@@ -512,10 +512,6 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
     raise SystemExit(f"--embed-blocks {args.embed_blocks} is more than the "
                      f"{vocab} words: give at most one block per word.")
   seq = args.seq or min(pre["seq"], pre["ctx"])
-  cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
-                  layers=args.layers or pre["layers"], width=width, heads=heads,
-                  remat=args.remat, layerwise=args.layerwise, tp=args.tp,
-                  embed_blocks=args.embed_blocks)
   precision = (args.precision if args.precision != "auto"
                else ("bf16" if accel else "fp32"))
   attention = args.attention
@@ -526,7 +522,10 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
     raise SystemExit(f"--attention cudnn needs an NVIDIA GPU and --precision "
                      f"bf16 or fp16 (here: {backend}, {precision}); use "
                      "--attention einsum.")
-  cfg = dataclasses.replace(cfg, attention=attention)
+  cfg = GPTConfig(vocab=vocab, ctx=max(pre["ctx"], seq),
+                  layers=args.layers or pre["layers"], width=width, heads=heads,
+                  remat=args.remat, layerwise=args.layerwise, tp=args.tp,
+                  embed_blocks=args.embed_blocks, attention=attention)
   steps = args.steps or pre["steps"]
   batch = args.batch or pre["micro_batch"] * n_devices * args.accum
   data = n_devices // args.tp   # the devices a batch is split over

@@ -112,12 +112,12 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
   `found`: each must name exactly one submodule of the parameter tree, with
   no `stacked` module or found block above or below it. Raises ValueError
   naming the name and the fix."""
-  modules = []   # (path, node) of every submodule
+  modules = []   # the path of every submodule
 
   def visit(node, path):
     for k, v in node.items():
       if isinstance(v, dict):
-        modules.append((path + (str(k),), v))
+        modules.append(path + (str(k),))
         visit(v, path + (str(k),))
 
   params = _as_dict(params)
@@ -128,11 +128,11 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
   for name in names:
     if name in found or name in out:
       continue         # a repeated block already, or named twice
-    at = [p for p, _ in modules if p[-1] == name]
+    at = [p for p in modules if p[-1] == name]
     if not at:
       raise ValueError(
           f"per_use={tuple(names)!r}: no submodule is named {name!r}; the "
-          f"submodules are {sorted({p[-1] for p, _ in modules})[:40]}.")
+          f"submodules are {sorted({p[-1] for p in modules})[:40]}.")
     if len(at) > 1:
       raise ValueError(
           f"per_use={tuple(names)!r}: {name!r} names {len(at)} submodules "
@@ -144,7 +144,7 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
           "per layer already (with its block wrapped in "
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
-    inside = [f for p, _ in modules if p[:len(path)] == path
+    inside = [f for p in modules if p[:len(path)] == path
               for f in fenced if unit_depth(p + ("",), f) == len(p)]
     above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:

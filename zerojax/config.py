@@ -207,8 +207,9 @@ class ZeroConfig:
       its backward; whether the compiled step is smaller depends on XLA's
       scheduler (README: smaller on jax 0.10, larger on 0.12 in one
       measured model), so compare `compiled_footprint`s. Repeated blocks
-      (`<base>_<i>`) are found without naming. The default holds the rest (measured: for GPT-2's embedding,
-      final norm and head, a held leaf is already freed after its last use,
+      (`<base>_<i>`, or a list's `<i>`) are found without naming. The
+      default holds the rest (measured: for GPT-2's embedding, final norm
+      and head, a held leaf is already freed after its last use,
       and the tied head's peak is inside its one use, see
       `zerojax.nn.BlockedEmbed`). A name must match exactly one submodule,
       outside `stacked` modules and repeated blocks; ignored below stage 3.
