@@ -549,9 +549,9 @@ def markdown(out: str) -> str:
            "one submodule per block in a Python loop, no `nn.scan`, so many "
            "leaves share a chunk) against plain DP, and zerojax stage 0 on "
            "a 1-device mesh against plain optax on that device, and "
-           "third-party code: Hugging Face's Flax GPT-2 "
+           "third-party code: Hugging Face's Flax GPT-2 and Llama "
            "(`benchmarks/third_party.py`, `transformers` 4.x, the `hf` "
-           "extra), its blocks a setup-time list.", ""]
+           "extra), their blocks a setup-time list.", ""]
   for mode in MODES:
     results = _load(out, mode)
     if not results:

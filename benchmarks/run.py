@@ -110,6 +110,8 @@ MODES = {
                dict(config="transformer-tiny", batch=8, seq=16, rounds=1,
                     variants=USER_VARIANTS, options=memory.sweep_options()),
                *_third_party("hf-gpt2-tiny", batch=8, seq=16, rounds=1,
+                             options=memory.sweep_options()),
+               *_third_party("hf-llama-tiny", batch=8, seq=16, rounds=1,
                              options=memory.sweep_options())),
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
@@ -129,7 +131,8 @@ MODES = {
                MLP_SPEED,
                dict(config="transformer-6m", batch=16, seq=32, rounds=9,
                     variants=USER_VARIANTS),
-               *_third_party("hf-gpt2-6m", batch=16, seq=32, rounds=9)),
+               *_third_party("hf-gpt2-6m", batch=16, seq=32, rounds=9),
+               *_third_party("hf-llama-6m", batch=16, seq=32, rounds=9)),
         memory=dict(configs=("cpu-1m",), batch=16, seq=64),
         depth=dict(config="cpu-1m", layers=(2, 4, 8)),
         comm=dict(config="cpu-1m", chunk_sizes=(2 ** 14, 2 ** 16, 2 ** 18),
@@ -155,7 +158,8 @@ MODES = {
                MLP_SPEED,
                dict(config="transformer-6m", batch=32, seq=64, rounds=9,
                     variants=USER_VARIANTS),
-               *_third_party("hf-gpt2-6m", batch=32, seq=64, rounds=9)),
+               *_third_party("hf-gpt2-6m", batch=32, seq=64, rounds=9),
+               *_third_party("hf-llama-6m", batch=32, seq=64, rounds=9)),
         # and issue 14's unscanned GPT-2 without the opt-in: stage 3 must
         # never hold more than GSPMD FSDP (a goal row)
         # and GPT-2 with its tied embedding gathered by vocabulary blocks

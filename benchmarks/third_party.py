@@ -1,4 +1,5 @@
-"""Third-party Flax code for the speed suite: Hugging Face's Flax GPT-2.
+"""Third-party Flax code for the speed suite: Hugging Face's Flax GPT-2 and
+Llama.
 
 `transformers`' `FlaxGPT2LMHeadModule` (the `hf` extra: transformers 4.x,
 whose Flax models version 5 dropped) is linen code nobody wrote for zerojax:
@@ -12,6 +13,9 @@ class is swapped for `zerojax.nn.layerwise(FlaxGPT2Block)` while the model
 runs, which is the one line a user adds
 (`modeling_flax_gpt2.FlaxGPT2Block = zerojax.nn.layerwise(...)`), scoped
 here so the other variants in the same process run the code as written.
+`FlaxLlamaForCausalLMModule` (`layers/0`, `layers/1`, ...; RMSNorm, rotary
+positions, grouped-query attention, SwiGLU, an untied head) takes the same
+line on `FlaxLlamaDecoderLayer`.
 
 Without `transformers` installed, `CONFIGS` is empty and `missing` says why.
 """
@@ -27,25 +31,28 @@ import zerojax
 from benchmarks.user_models import TransformerConfig, block_params
 
 try:
-  from transformers import GPT2Config as _HFConfig
+  from transformers import GPT2Config as _HFConfig, LlamaConfig as _LlamaConfig
   from transformers.models.gpt2 import modeling_flax_gpt2 as _hf
+  from transformers.models.llama import modeling_flax_llama as _llama
   missing = None
 except ImportError as e:   # an optional dependency (`pip install -e ".[hf]"`)
-  _hf, missing = None, (f"transformers' Flax GPT-2 is not importable ({e}); "
-                        "pip install -e '.[hf]' to time it")
+  _hf, missing = None, (f"transformers' Flax GPT-2 and Llama are not "
+                        f"importable ({e}); pip install -e '.[hf]' to time "
+                        "them")
 
 
 @contextlib.contextmanager
-def _blocks(layerwise: bool):
-  """`FlaxGPT2Block` wrapped in `zerojax.nn.layerwise` while the model is
-  set up and called (the block collection looks the class up then)."""
-  plain = _hf.FlaxGPT2Block
+def _blocks(module, name: str, layerwise: bool):
+  """`module.<name>` (a block class) wrapped in `zerojax.nn.layerwise` while
+  the model is set up and called (the block collection looks the class up
+  then)."""
+  plain = getattr(module, name)
   if layerwise:
-    _hf.FlaxGPT2Block = zerojax.nn.layerwise(plain)
+    setattr(module, name, zerojax.nn.layerwise(plain))
   try:
     yield
   finally:
-    _hf.FlaxGPT2Block = plain
+    setattr(module, name, plain)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +82,59 @@ class HFGPT2(nn.Module):
                        n_layer=cfg.layers, n_head=cfg.heads,
                        n_positions=cfg.positions)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-    with _blocks(cfg.layerwise):
+    with _blocks(_hf, "FlaxGPT2Block", cfg.layerwise):
       return _hf.FlaxGPT2LMHeadModule(config, name="gpt2")(
           tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFLlamaConfig(TransformerConfig):
+  """transformer-6m's fields, grouped-query attention (`kv_heads`) and the
+  gated MLP's width."""
+  kv_heads: int = 2
+  hidden: int = 704
+  positions: int = 128   # the rotary table's length
+
+  @property
+  def num_params(self) -> int:
+    d, v, f = self.width, self.vocab_size, self.hidden
+    kv = d // self.heads * self.kv_heads
+    block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * f   # no biases
+    return 2 * v * d + self.layers * block + d          # head not tied
+
+  def make_model(self) -> "HFLlama":
+    return HFLlama(self)
+
+
+class HFLlama(nn.Module):
+  """Tokens to next-token logits through the Hugging Face module (its
+  parameters under `llama`): RMSNorm, rotary positions, grouped-query
+  attention, SwiGLU, an untied head."""
+  cfg: HFLlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    config = _LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.width,
+                          intermediate_size=cfg.hidden,
+                          num_hidden_layers=cfg.layers,
+                          num_attention_heads=cfg.heads,
+                          num_key_value_heads=cfg.kv_heads,
+                          max_position_embeddings=cfg.positions)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    with _blocks(_llama, "FlaxLlamaDecoderLayer", cfg.layerwise):
+      return _llama.FlaxLlamaForCausalLMModule(config, name="llama")(
+          tokens, jnp.ones_like(tokens), positions)[0]
 
 
 CONFIGS = {} if _hf is None else {
     "hf-gpt2-tiny": HFGPT2Config(vocab_size=64, width=32, layers=2, heads=2,
                                  positions=32),
+    "hf-llama-tiny": HFLlamaConfig(vocab_size=64, width=32, layers=2,
+                                   heads=2, kv_heads=1, hidden=64),
     # transformer-6m's shape (6 blocks of width 256, vocabulary 2,048)
     "hf-gpt2-6m": HFGPT2Config(),
+    "hf-llama-6m": HFLlamaConfig(),
 }
 
 

@@ -253,7 +253,8 @@ def test_smoke_suite_writes_results(tmp_path):
   assert speed["ratio_vs_plain_dp"]["plain-dp"] == 1.0
   # the models written as users write them: every variant built and stepped
   # and third-party code where its package is installed (else said so)
-  third = ["hf-gpt2-tiny"] if "hf-gpt2-tiny" in run.CONFIGS else []
+  third = (["hf-gpt2-tiny", "hf-llama-tiny"] if "hf-gpt2-tiny" in run.CONFIGS
+           else [])
   assert [u["setup"]["config"] for u in users] == ["mlp-tiny",
                                                    "transformer-tiny", *third]
   assert bool(result["meta"].get("third_party")) == (not third)
@@ -317,7 +318,7 @@ def test_smoke_suite_writes_results(tmp_path):
 
 @pytest.mark.parametrize("config, leaves", [
     ("mlp-tiny", 2 * 6 + 2), ("transformer-tiny", 2 * 12 + 4),
-    ("hf-gpt2-tiny", 2 + 2 * 12 + 2)])
+    ("hf-gpt2-tiny", 2 + 2 * 12 + 2), ("hf-llama-tiny", 1 + 2 * 9 + 2)])
 def test_user_model_variants_train_the_same_problem(config, leaves):
   """Every variant of a user-written (or third-party) model computes the
   same first loss as plain optax with the same batch: the mesh variants over
