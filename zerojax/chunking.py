@@ -78,7 +78,7 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
       names.append(str(k))
       base, _, index = str(k).rpartition("_")
       numbered = str(k).isdigit()
-      if ((base or numbered) and (index or str(k)).isdigit() and is_block(v)
+      if ((base or numbered) and index.isdigit() and is_block(v)
           and str(k) not in stacked):
         groups.setdefault((base, numbered, signature(v)), []).append(str(k))
     units = {k for group in groups.values() if len(group) > 1 for k in group}
@@ -144,8 +144,8 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
           "per layer already (with its block wrapped in "
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
-    inside = [f for p in modules if p[:len(path)] == path
-              for f in fenced if unit_depth(p + ("",), f) == len(p)]
+    inside = [f for p in modules if p[:len(path)] == path for f in fenced
+              if (p[-1] == f if "/" not in f else "/".join(p) == f)]
     above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:
       raise ValueError(
