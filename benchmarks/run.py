@@ -86,7 +86,6 @@ MLP_SPEED = dict(config="mlp-3m", batch=256, seq=None, rounds=9,
                  variants=USER_VARIANTS)
 
 
-
 def _third_party(config: str, **kw) -> tuple:
   """The speed config of a third-party model (`benchmarks.third_party`),
   none where its package is not installed (`_meta` says so)."""

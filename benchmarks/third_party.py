@@ -147,7 +147,7 @@ class _Held(HFGPT2Config):
     return self.replace(layerwise=False)
 
 
-def footprints(layers=(4, 12), batch: int = 8, seq: int = 256,
+def footprints(layers=(4, 12, 16), batch: int = 8, seq: int = 256,
                devices: int = 8) -> list:
   """Compiled footprint per device of GPT-2 small's shape (width 768,
   vocabulary 50,257) through the Hugging Face code at `layers` blocks:
@@ -167,6 +167,7 @@ def footprints(layers=(4, 12), batch: int = 8, seq: int = 256,
                          num_devices=devices, materialize=False,
                          options=memory.analysis_options())
       rows.append({"layers": n, "variant": label, "num_params": cfg.num_params,
+                   "global_batch": batch, "seq": seq,
                    **zerojax.compiled_footprint(v.compiled())})
   return rows
 
@@ -184,7 +185,8 @@ def write(rows: list, out: str, meta: dict) -> str:
   text = "\n".join([
       "# Hugging Face's Flax GPT-2 at stage 3: compiled footprint per device",
       "", f"`python -m benchmarks.third_party`, {meta['date']}, jax "
-      f"{meta['jax']}, batch 8×256 tokens, {meta['devices']} simulated CPU "
+      f"{meta['jax']}, batch {rows[0]['global_batch']}×{rows[0]['seq']} "
+      f"tokens, {meta['devices']} simulated CPU "
       "devices, fp32 AdamW; GPT-2 small's width and vocabulary at each "
       "depth (12 blocks: GPT-2 small). `layerwise`: the block class wrapped "
       "(the one line); `held`: not wrapped.", "", *table, "",
@@ -216,5 +218,6 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__,
           "devices": jax.device_count()}
-  print(write(footprints(tuple(int(a) for a in sys.argv[1:]) or (4, 12, 16)),
+  depths = tuple(int(a) for a in sys.argv[1:])
+  print(write(footprints(depths) if depths else footprints(),
               os.path.join("benchmarks", "results"), info))
