@@ -473,10 +473,14 @@ class NnxBlock(nnx.Module):
 
 
 class NnxTransformer(nnx.Module):
-  def __init__(self, rngs, vocab=64, width=32, layers=2, seq=8):
+  """Blocks in an `nnx.List`, as Flax's NNX examples keep them; `block` is
+  their class (e.g. `zerojax.nn.layerwise(NnxBlock)`)."""
+
+  def __init__(self, rngs, vocab=64, width=32, layers=2, seq=8,
+               block=NnxBlock):
     self.embed = nnx.Embed(vocab, width, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, width)))
-    self.blocks = nnx.List([NnxBlock(width, 4, rngs) for _ in range(layers)])
+    self.blocks = nnx.List([block(width, 4, rngs) for _ in range(layers)])
     self.norm = nnx.LayerNorm(width, rngs=rngs)
 
   def __call__(self, tokens):
@@ -560,3 +564,21 @@ def nnx_scanned(block: type, layers: int = 4, width: int = 32) -> type:
       return self.head(body(x, self.blocks))
 
   return ScannedNet
+
+
+def nnx_listed(block: type, layers: int = 4, width: int = 32) -> type:
+  """An NNX model whose blocks are an `nnx.List` called in a Python loop
+  (what stage 3 gathers per block when `block` is wrapped)."""
+
+  class ListedNet(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([block(rngs, width) for _ in range(layers)])
+      self.head = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = b(x)
+      return self.head(x)
+
+  return ListedNet
+

@@ -4,6 +4,8 @@ device, a data-parallel BatchNorm reference, per-device dropout, evaluation
 and the errors."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from models import (NnxResidualBlock, NnxTransformer, TOLERANCE, nnx_problem,
-                    nnx_reference_run, nnx_scanned)
+from models import (NnxBlock, NnxResidualBlock, NnxTransformer, TOLERANCE,
+                    nnx_listed, nnx_problem, nnx_reference_run, nnx_scanned)
 
 # SGD with momentum, as the linen comparisons use: Adam turns the float
 # noise of a near-zero gradient element (attention key kernels) into an
@@ -25,6 +27,15 @@ TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))
 
 def _params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _trained(step, state, batches):
+  """`(state, losses)` after one step on each batch."""
+  losses = []
+  for b in batches:
+    state, metrics = step(state, b)
+    losses.append(float(metrics["loss"]))
+  return state, losses
 
 
 def _close(a, b, compute_dtype):
@@ -44,10 +55,7 @@ def test_nnx_matches_a_plain_nnx_optimizer_loop(kind, compute_dtype):
     model = make()
     before = _params(model)
     state = zerojax.shard(model, stage=stage, tx=TX, compute_dtype=compute_dtype)
-    losses = []
-    for b in batches:
-      state, metrics = step(state, b)
-      losses.append(float(metrics["loss"]))
+    state, losses = _trained(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, **TOLERANCE[compute_dtype][0])
     trained = zerojax.gather_model(state)
     assert type(trained) is type(model)
@@ -296,10 +304,7 @@ def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx(stage, mode,
                         **offload)
   step = zerojax.train_step(loss_fn)
   assert step.gathering(state, batches[0])["blocks"] == mode
-  losses = []
-  for b in batches:
-    state, metrics = step(state, b)
-    losses.append(float(metrics["loss"]))
+  state, losses = _trained(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
   # asked again after the step has run (its trace is cached by then)
@@ -327,6 +332,159 @@ def test_nnx_scanned_stage3_footprint_does_not_grow_with_gathered_layers():
   assert growth <= 1.1 * 12 * (per_layer_state + per_layer_grads + per_layer_acts)
   # the 12 more gathered layers alone would add 12 x 4 x per_layer bytes
   assert growth < 12 * 4 * per_layer
+
+
+def test_nnx_shard_shape_is_what_shard_gives():
+  """`shard_shape` takes an NNX model (abstract, from `nnx.eval_shape`) as
+  `shard` takes a built one."""
+  make, _, _ = nnx_problem("transformer")
+  shapes = zerojax.shard_shape(nnx.eval_shape(make), tx=TX, stage=3)
+  state = zerojax.shard(make(), tx=TX, stage=3)
+  assert shapes.layout == state.layout
+  got, want = (jax.tree_util.tree_leaves(x) for x in (shapes, state))
+  assert [(x.shape, x.dtype, x.sharding) for x in got] == [
+      (x.shape, x.dtype, x.sharding) for x in want]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"prefetch": True},
+    # each block's shards come over from host memory at its call
+    {"offload_params": True, "offload_optimizer": True}],
+    ids=["stage3", "prefetch", "offload"])
+def test_nnx_listed_blocks_gathered_per_block_match_plain_nnx(options):
+  """Blocks in an `nnx.List`, called in a loop, with the one line: each is
+  gathered at its call (and again in the backward), exactly."""
+  _, loss_fn, batches = nnx_problem("transformer")
+  block = zerojax.nn.layerwise(NnxBlock)
+  make = lambda: NnxTransformer(nnx.Rngs(0), layers=3, block=block)
+  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
+  state = zerojax.shard(make(), stage=3, tx=TX, accum_steps=2, **options)
+  step = zerojax.train_step(loss_fn)
+  modes = step.gathering(state, batches[0])
+  assert [modes[f"blocks/{i}"] for i in range(3)] == ["per block"] * 3
+  state, losses = _trained(step, state, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+
+
+@functools.lru_cache(maxsize=None)
+def _listed_step(layers, wrap, width=256):
+  """The compiled stage-3 step of `layers` listed residual blocks, and its
+  state."""
+  block = zerojax.nn.layerwise(NnxResidualBlock) if wrap else NnxResidualBlock
+  net = nnx_listed(block, layers, width)
+  state = zerojax.shard_shape(nnx.eval_shape(lambda: net(nnx.Rngs(0))),
+                              tx=optax.adam(1e-3), stage=3)
+  batch = {"x": np.zeros((64, width), np.float32),
+           "y": np.zeros((64, 4), np.float32)}
+  loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  return zerojax.train_step(loss_fn).lower(state, batch).compile(), state
+
+
+def test_nnx_listed_stage3_footprint_is_bounded_and_regathers_distinct():
+  width = 256
+  (c4, s4), (c16, _) = (_listed_step(n, True, width) for n in (4, 16))
+  per_block = sum(c.used for c in s4.layout.chunks if c.stack == "blocks/0")
+  assert per_block > 0
+  growth = (zerojax.compiled_footprint(c16)["footprint"]
+            - zerojax.compiled_footprint(c4)["footprint"])
+  # the sharded Adam state and gradient shard (16 bytes a parameter / N)
+  # and the saved block input (8 rows x width floats a device) of 12 more
+  # blocks; the 12 more gathered blocks alone would add 12 x 4 x per_block
+  assert growth <= 1.1 * 12 * (16 * per_block / 8 + 4 * 8 * width)
+  assert growth < 12 * 4 * per_block
+  temp4, temp16 = (c.memory_analysis().temp_size_in_bytes for c in (c4, c16))
+  assert temp16 <= temp4 + 2 * 4 * per_block
+  # each block gathered at its call and re-gathered in the backward (not
+  # merged with the forward gather), the head's chunk once
+  hlo = c4.as_text()
+  assert hlo.count("all-gather-start(") + hlo.count(" all-gather(") == 2 * 4 + 1
+  # unwrapped, every block is held for the step
+  held = _listed_step(4, False, width)[0].memory_analysis().temp_size_in_bytes
+  assert temp4 < held
+
+
+class FlagDropBlock(nnx.Module):
+  """A block called with a Python flag and an array keyword, and drawing
+  dropout, as NNX blocks often are."""
+
+  def __init__(self, rngs, width=16):
+    self.up = nnx.Linear(width, width, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+  def __call__(self, x, train=True, scale=None):
+    y = self.drop(nnx.gelu(self.up(x)), deterministic=not train)
+    return x + (y if scale is None else scale * y)
+
+
+class FlagDropNet(nnx.Module):
+  """Two `FlagDropBlock`s in a list, called with keywords, or scanned
+  (`nnx.vmap` stack, one RNG stream a layer) and called as `call` says."""
+
+  def __init__(self, rngs, block=FlagDropBlock, scan=False,
+               call=lambda block, x: block(x)):
+    if scan:
+      @nnx.split_rngs(splits=2)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return block(rngs)
+      self.blocks = make(rngs)
+    else:
+      self.blocks = nnx.List([block(rngs) for _ in range(2)])
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+    self.scan, self.call = scan, call
+
+  def __call__(self, x):
+    if self.scan:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return self.call(block, x)
+      return self.head(body(x, self.blocks))
+    for i, b in enumerate(self.blocks):
+      x = b(x, train=True, scale=None if i else jnp.float32(0.5))
+    return self.head(x)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["listed", "scanned"])
+def test_nnx_wrapped_blocks_take_flags_and_draw_dropout_as_unwrapped(scan):
+  """Flags and keyword arrays reach a wrapped listed block; its dropout
+  draws what the unwrapped block draws (the RNG count it moves is written
+  back), so wrapped and unwrapped stage-3 steps agree. A scanned stack's
+  streams (one key a layer) are folded per device too."""
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(32, 16)).astype(np.float32),
+              "y": rng.normal(size=(32, 4)).astype(np.float32)}
+             for _ in range(3)]
+  loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  name, mode = ("blocks", "per layer") if scan else ("blocks/1", "per block")
+  runs = {}
+  for wrap in (False, True):
+    block = zerojax.nn.layerwise(FlagDropBlock) if wrap else FlagDropBlock
+    state = zerojax.shard(FlagDropNet(nnx.Rngs(0, dropout=1), block, scan),
+                          stage=3, tx=TX, stacked=("blocks",) if scan else ())
+    step = zerojax.train_step(loss_fn)
+    assert step.gathering(state, batches[0])[name] == (
+        mode if wrap else "whole step")
+    state, losses = _trained(step, state, batches)
+    runs[wrap] = losses, state
+  np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5)
+  _close(_params(zerojax.gather_model(runs[True][1])),
+         _params(zerojax.gather_model(runs[False][1])), "float32")
+  def count(state):   # the second block's (every layer's, scanned)
+    blocks = state.nnx_state["blocks"]
+    return np.asarray((blocks if scan else blocks[1])["drop"]["rngs"]["count"])
+
+  np.testing.assert_array_equal(count(runs[True][1]), count(runs[False][1]))
+  assert np.all(count(runs[True][1]) > 0)
+
+
+def test_nnx_scanned_block_refuses_keyword_arguments():
+  net = FlagDropNet(nnx.Rngs(0, dropout=1), zerojax.nn.layerwise(FlagDropBlock),
+                    scan=True, call=lambda block, x: block(x, train=False))
+  state = zerojax.shard(net, stage=3, tx=TX, stacked=("blocks",))
+  with pytest.raises(TypeError, match="positional arguments only"):
+    zerojax.train_step(lambda m, b: jnp.mean(m(b) ** 2))(
+        state, np.ones((16, 16), np.float32))
 
 
 def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):

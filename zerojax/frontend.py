@@ -73,7 +73,7 @@ class Nnx:
     for x, impl in zip(jax.tree_util.tree_leaves(rest), self.keys):
       if impl is not None:
         x = jax.random.wrap_key_data(x, impl=impl)
-        x = x if fold is None else jax.random.fold_in(x, fold)
+        x = x if fold is None else _fold_in(x, fold)
       leaves.append(x)
     flat = traverse_util.flatten_dict(params)
     shards = {path: x for path, x in flat.items()
@@ -87,26 +87,29 @@ class Nnx:
 
   def _param_leaves(self, flat: dict, shards: dict) -> list:
     """The parameter leaves in order; a leaf of a stack gathered per layer
-    (`zerojax.nn.layerwise`) is an empty `[layers, 0]` placeholder, its
-    values being in the stack's chunk shards."""
-    stacks = {tuple(map(str, path[:-1])): x.shape[0] for path, x in shards.items()}
+    or of a block gathered per call (`zerojax.nn.layerwise`) is an empty
+    placeholder (`[layers, 0]`, or `[0]`), its values being in the chunk
+    shards."""
+    owners = {tuple(map(str, path[:-1])): x.shape[:-1] + (0,)
+              for path, x in shards.items()}
     out = []
     for path in self.param_paths:
       names = tuple(map(str, path))
-      layers = next((n for prefix, n in stacks.items()
-                     if names[:len(prefix)] == prefix), None)
-      out.append(flat[path] if layers is None else jnp.zeros((layers, 0)))
+      empty = next((shape for prefix, shape in owners.items()
+                    if names[:len(prefix)] == prefix), None)
+      out.append(flat[path] if empty is None else jnp.zeros(empty))
     return out
 
   def _mark_stacks(self, model, shards: dict) -> None:
-    """Inside a step: each stacked module says its path (`STACK_ATTR`, how
-    the step hears which stacks opted in), and holds its chunk shards."""
+    """Inside a step: each stacked module and each repeated block says its
+    path (`STACK_ATTR`, how the step hears which opted in), and holds its
+    chunk shards."""
     active = zero_nn.active_layout()
     if active is None:
       return
     layout = active[0]
     for c, chunk in enumerate(layout.chunks):
-      if chunk.layers:
+      if chunk.stack is not None:
         prefix = layout.stack_prefix(c)
         stack = _node(model, prefix)
         if stack is not None:
@@ -276,6 +279,15 @@ def _plain(x):
   if isinstance(x, nnx.State):
     return nnx.to_pure_dict(x)
   return x.get_value()
+
+
+def _fold_in(keys: jax.Array, data) -> jax.Array:
+  """Every key of `keys` folded with `data` (a stack's streams, split per
+  layer, hold one key a layer)."""
+  fold = jax.random.fold_in
+  for _ in range(keys.ndim):
+    fold = jax.vmap(fold, in_axes=(0, None))
+  return fold(keys, data)
 
 
 def _is_key(x) -> bool:

@@ -367,10 +367,9 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
         "zerojax: stage 3 gathers the %d repeated blocks %s%s for the whole "
         "step, all at once (memory grows with depth, as under GSPMD FSDP): "
         "their class is not wrapped with zerojax.nn.layerwise. Wrap it, Block "
-        "= zerojax.nn.layerwise(Block) (in third-party code, assign the "
-        "wrapped class where the model looks it up), to gather one block at "
-        "a time; an NNX model's blocks are gathered per layer when scanned "
-        "(nnx.scan, stacked=).", len(blocks),
+        "= zerojax.nn.layerwise(Block) (linen or NNX; in third-party code, "
+        "assign the wrapped class where the model looks it up), to gather "
+        "one block at a time.", len(blocks),
         ", ".join(map(repr, blocks[:3])), ", ..." if len(blocks) > 3 else "")
   named = sorted({layout.chunks[c].stack for c in own_gather
                   if c not in layerwise
@@ -394,10 +393,15 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict):
                       leaves=leaves)
   skipped = {layout.leaves[i].names for c in own
              for i in layout.chunks[c].leaves}
-  flat = {k: v for k, v in traverse_util.flatten_dict(tree).items()
-          if k not in skipped}
+  every = traverse_util.flatten_dict(tree)
+  # the tree's own keys (an NNX list's indices are ints; names are strings)
+  keys = {tuple(map(str, k)): k for k in every}
+  flat = {k: v for k, v in every.items() if tuple(map(str, k)) not in skipped}
   for c, (value, slot) in own.items():
-    flat[layout.stack_prefix(c) + (zero_nn.chunk_key(c),)] = value
+    prefix = layout.stack_prefix(c)
+    prefix = keys[layout.leaves[layout.chunks[c].leaves[0]].names][
+        :len(prefix)]
+    flat[prefix + (zero_nn.chunk_key(c),)] = value
     if slot is not None:
-      flat[layout.stack_prefix(c) + (zero_nn.slot_key(c),)] = slot
+      flat[prefix + (zero_nn.slot_key(c),)] = slot
   return traverse_util.unflatten_dict(flat)

@@ -16,8 +16,8 @@ and gathered again in the backward pass, so at most about two layers of
 gathered parameters are alive at once, whatever the depth. docs/design.md records
 why a scan needs nothing more.
 
-Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`) take
-the same one line: at stage 3 each repeated block gets chunks of its own
+Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`, or
+an `nnx.List` of NNX blocks called in a loop) take the same one line: at stage 3 each repeated block gets chunks of its own
 (`chunking.repeated_blocks`), and the wrapper gathers them when the block is
 called. Without a loop, XLA sees L gathers that depend on nothing but the
 parameters: it merges each backward re-gather with the forward gather
@@ -142,25 +142,68 @@ class _Chain:
   def __init__(self):
     self.last = None   # (parent, trace, token, link)
 
-  def take(self, module) -> Optional[jax.Array]:
-    """The previous block's token, if `module` may wait for it."""
+  def take(self, parent) -> Optional[jax.Array]:
+    """The previous block's token, if a block of `parent` (a linen module,
+    or an NNX block's path without its index) may wait for it."""
     if self.last is None:
       return None
-    parent, trace, token, link = self.last
-    if (token is None or parent is not module.parent
-        or trace != current_trace()):
+    last, trace, token, link = self.last
+    same = last is parent or (isinstance(parent, tuple) and last == parent)
+    if token is None or not same or trace != current_trace():
       return None
     link.consumed = True
     return token
 
-  def put(self, module, token, link: _Link) -> None:
-    self.last = (module.parent, current_trace(), token, link)
+  def put(self, parent, token, link: _Link) -> None:
+    self.last = (parent, current_trace(), token, link)
 
 
 def _avals(values) -> set:
   """`(shape, dtype)` of each array in `values`."""
   return {(jnp.shape(v), jnp.result_type(v))
           for v in jax.tree_util.tree_leaves(values)}
+
+
+def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
+                         spaces: list, token_in) -> tuple:
+  """The backward of an unrolled block's call (linen or NNX): `vjp_fn`
+  (of the rematerialised, gathered block; its residuals are the block's
+  shards and inputs) applied to the output's cotangent, with the re-gather
+  waiting for that cotangent, and the cotangent of the previous block's
+  token appended. `cotangents` is `(output's, token's)`, `inputs` the
+  `(shape, dtype)`s of the block's array arguments, `spaces` the memory
+  space of each shard (the first of `vjp_fn`'s results)."""
+  cotangent, token_cotangent = cotangents
+  after = _anchor(cotangent)
+  if after is not None:   # the re-gathers wait for the cotangent...
+    # ...of the next block's output when it prefetches this block: its
+    # token's cotangent (`_Link`), which that block's backward gives as it
+    # starts. The block's saved inputs still wait for its own, so only the
+    # re-gather (shards, token) starts early.
+    early = token_cotangent if link.consumed else after
+    vjp_fn = jax.tree_util.tree_map(
+        lambda r: r if _anchor(r) is None else tie(
+            r, after if _avals((r,)) <= inputs else early), vjp_fn)
+  grads = vjp_fn(cotangent)
+  # a shard in host memory (offload) takes its (unused: the gradient goes
+  # to a device slot) cotangent there, as JAX requires
+  leaves, treedef = jax.tree_util.tree_flatten(grads[0])
+  if len(leaves) == len(spaces) and HOST_SPACE in spaces:
+    leaves = [jax.device_put(g, HOST_SPACE) if space == HOST_SPACE else g
+              for g, space in zip(leaves, spaces)]
+    grads = (jax.tree_util.tree_unflatten(treedef, leaves),) + tuple(grads[1:])
+  # the previous block's token: no gradient flows through a token, so its
+  # cotangent is free to be what the previous block's re-gathers wait for
+  # (this block's output cotangent)
+  return tuple(grads) + (None if token_in is None else
+                         _token((cotangent,)) if after is not None
+                         else jnp.zeros((), jnp.float32),)
+
+
+def _memory_spaces(tree) -> list:
+  """The memory space of each array of `tree` (None where unsaid)."""
+  return [getattr(getattr(x, "aval", None), "memory_space", None)
+          for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _chunk_keys(params) -> dict:
@@ -220,14 +263,17 @@ class Shard(nnx.Variable):
 
 
 def _nnx_layerwise(block: type, remat: bool) -> type:
-  """`layerwise` for an `nnx.Module` block class, scanned with `nnx.scan`
-  over a stack made with `nnx.vmap` and listed in `ZeroConfig.stacked`.
-  The stack's parameters are placeholders inside a step; each layer's
-  `Shard` is gathered in the block's call, cut into a clone of the block
-  holding this layer's parameters, and the block runs on the clone (its
-  other variables written back). `nnx.remat` re-gathers in the backward."""
+  """`layerwise` for an `nnx.Module` block class: scanned with `nnx.scan`
+  over a stack made with `nnx.vmap` and listed in `ZeroConfig.stacked`, or
+  one of repeated blocks (an `nnx.List` of them, or attributes
+  `<base>_<i>`). The block's parameters are placeholders inside a step;
+  its `Shard`s (a layer's row, or the block's own chunks) are gathered in
+  the block's call, cut into a clone of the block holding its parameters,
+  and the block runs on the clone (its other variables written back).
+  `nnx.remat` re-gathers a layer in the backward; a repeated block's call
+  is a `custom_vjp` with ties, as a linen block's (`_nnx_unit`)."""
 
-  def run(module, *args):
+  def run(module, *args, **kwargs):
     layout, config = active_layout()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     values = nnx.to_pure_dict(params)
@@ -236,11 +282,11 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
         c = int(name[len(CHUNK_KEY):])
         slot = getattr(module, slot_key(c), None)
         full = _full_layer(layout, config, c, shard[...],
-                           None if slot is None else slot[...])
+                           None if slot is None else slot[...], _AFTER.get())
         _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
-    out = block.__call__(clone, *args)
+    out = block.__call__(clone, *args, **kwargs)
     nnx.update(module, nnx.state(clone, nnx.Not(nnx.Param)))
     return out
 
@@ -251,15 +297,82 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
       if context is None or stack is None:
         return super().__call__(*args, **kwargs)
       context[2].add(stack)
-      if not any(name.startswith(CHUNK_KEY) for name in vars(self)):
+      chunks = [int(name[len(CHUNK_KEY):]) for name in vars(self)
+                if name.startswith(CHUNK_KEY)]
+      if not chunks:
         return super().__call__(*args, **kwargs)   # gathered for the step
+      if not any(context[0].chunks[c].layers for c in chunks):
+        if remat:   # a repeated block
+          return _nnx_unit(self, stack, run, _Arguments(args, kwargs))
+        return run(self, *args, **kwargs)
       if kwargs:
-        raise TypeError("a zerojax.nn.layerwise NNX block takes positional "
-                        f"arguments only inside a step; got {sorted(kwargs)}.")
+        raise TypeError("a zerojax.nn.layerwise NNX block scanned in a stack "
+                        "takes positional arguments only inside a step; got "
+                        f"{sorted(kwargs)}.")
       return (nnx.remat(run) if remat else run)(self, *args)
 
   Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
   return Layerwise
+
+
+def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
+  """One call of a repeated NNX block (at `path`) inside a stage-3 (or 2)
+  step: `run` as a pure function of the block's shards, its other state
+  and the call's arrays, rematerialised, in a `custom_vjp` whose gathers
+  are tied as a linen block's (see the module docstring; with prefetch,
+  chained to the previous block of the same list). Its other variables'
+  new values are written back; no gradient flows through them."""
+  chain = _ACTIVE.get()[3]
+  graphdef, shards, other = nnx.split(module, Shard, ...)
+  values = arguments.arrays
+  token_in = None if chain is None else chain.take(path[:-1])
+  link = _Link()
+  if token_in is None and _anchor(values) is not None:
+    token_in = jax.lax.stop_gradient(_token(values))
+
+  def call(shards, other, *values):
+    clone = nnx.merge(graphdef, shards, other)
+    out = arguments.call(run, clone, values)
+    return out, nnx.state(clone, nnx.Not(Shard))
+
+  rematted = jax.checkpoint(call, prevent_cse=False)   # ties keep it apart
+
+  def gathered(fn, values):
+    """`fn` with the block's gathers waiting for `values[-1]`, and the
+    token (this block's input) the next block's gathers may wait for."""
+    token = _AFTER.set(values[-1])
+    try:
+      return fn(*values[:-1]), _token(values[:-1])
+    finally:
+      _AFTER.reset(token)
+
+  spaces, inputs = [], set()
+
+  @jax.custom_vjp
+  def tied(shards, other, *values):
+    (out, new), token = gathered(lambda *v: call(shards, other, *v), values)
+    return out, new, token
+
+  def forward(shards, other, *values):
+    spaces[:] = _memory_spaces(shards)
+    inputs.update(_avals(values[:-1]))
+    (out, vjp_fn, new), token = gathered(
+        lambda *v: jax.vjp(lambda s, *a: rematted(s, other, *a), shards, *v,
+                           has_aux=True), values)
+    return (out, new, token), vjp_fn
+
+  def backward(vjp_fn, cotangents):
+    cotangent, _, token_cotangent = cotangents
+    grads = _regathered_backward(vjp_fn, (cotangent, token_cotangent), link,
+                                 inputs, spaces, token_in)
+    return (grads[0], None) + grads[1:]   # no gradient for the state
+
+  tied.defvjp(forward, backward)
+  out, new, token = tied(shards, other, *values, token_in)
+  nnx.update(module, new)
+  if chain is not None:
+    chain.put(path[:-1], token, link)
+  return out
 
 
 def _write(values: dict, tree: dict) -> None:
@@ -303,10 +416,11 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """Wraps a Flax block class so zerojax gathers its parameters per layer.
 
   Args:
-    block: a `flax.linen.Module` class, either scanned with `nn.scan`
-      (`variable_axes={"params": 0}`) under a name listed in
-      `ZeroConfig.stacked`, or called once per layer under names `<base>_<i>`
-      or, in a list, `<i>` (unrolled; found by
+    block: a `flax.linen.Module` or `nnx.Module` class, either scanned
+      (`nn.scan` with `variable_axes={"params": 0}`; `nnx.scan` over an
+      `nnx.vmap` stack) under a name listed in `ZeroConfig.stacked`, or
+      called once per layer under names `<base>_<i>` or, in a list
+      (`nnx.List`), `<i>` (unrolled; found by
       `zerojax.chunking.repeated_blocks`). Arguments holding no array
       (`deterministic=True`, `None`) are static, not traced. Stage 3
       gathers it per layer (or block); stage 2 reduce-scatters a scanned
@@ -357,7 +471,7 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       chain = context[3]
       # the forward gather waits for `token_in`: from the previous block's
       # input when prefetching (`_Chain`), else from this block's own
-      token_in = None if chain is None else chain.take(self)
+      token_in = None if chain is None else chain.take(self.parent)
       link = _Link()
       if token_in is None and _anchor(values) is not None:
         token_in = jax.lax.stop_gradient(_token(values))
@@ -384,45 +498,20 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       inputs = set()   # (shape, dtype) of the block's array arguments
 
       def forward(module, *values):
-        spaces[:] = [getattr(getattr(x, "aval", None), "memory_space", None)
-                     for x in jax.tree_util.tree_leaves(module.variables)]
+        spaces[:] = _memory_spaces(module.variables)
         inputs.update(_avals(values[:-1]))
         (out, vjp_fn), token = gathered(
             lambda m, *v: nn.vjp(call, m, *v), module, values)
         return (out, token), vjp_fn
 
       def backward(vjp_fn, cotangents):
-        cotangent, token_cotangent = cotangents
-        after = _anchor(cotangent)
-        if after is not None:   # the re-gathers wait for the cotangent...
-          # ...of the next block's output when it prefetches this block:
-          # its token's cotangent (`_Link`), which that block's backward
-          # gives as it starts. The block's saved inputs still wait for
-          # its own, so only the re-gather (shards, token) starts early.
-          early = token_cotangent if link.consumed else after
-          vjp_fn = jax.tree_util.tree_map(
-              lambda r: r if _anchor(r) is None else tie(
-                  r, after if _avals((r,)) <= inputs else early), vjp_fn)
-        grads = vjp_fn(cotangent)
-        # a shard in host memory (offload) takes its (unused: the gradient
-        # goes to a device slot) cotangent there, as JAX requires
-        leaves, treedef = jax.tree_util.tree_flatten(grads[0])
-        if len(leaves) == len(spaces) and HOST_SPACE in spaces:
-          leaves = [jax.device_put(g, HOST_SPACE) if space == HOST_SPACE else g
-                    for g, space in zip(leaves, spaces)]
-          grads = (jax.tree_util.tree_unflatten(treedef, leaves),) + tuple(
-              grads[1:])
-        # the previous block's token: no gradient flows through a token,
-        # so its cotangent is free to be what the previous block's
-        # re-gathers wait for (this block's output cotangent)
-        return grads + (None if token_in is None else
-                        _token((cotangent,)) if after is not None
-                        else jnp.zeros((), jnp.float32),)
+        return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
+                                    token_in)
 
       out, token = nn.custom_vjp(tied, forward_fn=forward,
                                  backward_fn=backward)(self, *values, token_in)
       if chain is not None:
-        chain.put(self, token, link)
+        chain.put(self.parent, token, link)
       return out
 
     @staticmethod

@@ -220,13 +220,16 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
   return disk_tier.spill(placed)
 
 
-def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None,
-                **config_fields) -> ZeroTrainState:
+def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
+                tx: Optional[optax.GradientTransformation] = None,
+                optimizer=None, **config_fields) -> ZeroTrainState:
   """What `shard` returns, as `jax.ShapeDtypeStruct`s carrying their
   shardings and memory kinds: nothing is allocated or moved. For planning
   and ahead-of-time compiles (`zerojax.plan_offload`, `step.lower`); `state`
-  may itself hold `ShapeDtypeStruct`s (`jax.eval_shape` of the init).
-  Arguments as for `shard`."""
+  may itself hold `ShapeDtypeStruct`s (`jax.eval_shape` of the init), or be
+  an NNX model (`nnx.eval_shape` of its constructor). Arguments as for
+  `shard`."""
+  state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
   dims, params, opt_state = _model_split(state, config, mesh)
@@ -255,8 +258,9 @@ def _from_front_end(state, tx, optimizer, config_fields):
       raise ValueError(
           f"per_use={config_fields['per_use']!r}: an NNX model gathers per "
           "use only its scanned stacks (a zerojax.nn.layerwise block under "
-          "nnx.scan, listed in stacked=); list the module's layers as such "
-          "a stack, or leave per_use out (the module is held for the step).")
+          "nnx.scan, listed in stacked=) and repeated blocks (an nnx.List of "
+          "zerojax.nn.layerwise blocks); leave per_use out (the module is "
+          "held for the step).")
     return frontend.from_nnx(state, tx=tx, optimizer=optimizer)
   if tx is not None or optimizer is not None:
     raise TypeError("shard(tx=..., optimizer=...) is for NNX models; a "
