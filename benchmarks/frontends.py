@@ -8,8 +8,11 @@ taking the module). Per model and stage: the step time of the NNX path over
 the linen path (interleaved rounds, `benchmarks.speed.time_variants`; ratios
 of medians and of minima), and the persistent bytes per device of both
 states (`zerojax.memory_report`), which must be equal: the front end adds
-no state. Neither model is opted in to per-layer gathering (NNX has no
-`layerwise` yet), so stage 3 gathers each chunk for the whole step in both.
+no state. At stage 3 both are opted in to per-block gathering with the
+same line (`zerojax.nn.layerwise` on the block class: linen's unrolled
+blocks, NNX's `nnx.List` items), and the compiled step's footprint
+(`zerojax.compiled_footprint`) of both is reported beside the persistent
+bytes.
 
     python -m benchmarks.run --quick --suites frontends
 """
@@ -30,17 +33,24 @@ STAGES = (1, 3)
 GOAL = 1.05     # NNX step time / linen step time
 
 
+class _NnxResidualBlock(nnx.Module):
+  def __init__(self, w, h, rngs):
+    self.norm = nnx.LayerNorm(w, rngs=rngs)
+    self.up, self.down = nnx.Linear(w, h, rngs=rngs), nnx.Linear(h, w, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
 class _NnxResidualMLP(nnx.Module):
-  def __init__(self, cfg, rngs):
-    w, h = cfg.width, cfg.hidden
-    self.blocks = nnx.List([
-        nnx.Dict(norm=nnx.LayerNorm(w, rngs=rngs), up=nnx.Linear(w, h, rngs=rngs),
-                 down=nnx.Linear(h, w, rngs=rngs)) for _ in range(cfg.layers)])
-    self.head = nnx.Linear(w, cfg.classes, rngs=rngs)
+  def __init__(self, cfg, rngs, block=_NnxResidualBlock):
+    self.blocks = nnx.List([block(cfg.width, cfg.hidden, rngs)
+                            for _ in range(cfg.layers)])
+    self.head = nnx.Linear(cfg.width, cfg.classes, rngs=rngs)
 
   def __call__(self, x):
     for b in self.blocks:
-      x = x + b["down"](nnx.gelu(b["up"](b["norm"](x))))
+      x = b(x)
     return self.head(x)
 
 
@@ -67,9 +77,9 @@ class _NnxBlock(nnx.Module):
 
 
 class _NnxTransformer(nnx.Module):
-  def __init__(self, cfg, rngs):
+  def __init__(self, cfg, rngs, block=_NnxBlock):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.width, rngs=rngs)
-    self.blocks = nnx.List([_NnxBlock(cfg.width, cfg.heads, rngs)
+    self.blocks = nnx.List([block(cfg.width, cfg.heads, rngs)
                             for _ in range(cfg.layers)])
     self.norm = nnx.LayerNorm(cfg.width, rngs=rngs)
     self.head = nnx.Linear(cfg.width, cfg.vocab_size, use_bias=False, rngs=rngs)
@@ -81,7 +91,9 @@ class _NnxTransformer(nnx.Module):
     return self.head(self.norm(x))
 
 
-NNX_MODELS = {"mlp": _NnxResidualMLP, "transformer": _NnxTransformer}
+# per model: the NNX model class and its block class
+NNX_MODELS = {"mlp": (_NnxResidualMLP, _NnxResidualBlock),
+              "transformer": (_NnxTransformer, _NnxBlock)}
 
 
 class _Run:
@@ -91,6 +103,8 @@ class _Run:
     self.state, self.batch = state, batch
     self.step = zerojax.train_step(loss_fn)
     self.persistent = zerojax.memory_report(state).persistent
+    self.footprint = zerojax.compiled_footprint(
+        self.step.lower(state, batch).compile())["footprint"]
 
   def run_once(self):
     self.state, metrics = self.step(self.state, self.batch)
@@ -98,13 +112,15 @@ class _Run:
 
 
 def _runs(name: str, stage: int, batch_size: int, seq: int) -> dict:
-  cfg = CONFIGS[name]
+  """Both front ends' runs; at stage 3 both gather per block."""
+  cfg = CONFIGS[name].for_variant(f"zero-{stage}", None)
   batch = cfg.make_batch(batch_size, seq)
   tx = optax.adamw(1e-4)
   model = cfg.make_model()
   params = model.init(jax.random.key(0), cfg.example_input())["params"]
   linen_loss = cfg.make_loss_fn(model)
   key = "mlp" if name.startswith("mlp") else "transformer"
+  net, block = NNX_MODELS[key]
 
   def nnx_loss(module, b):
     if key == "mlp":
@@ -118,8 +134,8 @@ def _runs(name: str, stage: int, batch_size: int, seq: int) -> dict:
       "linen": _Run(zerojax.shard(train_state.TrainState.create(
           apply_fn=model.apply, params=params, tx=tx), stage=stage),
           linen_loss, batch),
-      "nnx": _Run(zerojax.shard(NNX_MODELS[key](cfg, nnx.Rngs(0)), stage=stage,
-                                tx=tx), nnx_loss, batch),
+      "nnx": _Run(zerojax.shard(net(cfg, nnx.Rngs(0), cfg.block(block)),
+                                stage=stage, tx=tx), nnx_loss, batch),
   }
 
 
@@ -140,13 +156,15 @@ def run(mode: str, log=print) -> dict:
           "median_s": median, "min_s": fastest,
           "ratio": median["nnx"] / median["linen"],
           "min_ratio": fastest["nnx"] / fastest["linen"],
-          "persistent_bytes": {k: r.persistent for k, r in runs.items()}})
+          "persistent_bytes": {k: r.persistent for k, r in runs.items()},
+          "footprint_bytes": {k: r.footprint for k, r in runs.items()}})
   return {"rows": rows, "rounds": rounds}
 
 
 def goal_checks(result: dict) -> list:
   """[(what, measured, bound, met)]: NNX within 1.05x of linen (minima),
-  and the same persistent bytes."""
+  the same persistent bytes, and a compiled footprint within 1.05x of
+  linen's (rows measured before footprints were have none)."""
   out = []
   for r in result["rows"]:
     out.append((f"NNX / linen step time, zero-{r['stage']} ({r['model']})",
@@ -155,4 +173,9 @@ def goal_checks(result: dict) -> list:
     out.append((f"NNX / linen persistent bytes, zero-{r['stage']} "
                 f"({r['model']})", b["nnx"] / b["linen"], 1.0,
                 b["nnx"] == b["linen"]))
+    f = r.get("footprint_bytes")
+    if f:
+      out.append((f"NNX / linen step footprint, zero-{r['stage']} "
+                  f"({r['model']})", f["nnx"] / f["linen"], GOAL,
+                  f["nnx"] <= GOAL * f["linen"]))
   return out

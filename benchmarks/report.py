@@ -444,13 +444,19 @@ def _frontends_md(r: dict, mode: str) -> list:
            "`zerojax.shard(model, tx=...)` against the linen `TrainState`; "
            f"{r['rounds']} interleaved rounds, batch 64. Run: "
            f"`python -m benchmarks.run --{mode} --suites frontends`.", "",
+           "Stage 3 gathers per block in both (`zerojax.nn.layerwise` on "
+           "the block class); the footprint is the compiled step's "
+           "(`zerojax.compiled_footprint`).", "",
            "| model | stage | NNX / linen (medians) | NNX / linen (minima) | "
-           "persistent bytes, linen | NNX |", "|---|---:|---:|---:|---:|---:|"]
+           "persistent bytes, linen | NNX | footprint, linen | NNX |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for row in r["rows"]:
-    b = row["persistent_bytes"]
+    b, f = row["persistent_bytes"], row.get("footprint_bytes", {})
     lines.append(f"| {row['model']} | {row['stage']} | {row['ratio']:.3f} | "
                  f"{row['min_ratio']:.3f} | {_mib(b['linen'])} | "
-                 f"{_mib(b['nnx'])} |")
+                 f"{_mib(b['nnx'])} | "
+                 + " | ".join(_mib(f[k]) if k in f else "not measured"
+                              for k in ("linen", "nnx")) + " |")
   return lines + ["", f"![frontends]({mode}_frontends.png)", ""]
 
 

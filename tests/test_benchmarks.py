@@ -574,11 +574,19 @@ def test_frontends_suite_measures_both_paths_and_reports(tmp_path):
   for row in result["rows"]:
     assert row["persistent_bytes"]["nnx"] == row["persistent_bytes"]["linen"] > 0
     assert row["min_ratio"] > 0
+    # stage 3 gathers per block in both: NNX's step holds no more than
+    # linen's (every block held would be 4 x the blocks' parameters more)
+    fp = row["footprint_bytes"]
+    assert 0 < fp["nnx"] <= 1.05 * fp["linen"]
   goals = frontends.goal_checks(result)
-  assert len(goals) == 2 * len(result["rows"])
+  assert len(goals) == 3 * len(result["rows"])
   text = _quick_report(tmp_path, "frontends", result, goals)
   assert "NNX front end against linen" in text
-  assert "| transformer-tiny | 3 |" in text
+  row = next(r for r in result["rows"] if r["stage"] == 3
+             and r["model"] == "transformer-tiny")
+  assert (f"| transformer-tiny | 3 | {row['ratio']:.3f} | "
+          f"{row['min_ratio']:.3f} |") in text
+  assert f"| {row['footprint_bytes']['nnx'] / 2 ** 20:,.2f} |" in text
   assert (tmp_path / "quick_frontends.png").exists()
 
 
