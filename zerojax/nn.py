@@ -303,7 +303,8 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
         return super().__call__(*args, **kwargs)   # gathered for the step
       if not any(context[0].chunks[c].layers for c in chunks):
         if remat:   # a repeated block
-          return _nnx_unit(self, stack, run, _Arguments(args, kwargs))
+          return _nnx_unit(self, stack, run,
+                           _Arguments(args, kwargs, objects=True))
         return run(self, *args, **kwargs)
       if kwargs:
         raise TypeError("a zerojax.nn.layerwise NNX block scanned in a stack "
@@ -323,7 +324,12 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
   chained to the previous block of the same list). Its other variables'
   new values are written back; no gradient flows through them."""
   chain = _ACTIVE.get()[3]
-  graphdef, shards, other = nnx.split(module, Shard, ...)
+  graphdef, shards, own = nnx.split(module, Shard, ...)
+  # the NNX objects the call is given: their state is threaded as the
+  # block's own is, so what the block changes in them (an `nnx.Rngs`'s
+  # counts) is written back
+  objects = [nnx.split(o) for o in arguments.objects]
+  other = (own, tuple(state for _, state in objects))
   values = arguments.arrays
   token_in = None if chain is None else chain.take(path[:-1])
   link = _Link()
@@ -331,9 +337,11 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
     token_in = jax.lax.stop_gradient(_token(values))
 
   def call(shards, other, *values):
-    clone = nnx.merge(graphdef, shards, other)
-    out = arguments.call(run, clone, values)
-    return out, nnx.state(clone, nnx.Not(Shard))
+    clone = nnx.merge(graphdef, shards, other[0])
+    given = [nnx.merge(d, state) for (d, _), state in zip(objects, other[1])]
+    out = arguments.call(run, clone, values, given)
+    return out, (nnx.state(clone, nnx.Not(Shard)),
+                 tuple(nnx.state(o) for o in given))
 
   rematted = jax.checkpoint(call, prevent_cse=False)   # ties keep it apart
 
@@ -369,7 +377,9 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
 
   tied.defvjp(forward, backward)
   out, new, token = tied(shards, other, *values, token_in)
-  nnx.update(module, new)
+  nnx.update(module, new[0])
+  for o, state in zip(arguments.objects, new[1]):
+    nnx.update(o, state)
   if chain is not None:
     chain.put(path[:-1], token, link)
   return out
@@ -386,28 +396,44 @@ def _write(values: dict, tree: dict) -> None:
       values[k] = sub
 
 
+# NNX objects (`nnx.Rngs`, modules) a block may be called with: the base
+# class is `nnx.Pytree` in flax 0.12, `nnx.Object` before
+_NNX_OBJECTS = tuple(t for t in (getattr(nnx, "Pytree", None),
+                                 getattr(nnx, "Object", None)) if t is not None)
+
+
 class _Arguments:
   """A block call's arguments split into arrays, which `nn.remat` and
   `custom_vjp` trace, and the rest (flags such as `deterministic=True`,
-  `None`), which they must not: closed over, as `static_argnums` would."""
+  `None`), which they must not: closed over, as `static_argnums` would.
+  With `objects` (NNX), NNX objects (an `nnx.Rngs` handed to the call, as
+  Flax's NNX examples do) are a third kind, `objects`: their state goes
+  in and comes out of the traced call (`_nnx_unit`)."""
 
-  def __init__(self, args: tuple, kwargs: dict):
+  def __init__(self, args: tuple, kwargs: dict, objects: bool = False):
     self.count, self.names = len(args), tuple(kwargs)
     self.values = (*args, *kwargs.values())
-    self.static = tuple(
-        not any(isinstance(x, (jax.Array, np.ndarray))
-                for x in jax.tree_util.tree_leaves(v)) for v in self.values)
-    self.arrays = tuple(v for v, s in zip(self.values, self.static) if not s)
+    self.kinds = tuple(
+        "object" if objects and isinstance(v, _NNX_OBJECTS) else
+        "array" if any(isinstance(x, (jax.Array, np.ndarray))
+                       for x in jax.tree_util.tree_leaves(v)) else "static"
+        for v in self.values)
+    self.arrays = self._of("array")
+    self.objects = self._of("object")
+
+  def _of(self, kind: str) -> tuple:
+    return tuple(v for v, k in zip(self.values, self.kinds) if k == kind)
 
   @property
   def any_static(self) -> bool:
-    return any(self.static)
+    return "static" in self.kinds
 
-  def call(self, method, module, arrays):
-    """`method(module, *args, **kwargs)` with `arrays` in the arrays'
-    places."""
-    it = iter(arrays)
-    values = [v if s else next(it) for v, s in zip(self.values, self.static)]
+  def call(self, method, module, arrays, objects=()):
+    """`method(module, *args, **kwargs)` with `arrays` (and `objects`) in
+    the arrays' (and objects') places."""
+    given = {"array": iter(arrays), "object": iter(objects)}
+    values = [v if k == "static" else next(given[k])
+              for v, k in zip(self.values, self.kinds)]
     return method(module, *values[:self.count],
                   **dict(zip(self.names, values[self.count:])))
 
