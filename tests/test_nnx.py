@@ -480,14 +480,15 @@ def test_nnx_wrapped_blocks_take_flags_and_draw_dropout_as_unwrapped(scan):
 
 class PassedRngsBlock(nnx.Module):
   """A block whose dropout draws from an `nnx.Rngs` handed to its call,
-  with a mask keyword, as Flax's lm1b NNX example writes its blocks."""
+  with a boolean mask keyword, as Flax's NNX examples write their
+  blocks."""
 
   def __init__(self, rngs, width=16):
     self.up = nnx.Linear(width, width, rngs=rngs)
     self.drop = nnx.Dropout(0.25)
 
   def __call__(self, x, *, mask, rngs):
-    return x + self.drop(nnx.gelu(self.up(x)) * mask, rngs=rngs)
+    return x + self.drop(jnp.where(mask, nnx.gelu(self.up(x)), 0), rngs=rngs)
 
 
 class AttributeBlocksNet(nnx.Module):
@@ -501,7 +502,7 @@ class AttributeBlocksNet(nnx.Module):
     self.head = nnx.Linear(16, 4, rngs=rngs)
 
   def __call__(self, x, rngs):
-    mask = (jnp.arange(16) % 3 != 0).astype(x.dtype)
+    mask = jnp.arange(16) % 3 != 0   # a boolean array (tied as bytes)
     for i in range(self.layers):
       x = getattr(self, f"block_{i}")(x, mask=mask, rngs=rngs)
     return self.head(x)

@@ -91,8 +91,11 @@ def tie(x, after):
   computation on `x` elsewhere. `x & (x | t)` on the bits is `x` for every
   `t`; no XLA simplification knows that (an optimization barrier would be
   the usual tool, but XLA's CPU backend drops barriers before scheduling).
-  Differentiates as the identity in `x`.
+  Differentiates as the identity in `x`. A boolean `x` (a mask) is tied
+  as bytes.
   """
+  if x.dtype == jnp.bool_:   # no bit casts of bool: tie its bytes
+    return tie(x.astype(jnp.uint8), after).astype(jnp.bool_)
   bits = jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}")
   t = jnp.ravel(after)[0]
   if jnp.issubdtype(t.dtype, jnp.floating):
