@@ -540,13 +540,27 @@ def test_nnx_blocks_given_an_rngs_draw_as_unwrapped():
          _params(zerojax.gather_model(runs[False][1])), "float32")
 
 
-def test_nnx_scanned_block_refuses_keyword_arguments():
-  net = FlagDropNet(nnx.Rngs(0, dropout=1), zerojax.nn.layerwise(FlagDropBlock),
-                    scan=True, call=lambda block, x: block(x, train=False))
-  state = zerojax.shard(net, stage=3, tx=TX, stacked=("blocks",))
-  with pytest.raises(TypeError, match="positional arguments only"):
-    zerojax.train_step(lambda m, b: jnp.mean(m(b) ** 2))(
-        state, np.ones((16, 16), np.float32))
+def test_nnx_scanned_block_takes_flags_and_keywords_as_unwrapped():
+  """A scanned layer called with a Python flag and a keyword array (dropout
+  off), wrapped, trains as the unwrapped stack does."""
+  def net(wrap):
+    block = zerojax.nn.layerwise(FlagDropBlock) if wrap else FlagDropBlock
+    return FlagDropNet(nnx.Rngs(0, dropout=1), block, scan=True,
+                       call=lambda block, x: block(x, train=False,
+                                                   scale=jnp.float32(0.5)))
+
+  batches = [np.ones((16, 16), np.float32) * (i + 1) for i in range(2)]
+  loss_fn = lambda m, b: jnp.mean(m(b) ** 2)
+  runs = {}
+  for wrap in (False, True):
+    state = zerojax.shard(net(wrap), stage=3, tx=TX, stacked=("blocks",))
+    step = zerojax.train_step(loss_fn)
+    assert step.gathering(state, batches[0])["blocks"] == (
+        "per layer" if wrap else "whole step")
+    runs[wrap] = _trained(step, state, batches)
+  np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+  _close(_params(zerojax.gather_model(runs[True][0])),
+         _params(zerojax.gather_model(runs[False][0])), "float32")
 
 
 def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):

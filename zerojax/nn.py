@@ -309,11 +309,14 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
           return _nnx_unit(self, stack, run,
                            _Arguments(args, kwargs, objects=True))
         return run(self, *args, **kwargs)
-      if kwargs:
-        raise TypeError("a zerojax.nn.layerwise NNX block scanned in a stack "
-                        "takes positional arguments only inside a step; got "
-                        f"{sorted(kwargs)}.")
-      return (nnx.remat(run) if remat else run)(self, *args)
+      if not remat:   # a layer of a stack
+        return run(self, *args, **kwargs)
+      # `nnx.remat` traces what it is given (arrays, and NNX objects, whose
+      # changes it writes back); flags are closed over
+      arguments = _Arguments(args, kwargs, objects=True)
+      return nnx.remat(lambda module, arrays, objects: arguments.call(
+          run, module, arrays, objects))(self, arguments.arrays,
+                                         arguments.objects)
 
   Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
   return Layerwise
