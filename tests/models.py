@@ -474,11 +474,12 @@ class NnxBlock(nnx.Module):
 
 class NnxTransformer(nnx.Module):
   """Blocks in an `nnx.List`, as Flax's NNX examples keep them; `block` is
-  their class (e.g. `zerojax.nn.layerwise(NnxBlock)`)."""
+  their class (e.g. `zerojax.nn.layerwise(NnxBlock)`), `embed` the tied
+  embedding's."""
 
   def __init__(self, rngs, vocab=64, width=32, layers=2, seq=8,
-               block=NnxBlock):
-    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+               block=NnxBlock, embed=nnx.Embed):
+    self.embed = embed(vocab, width, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, width)))
     self.blocks = nnx.List([block(width, 4, rngs) for _ in range(layers)])
     self.norm = nnx.LayerNorm(width, rngs=rngs)

@@ -208,8 +208,8 @@ def test_nnx_bad_input():
     zerojax.shard(nnx.Rngs(0), stage=3)
   with pytest.raises(ValueError, match="wrt=nnx.Param"):
     zerojax.shard(model, optimizer=nnx.Optimizer(model, TX, wrt=nnx.Variable))
-  with pytest.raises(ValueError, match="an NNX model gathers per use only"):
-    zerojax.shard(model, tx=TX, stage=3, per_use=("hidden",))
+  with pytest.raises(ValueError, match="no submodule is named 'nothere'"):
+    zerojax.shard(model, tx=TX, stage=3, per_use=("nothere",))
   with pytest.raises(TypeError, match="carries its own tx"):
     zerojax.shard(train_state.TrainState.create(
         apply_fn=None, params={"w": jnp.ones(3)}, tx=TX), tx=TX)
@@ -402,6 +402,35 @@ def test_nnx_listed_stage3_footprint_is_bounded_and_regathers_distinct():
   # unwrapped, every block is held for the step
   held = _listed_step(4, False, width)[0].memory_analysis().temp_size_in_bytes
   assert temp4 < held
+
+
+def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
+  """`per_use=("embed",)` with `nnx.Embed` wrapped: the table is gathered
+  at the lookup and again at the tied head (`attend`, a method other than
+  `__call__`), and re-gathered for the head's backward; exact."""
+  _, loss_fn, batches = nnx_problem("transformer")
+  block = zerojax.nn.layerwise(NnxBlock)
+
+  def make(embed):
+    return NnxTransformer(nnx.Rngs(0), layers=2, block=block, embed=embed)
+
+  ref_losses, ref_model = nnx_reference_run(lambda: make(nnx.Embed), loss_fn,
+                                            TX, batches)
+  gathers = {}
+  for wrap in (False, True):
+    embed = zerojax.nn.layerwise(nnx.Embed) if wrap else nnx.Embed
+    state = zerojax.shard(make(embed), stage=3, tx=TX, per_use=("embed",))
+    step = zerojax.train_step(loss_fn)
+    assert step.gathering(state, batches[0])["embed"] == (
+        "per block" if wrap else "whole step")
+    hlo = step.lower(state, batches[0]).compile().as_text()
+    gathers[wrap] = hlo.count("all-gather-start(") + hlo.count(" all-gather(")
+    state, losses = _trained(step, state, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+  # held: one gather of the table; per use: the lookup's, the head's, and
+  # the head's re-gather (the lookup's backward reads no table values)
+  assert gathers[True] == gathers[False] + 2
 
 
 class FlagDropBlock(nnx.Module):

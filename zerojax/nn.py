@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -269,14 +271,16 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
   """`layerwise` for an `nnx.Module` block class: scanned with `nnx.scan`
   over a stack made with `nnx.vmap` and listed in `ZeroConfig.stacked`, or
   one of repeated blocks (an `nnx.List` of them, or attributes
-  `<base>_<i>`). The block's parameters are placeholders inside a step;
-  its `Shard`s (a layer's row, or the block's own chunks) are gathered in
-  the block's call, cut into a clone of the block holding its parameters,
-  and the block runs on the clone (its other variables written back).
-  `nnx.remat` re-gathers a layer in the backward; a repeated block's call
-  is a `custom_vjp` with ties, as a linen block's (`_nnx_unit`)."""
+  `<base>_<i>`), or a module named in `ZeroConfig.per_use`. The block's
+  parameters are placeholders inside a step; its `Shard`s (a layer's row,
+  or the block's own chunks) are gathered in each call of the block (of
+  `__call__`, and of its other public methods, such as `nnx.Embed.attend`),
+  cut into a clone of the block holding its parameters, and the method runs
+  on the clone (its other variables written back). `nnx.remat` re-gathers
+  a layer in the backward; a repeated block's call is a `custom_vjp` with
+  ties, as a linen block's (`_nnx_unit`)."""
 
-  def run(module, *args, **kwargs):
+  def run(method, module, *args, **kwargs):
     layout, config = active_layout()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     values = nnx.to_pure_dict(params)
@@ -289,36 +293,49 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
         _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
-    out = block.__call__(clone, *args, **kwargs)
+    out = method(clone, *args, **kwargs)
     nnx.update(module, nnx.state(clone, nnx.Not(nnx.Param)))
     return out
 
-  class Layerwise(block):
-    def __call__(self, *args, **kwargs):
+  def gathering(method):
+    """`method` of the block, gathering its parameters inside a step."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
       context = _ACTIVE.get()
       stack = getattr(self, STACK_ATTR, None)
       if context is None or stack is None:
-        return super().__call__(*args, **kwargs)
+        return method(self, *args, **kwargs)
       context[2].add(stack)
       chunks = [int(name[len(CHUNK_KEY):]) for name in vars(self)
                 if name.startswith(CHUNK_KEY)]
       if not chunks:
-        return super().__call__(*args, **kwargs)   # gathered for the step
-      if not any(context[0].chunks[c].layers for c in chunks):
-        if remat:   # a repeated block
-          return _nnx_unit(self, stack, run,
-                           _Arguments(args, kwargs, objects=True))
-        return run(self, *args, **kwargs)
-      if not remat:   # a layer of a stack
-        return run(self, *args, **kwargs)
-      # `nnx.remat` traces what it is given (arrays, and NNX objects, whose
-      # changes it writes back); flags are closed over
+        return method(self, *args, **kwargs)   # gathered for the step
+      runs = functools.partial(run, method)
+      if not remat:
+        return runs(self, *args, **kwargs)
+      # `nnx.remat` and the unit's `custom_vjp` trace what they are given
+      # (arrays, and NNX objects, whose changes are written back); flags
+      # are closed over
       arguments = _Arguments(args, kwargs, objects=True)
+      if not any(context[0].chunks[c].layers for c in chunks):
+        return _nnx_unit(self, stack, runs, arguments)   # a block, per call
       return nnx.remat(lambda module, arrays, objects: arguments.call(
-          run, module, arrays, objects))(self, arguments.arrays,
-                                         arguments.objects)
+          runs, module, arrays, objects))(self, arguments.arrays,
+                                          arguments.objects)
+    return call
 
-  Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
+  methods = {"__call__": gathering(block.__call__),
+             "__module__": block.__module__, "__doc__": block.__doc__}
+  for cls in block.__mro__:   # the block's own classes, not NNX's
+    if cls is nnx.Module or cls in _NNX_OBJECTS or cls is object:
+      break
+    for name, value in vars(cls).items():
+      if (not name.startswith("_") and inspect.isfunction(value)
+          and name not in methods):
+        methods[name] = gathering(getattr(block, name))
+  Layerwise = type(block.__name__, (block,), methods)
+  Layerwise.__qualname__ = block.__qualname__
   return Layerwise
 
 

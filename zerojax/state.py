@@ -254,13 +254,6 @@ def _model_split(state, config, mesh) -> tuple:
 def _from_front_end(state, tx, optimizer, config_fields):
   """A `TrainState`: `state` itself, or the one an NNX model becomes."""
   if frontend.is_nnx(state):
-    if config_fields.get("per_use"):
-      raise ValueError(
-          f"per_use={config_fields['per_use']!r}: an NNX model gathers per "
-          "use only its scanned stacks (a zerojax.nn.layerwise block under "
-          "nnx.scan, listed in stacked=) and repeated blocks (an nnx.List of "
-          "zerojax.nn.layerwise blocks); leave per_use out (the module is "
-          "held for the step).")
     return frontend.from_nnx(state, tx=tx, optimizer=optimizer)
   if tx is not None or optimizer is not None:
     raise TypeError("shard(tx=..., optimizer=...) is for NNX models; a "
