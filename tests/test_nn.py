@@ -6,12 +6,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import optax
 import pytest
 from flax.training import train_state
 
 import zerojax
-from models import (Bridged, ListedLM, ResidualMLP, ScannedLM,
+from models import (Bridged, ListedLM, ResidualBlock, ResidualMLP, ScannedLM,
                     assert_matches_reference, reference_run, zero_run)
 from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
@@ -467,6 +468,50 @@ def test_a_per_use_module_is_gathered_once_per_call():
   bridge_chunks = sum(1 for c in per_use.layout.chunks if c.stack == "bridge")
   assert bridge_chunks >= 1
   assert _all_gathers(text["per use"]) == _all_gathers(text["held"]) + bridge_chunks
+
+
+class _TiedLM(nn.Module):
+  """An `nn.Embed` used at the lookup and as the tied head (`attend`),
+  between two wrapped residual blocks; `wrap` wraps the embedding too."""
+  wrap: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    wrapped = zerojax.nn.layerwise
+    embed = (wrapped(nn.Embed) if self.wrap else nn.Embed)(64, 32,
+                                                           name="embed")
+    x = embed(tokens)
+    for i in range(2):
+      x = wrapped(ResidualBlock)(32, name=f"blocks_{i}")(x)
+    return embed.attend(x).astype(jnp.float32)
+
+
+def test_a_per_use_tied_embedding_is_gathered_at_each_method_call():
+  """A wrapped module's other public methods gather too: a tied `nn.Embed`
+  named in `per_use` is gathered at the lookup and again at `attend`
+  (which reads the table in `setup`, so without this it found no
+  parameter), and trains exactly."""
+  batches = _batches(64)
+  gathers = {}
+  for wrap in (False, True):
+    model = _TiedLM(wrap)
+    params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+    tx = optax.sgd(0.5, momentum=0.9)
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx), stage=3,
+                          per_use=("embed",))
+    loss_fn = _loss_fn(model)
+    step = zerojax.train_step(loss_fn)
+    assert step.gathering(state, batches[0])["embed"] == (
+        "per block" if wrap else "whole step")
+    gathers[wrap] = _all_gathers(
+        step.lower(state, batches[0]).compile().as_text())
+    state, losses = zero_run(state, loss_fn, batches)
+    assert_matches_reference(losses, zerojax.gather_params(state),
+                             *reference_run(loss_fn, params, tx, batches))
+  # the lookup's and the head's (whose backward keeps it: only `__call__`
+  # is rematerialised) instead of one held for the step
+  assert gathers[True] == gathers[False] + 1
 
 
 def test_a_per_use_module_left_unwrapped_is_held_and_told_so(caplog):

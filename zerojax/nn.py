@@ -327,13 +327,8 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
 
   methods = {"__call__": gathering(block.__call__),
              "__module__": block.__module__, "__doc__": block.__doc__}
-  for cls in block.__mro__:   # the block's own classes, not NNX's
-    if cls is nnx.Module or cls in _NNX_OBJECTS or cls is object:
-      break
-    for name, value in vars(cls).items():
-      if (not name.startswith("_") and inspect.isfunction(value)
-          and name not in methods):
-        methods[name] = gathering(getattr(block, name))
+  for name in _public_methods(block, nnx.Module):
+    methods[name] = gathering(getattr(block, name))
   Layerwise = type(block.__name__, (block,), methods)
   Layerwise.__qualname__ = block.__qualname__
   return Layerwise
@@ -406,6 +401,21 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
   if chain is not None:
     chain.put(path[:-1], token, link)
   return out
+
+
+def _public_methods(block: type, base: type) -> list:
+  """The public methods the block's own classes (those below `base`, Flax's
+  module class) define, such as `Embed.attend` (and linen's `setup`, where
+  a module such as `nn.Embed` makes its parameters: mapped too, the
+  parameters it reads are the gathered ones)."""
+  names = []
+  for cls in block.__mro__:
+    if cls is base or cls is object or cls in _NNX_OBJECTS:
+      break
+    names += [name for name, value in vars(cls).items()
+              if not name.startswith("_") and inspect.isfunction(value)
+              and name not in names]
+  return names
 
 
 def _write(values: dict, tree: dict) -> None:
@@ -488,8 +498,11 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       raise TypeError(f"layerwise(NNX block, {sorted(remat_kwargs)}): NNX "
                       "blocks take remat= only.")
     return _nnx_layerwise(block, remat)
-  mapped = nn.map_variables(block, "params", trans_in_fn=_gather_layer,
-                            init=True)
+  # every public method gathers (a tied `nn.Embed`'s `attend` too); only
+  # `__call__` is rematerialised and tied
+  mapped = nn.map_variables(
+      block, "params", trans_in_fn=_gather_layer, init=True,
+      methods=["__call__", *_public_methods(block, nn.Module)])
   wrapped = nn.remat(mapped, **remat_kwargs) if remat else mapped
   # An unrolled block's call: its ties already keep the re-gather and the
   # recomputation apart from the forward's, and JAX's CSE guard (an
