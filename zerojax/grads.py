@@ -398,9 +398,8 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict):
   keys = {tuple(map(str, k)): k for k in every}
   flat = {k: v for k, v in every.items() if tuple(map(str, k)) not in skipped}
   for c, (value, slot) in own.items():
-    prefix = layout.stack_prefix(c)
-    prefix = keys[layout.leaves[layout.chunks[c].leaves[0]].names][
-        :len(prefix)]
+    names = layout.leaves[layout.chunks[c].leaves[0]].names
+    prefix = keys[names][:len(layout.stack_prefix(c))]
     flat[prefix + (zero_nn.chunk_key(c),)] = value
     if slot is not None:
       flat[prefix + (zero_nn.slot_key(c),)] = slot

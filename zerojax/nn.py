@@ -17,7 +17,8 @@ gathered parameters are alive at once, whatever the depth. docs/design.md record
 why a scan needs nothing more.
 
 Unrolled blocks (`for i in range(L): x = Block(name=f"blocks_{i}")(x)`, or
-an `nnx.List` of NNX blocks called in a loop) take the same one line: at stage 3 each repeated block gets chunks of its own
+an `nnx.List` of NNX blocks called in a loop) take the same one line: at
+stage 3 each repeated block gets chunks of its own
 (`chunking.repeated_blocks`), and the wrapper gathers them when the block is
 called. Without a loop, XLA sees L gathers that depend on nothing but the
 parameters: it merges each backward re-gather with the forward gather
@@ -335,8 +336,8 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
 
 
 def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
-  """One call of a repeated NNX block (at `path`) inside a stage-3 (or 2)
-  step: `run` as a pure function of the block's shards, its other state
+  """One call of a repeated NNX block (or a `per_use` module; at `path`)
+  inside a stage-3 step: `run` as a pure function of the block's shards, its other state
   and the call's arrays, rematerialised, in a `custom_vjp` whose gathers
   are tied as a linen block's (see the module docstring; with prefetch,
   chained to the previous block of the same list). Its other variables'
