@@ -506,9 +506,9 @@ def test_a_per_use_tied_embedding_is_gathered_at_each_method_call():
         "per block" if wrap else "whole step")
     gathers[wrap] = _all_gathers(
         step.lower(state, batches[0]).compile().as_text())
-    state, losses = zero_run(state, loss_fn, batches)
-    assert_matches_reference(losses, zerojax.gather_params(state),
-                             *reference_run(loss_fn, params, tx, batches))
+  state, losses = zero_run(state, loss_fn, batches)   # the wrapped one
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
   # the lookup's and the head's (whose backward keeps it: only `__call__`
   # is rematerialised) instead of one held for the step
   assert gathers[True] == gathers[False] + 1

@@ -347,24 +347,38 @@ def test_nnx_shard_shape_is_what_shard_gives():
 
 
 @pytest.mark.parametrize("options", [
-    {}, {"prefetch": True},
+    {"prefetch": True},
     # each block's shards come over from host memory at its call
     {"offload_params": True, "offload_optimizer": True}],
-    ids=["stage3", "prefetch", "offload"])
+    ids=["prefetch", "offload"])
 def test_nnx_listed_blocks_gathered_per_block_match_plain_nnx(options):
   """Blocks in an `nnx.List`, called in a loop, with the one line: each is
-  gathered at its call (and again in the backward), exactly."""
+  gathered at its call (and again in the backward), exactly. (Without
+  options: `test_nnx_per_use_tied_embedding_is_gathered_at_each_use`.)"""
   _, loss_fn, batches = nnx_problem("transformer")
-  block = zerojax.nn.layerwise(NnxBlock)
-  make = lambda: NnxTransformer(nnx.Rngs(0), layers=3, block=block)
-  ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
-  state = zerojax.shard(make(), stage=3, tx=TX, accum_steps=2, **options)
+  ref_losses, ref_params = _listed_reference()
+  state = zerojax.shard(_listed_transformer(), stage=3, tx=TX, accum_steps=2,
+                        **options)
   step = zerojax.train_step(loss_fn)
   modes = step.gathering(state, batches[0])
   assert [modes[f"blocks/{i}"] for i in range(3)] == ["per block"] * 3
   state, losses = _trained(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+  _close(_params(zerojax.gather_model(state)), ref_params, "float32")
+
+
+def _listed_transformer():
+  return NnxTransformer(nnx.Rngs(0), layers=3,
+                        block=zerojax.nn.layerwise(NnxBlock))
+
+
+@functools.lru_cache(maxsize=None)
+def _listed_reference():
+  """`(losses, parameters)` of a plain `nnx.Optimizer` loop on one device
+  (the wrapped blocks are plain blocks outside a step)."""
+  _, loss_fn, batches = nnx_problem("transformer")
+  losses, model = nnx_reference_run(_listed_transformer, loss_fn, TX, batches)
+  return losses, _params(model)
 
 
 @functools.lru_cache(maxsize=None)
@@ -407,7 +421,8 @@ def test_nnx_listed_stage3_footprint_is_bounded_and_regathers_distinct():
 def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
   """`per_use=("embed",)` with `nnx.Embed` wrapped: the table is gathered
   at the lookup and again at the tied head (`attend`, a method other than
-  `__call__`), and re-gathered for the head's backward; exact."""
+  `__call__`), and re-gathered for the head's backward; exact, with the
+  listed blocks gathered per block too."""
   _, loss_fn, batches = nnx_problem("transformer")
   block = zerojax.nn.layerwise(NnxBlock)
 
@@ -425,9 +440,10 @@ def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
         "per block" if wrap else "whole step")
     hlo = step.lower(state, batches[0]).compile().as_text()
     gathers[wrap] = hlo.count("all-gather-start(") + hlo.count(" all-gather(")
-    state, losses = _trained(step, state, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
+  assert step.gathering(state, batches[0])["blocks/1"] == "per block"
+  state, losses = _trained(step, state, batches)   # the wrapped one
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  _close(_params(zerojax.gather_model(state)), _params(ref_model), "float32")
   # held: one gather of the table; per use: the lookup's, the head's, and
   # the head's re-gather (the lookup's backward reads no table values)
   assert gathers[True] == gathers[False] + 2

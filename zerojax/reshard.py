@@ -12,10 +12,10 @@ leaf's shard as slices of chunk shards and falls back to replicating whole
 leaves on every device ("involuntary full rematerialization": measured 2.2x
 the state's bytes for a save, 5.5x for a restore). Here every chunk is
 converted by its own `shard_map` programs: tree -> chunk gathers one leaf
-(or a group of small leaves up to the largest leaf's bytes) and keeps this
-device's window of the chunk; chunk -> tree gathers the chunk and keeps this
-device's slice of each leaf. A device holds its part of both forms plus one
-chunk (or one leaf) at a time.
+(or a group of small leaves up to the largest leaf's bytes, at least 1 MiB)
+and keeps this device's window of the chunk; chunk -> tree gathers the
+chunk and keeps this device's slice of each leaf. A device holds its part
+of both forms plus one chunk (or one leaf) at a time.
 """
 from __future__ import annotations
 
@@ -72,11 +72,19 @@ def _is_split(sharding, axis_name) -> bool:
 
 
 # ---- tree form -> chunk form --------------------------------------------------------
+# the least a group of leaves may hold: a model of small leaves (a test's)
+# then compiles a few programs, not one per leaf; a real model's largest
+# leaf is far above it
+GROUP_FLOOR = 1 << 20
+
+
 def leaf_groups(layout: ChunkLayout, leaves: Sequence[int]) -> list:
-  """Consecutive leaves grouped up to the layout's largest leaf in bytes: one
-  program per group (fewer compilations) still holds at most that much."""
+  """Consecutive leaves grouped up to the layout's largest leaf in bytes (at
+  least `GROUP_FLOOR`): one program per group (fewer compilations) still
+  holds at most that much."""
   limit = max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
                for c in layout.chunks for i in c.leaves), default=0)
+  limit = max(limit, GROUP_FLOOR)
   groups, size = [], limit
   for i in leaves:
     nbytes = layout.leaves[i].size * layout.leaves[i].dtype.itemsize

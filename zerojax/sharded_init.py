@@ -8,12 +8,13 @@ program: `init_fn` runs with every other leaf dead-code eliminated, the leaf
 is constrained to be sharded (the partitionable threefry RNG computes only
 this device's part), gathered, and this device keeps the window of it that
 falls in its slice of the chunk (the chunk shard is donated from program to
-program; small leaves share a program up to the largest leaf's bytes).
+program; small leaves share a program up to the largest leaf's bytes, or
+1 MiB if more).
 Separate programs, rather than one per chunk, are what bounds the
 peak: inside one program XLA's scheduler keeps several gathered leaves alive
 at once (measured: 18.9 MB temp for a chunk whose largest leaf is 4.2 MB).
 At any moment a device holds the shards made so far plus one leaf, so the
-peak is about the sharded state plus the largest leaf. Values equal
+peak is about the sharded state plus the largest leaf (or 1 MiB). Values equal
 `jax.jit(init_fn)(rng)` followed by `zerojax.shard`, bit for bit.
 `init_fn` is traced once (a jitted function every program calls, whose
 trace JAX caches): a model is built in Python once, not once per program
