@@ -164,7 +164,7 @@ def run(mode: str, log=print) -> dict:
 def goal_checks(result: dict) -> list:
   """[(what, measured, bound, met)]: NNX within 1.05x of linen (minima),
   the same persistent bytes, and a compiled footprint within 1.05x of
-  linen's (rows measured before footprints were have none)."""
+  linen's (rows measured before footprints were recorded have none)."""
   out = []
   for r in result["rows"]:
     out.append((f"NNX / linen step time, zero-{r['stage']} ({r['model']})",
