@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import zerojax
 from zerojax.nn import BlockedEmbed, layerwise
 
 
@@ -438,6 +439,25 @@ def assert_matches_reference(losses, params, ref_losses, ref_params,
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, **param_tol),
       params, ref_params)
+
+
+def assert_blocks_bounded(compiled4, compiled16, state4, block: str,
+                          width: int) -> None:
+  """Stage 3 with repeated blocks gathered per block, 4 against 16 blocks
+  (8 devices, Adam, 64 rows of `width` a step): the footprint grows by the
+  12 more blocks' sharded state and gradient shard (16 bytes a parameter /
+  N) and saved input (8 rows x width floats a device), not by their 4 x
+  per-block gathered bytes; the temporaries stay within one block's
+  gathered parameters and gradient."""
+  per_block = sum(c.used for c in state4.layout.chunks if c.stack == block)
+  assert per_block > 0
+  growth = (zerojax.compiled_footprint(compiled16)["footprint"]
+            - zerojax.compiled_footprint(compiled4)["footprint"])
+  assert growth <= 1.1 * 12 * (16 * per_block / 8 + 4 * 8 * width)
+  assert growth < 12 * 4 * per_block
+  temp4, temp16 = (c.memory_analysis().temp_size_in_bytes
+                   for c in (compiled4, compiled16))
+  assert temp16 <= temp4 + 2 * 4 * per_block
 
 
 # ---- Flax NNX --------------------------------------------------------------

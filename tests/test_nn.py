@@ -13,6 +13,7 @@ from flax.training import train_state
 
 import zerojax
 from models import (Bridged, ListedLM, ResidualBlock, ResidualMLP, ScannedLM,
+                    assert_blocks_bounded,
                     assert_matches_reference, reference_run, zero_run)
 from models import lm_batches as _batches, lm_loss_fn as _loss_fn
 
@@ -94,22 +95,8 @@ def _unrolled_step(layers, layerwise, width=256, prefetch=None):
 
 
 def test_unrolled_stage3_footprint_is_bounded_like_scanned_layers():
-  width = 256
-  (c4, s4), (c16, s16) = (_unrolled_step(n, True, width) for n in (4, 16))
-  per_block = sum(c.used for c in s4.layout.chunks if c.stack == "blocks_0")
-  assert per_block > 0
-  growth = (zerojax.compiled_footprint(c16)["footprint"]
-            - zerojax.compiled_footprint(c4)["footprint"])
-  # the sharded state (12 bytes a parameter / N), gradient shard (4 / N) and
-  # saved block input (8 rows x width floats a device) of 12 more blocks
-  persistent = 12 * (16 * per_block / 8 + 4 * 8 * width)
-  assert growth <= 1.1 * persistent
-  # the 12 more gathered blocks alone would add 12 x 4 x per_block bytes
-  assert growth < 12 * 4 * per_block
-  # temporaries: about the same at any depth (one block's gathered
-  # parameters and gradient more at most)
-  temp4, temp16 = (c.memory_analysis().temp_size_in_bytes for c in (c4, c16))
-  assert temp16 <= temp4 + 2 * 4 * per_block
+  (c4, s4), (c16, _) = (_unrolled_step(n, True, 256) for n in (4, 16))
+  assert_blocks_bounded(c4, c16, s4, "blocks_0", 256)
 
 
 def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
