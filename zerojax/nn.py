@@ -285,13 +285,11 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
     layout, config = active_layout()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     values = nnx.to_pure_dict(params)
-    for name, shard in vars(module).items():
-      if name.startswith(CHUNK_KEY):
-        c = int(name[len(CHUNK_KEY):])
-        slot = getattr(module, slot_key(c), None)
-        full = _full_layer(layout, config, c, shard[...],
-                           None if slot is None else slot[...], _AFTER.get())
-        _write(values, layout.layer_tree(c, full))
+    for c, name in _chunk_keys(vars(module)).items():
+      slot = getattr(module, slot_key(c), None)
+      full = _full_layer(layout, config, c, getattr(module, name)[...],
+                         None if slot is None else slot[...], _AFTER.get())
+      _write(values, layout.layer_tree(c, full))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
     out = method(clone, *args, **kwargs)
@@ -308,8 +306,7 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
       if context is None or stack is None:
         return method(self, *args, **kwargs)
       context[2].add(stack)
-      chunks = [int(name[len(CHUNK_KEY):]) for name in vars(self)
-                if name.startswith(CHUNK_KEY)]
+      chunks = _chunk_keys(vars(self))
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
       runs = functools.partial(run, method)
