@@ -53,6 +53,9 @@ MODELS = {
         "zero-3", {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
     "zero-3-loss-block": ("zero-3", {"loss_block": 8192}, {}),
     "plain-dp-remat": ("plain-dp", {"remat": True}, {}),
+    # on one device each leaf is its own chunk unless a chunk size is given:
+    # packed as on N devices, for the comparison
+    "zero-3-packed": ("zero-3", {}, {"chunk_size": 2 ** 24}),
 }
 VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
             "gspmd-fsdp") + tuple(MODELS)

@@ -24,7 +24,7 @@ deadline=$((SECONDS + ${BUDGET:-480}))
 jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, \
 jax.devices())"
 } >>"$OUT/log.txt" 2>&1
-for v in ${VARIANTS:-zero-3 plain-dp gspmd-fsdp zero-3-save-dots \
+for v in ${VARIANTS:-zero-3 plain-dp zero-3-packed gspmd-fsdp zero-3-save-dots \
          plain-dp-remat zero-3-loss-block zero-3-blocked-embed zero-0 zero-1 \
          zero-2 zero-3-unrolled zero-3-unrolled-no-prefetch}; do
   left=$((deadline - SECONDS))

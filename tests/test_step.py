@@ -114,6 +114,35 @@ def test_a_one_device_mesh_compiles_no_collective(stage):
   assert not found, found
 
 
+def test_one_device_keeps_each_leaf_a_chunk(tmp_path):
+  """On one device with no chunk size given each leaf is a chunk of its own
+  (nothing to send, so nothing to pack: docs/design.md), the step still
+  matches plain optax, and its checkpoint restores on 8 devices into packed
+  chunks. A chunk size, or offload (the chunk is the unit of a transfer),
+  packs as on N devices."""
+  model, params, loss_fn, batches = _problem("transformer")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=TX)
+  one = Mesh(np.array(jax.devices()[:1]), ("data",),
+             axis_types=(AxisType.Auto,))
+  leaves = len(jax.tree_util.tree_leaves(params))
+  state = zerojax.shard(plain, mesh=one, stage=3, clip_norm=CLIP)
+  assert [len(c.leaves) for c in state.layout.chunks] == [1] * leaves
+  state, losses = zero_run(state, loss_fn, batches)
+  _assert_close("transformer", "float32", CLIP, losses,
+                zerojax.gather_params(state))
+  for fields in (dict(chunk_size=2048), dict(offload_optimizer=True)):
+    packed = zerojax.shard_shape(plain, mesh=one, stage=3, **fields)
+    assert len(packed.layout.chunks) < leaves, fields
+  zerojax.checkpoint.save(tmp_path, state)
+  zerojax.checkpoint.wait(tmp_path)
+  back = zerojax.checkpoint.restore(tmp_path, like=plain, stage=3)
+  assert back.num_shards == 8 and len(back.layout.chunks) < leaves
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(back),
+                         zerojax.gather_params(state))
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_one_device_norm_reads_each_leaf_gradient(accum):
   """On one device with one micro-batch a flat chunk's gradient is the

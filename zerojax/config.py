@@ -129,7 +129,8 @@ class ZeroConfig:
       weights), so large blocks lose the small values: 256 (scales cost
       4/256 bytes an element) kept the example's loss within 1% where
       2048 lost 2.7% (benchmarks/quantized.py).
-    chunk_size: elements per chunk; None searches the size that wastes least.
+    chunk_size: elements per chunk; None searches the size that wastes least
+      (on a one-device mesh with nothing offloaded: each leaf its own chunk).
     min_chunk_size, search_range, search_interval: the chunk-size search
       (ColossalAI Gemini's `search_chunk_configuration`): candidates from
       `min_chunk_size` to `min_chunk_size + search_range` in steps of

@@ -143,7 +143,8 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   model = config.model_axis
   layout = plan_layout(tx, tensor_parallel.unboxed(boxed), config,
                        meshes.axes_size(mesh, axes), model_dims=dims,
-                       model_shards=mesh.shape[model] if model else 1)
+                       model_shards=mesh.shape[model] if model else 1,
+                       devices=mesh.size)
   rep = NamedSharding(mesh, P())
   pol = policy(config)
   with_compute = compute_chunks(layout, config)

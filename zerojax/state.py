@@ -361,12 +361,14 @@ def check_tx(tx, params, config: ZeroConfig) -> tuple:
 
 def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
                 labels: Optional[tuple] = None, model_dims: Optional[tuple] = None,
-                model_shards: int = 1) -> ChunkLayout:
+                model_shards: int = 1, devices: Optional[int] = None
+                ) -> ChunkLayout:
   """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
   optimizer classes found, per-tensor transformations refused. `labels`
   given (a saved layout's): no probes, `tx` is not checked. `model_dims`:
   per leaf the dim split over the model axis of `model_shards` devices
-  (`tensor_parallel.model_dims`)."""
+  (`tensor_parallel.model_dims`). `devices`: the mesh's size; on one device
+  with nothing offloaded each leaf is a chunk of its own (`per_leaf`)."""
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
     labels = check_tx(tx, abstract, config)
@@ -376,11 +378,24 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   named = named_units(abstract, config.per_use, config.stacked, found)
   units = found + named if policy(config).gathers_params else ()
   return ChunkLayout.build(
-      abstract, num_shards, chunk_size=config.chunk_size,
+      abstract, num_shards,
+      chunk_size=1 if per_leaf(config, devices) else config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
       stacked=config.stacked, units=units, model_dims=model_dims,
       model_shards=model_shards, min_chunk_size=config.min_chunk_size,
       search_range=config.search_range, search_interval=config.search_interval)
+
+
+def per_leaf(config: ZeroConfig, devices: Optional[int]) -> bool:
+  """Whether each leaf is its own chunk: on a one-device mesh with no chunk
+  size given and nothing offloaded. Chunks pack leaves so that a step
+  sends a few large collectives; one device sends none, and a flat chunk
+  costs a copy of each weight out of it before its dot and of each
+  gradient into it (docs/design.md). Offloaded chunks keep their packing:
+  the chunk is the unit of a host transfer, a host update and a file."""
+  return (devices == 1 and config.chunk_size is None
+          and config.placement == "manual"
+          and not config.offload_optimizer and not config.offload_params)
 
 
 def fresh_state(master, compute, rest, *, step, extras, static_extras, layout,
@@ -405,7 +420,8 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
   model = config.model_axis
   layout = plan_layout(tx, params, config,
                        meshes.axes_size(mesh, shard_axes(config)), labels,
-                       model_dims, mesh.shape[model] if model else 1)
+                       model_dims, mesh.shape[model] if model else 1,
+                       mesh.size)
   def build(params, step, extras):
     master, rest = layout.split(params)
     compute = compute_copy(master, compute_chunks(layout, config),
