@@ -143,9 +143,10 @@ def footprint(cfg, case: str, tier: str, directory: str, *, batch: int,
 
 
 def largest(cfg, case: str, tier: str, directory: str, budget: dict, *,
-            batch: int, seq: int, n: int) -> dict:
-  """The deepest `cfg` (its width) whose step fits both budgets."""
-  seen = {}
+            batch: int, seq: int, n: int, known: Optional[dict] = None) -> dict:
+  """The deepest `cfg` (its width) whose step fits both budgets. `known`:
+  footprints already compiled, by depth."""
+  seen = dict(known or {})
 
   def at(layers):
     if layers not in seen:
@@ -242,7 +243,8 @@ def run(config: str, *, batch: int, seq: int, n: int, speed_config: str,
                 "device": footprint(cfg.replace(layers=4 * cfg.layers), case,
                                     "host", tmp, batch=batch, seq=seq,
                                     n=n)["device"]}
-      fit = {t: largest(cfg, case, t, tmp, budget, batch=batch, seq=seq, n=n)
+      fit = {t: largest(cfg, case, t, tmp, budget, batch=batch, seq=seq, n=n,
+                        known={cfg.layers: rows[t]})
              for t in ("host", "disk")}
       fit["disk"]["loss_of_one_step"] = one_step(
           cfg.replace(layers=fit["disk"]["layers"]), case, tmp, batch=batch,

@@ -1,6 +1,42 @@
-"""8 simulated CPU devices, set before the first `import jax`."""
-import os
+"""8 simulated CPU devices, set before the first `import jax`; and XLA's CPU
+backend compiling without LLVM optimisation (`FAST`).
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+The tests check what zerojax emits (its HLO: collectives, pads, copies,
+loops; buffer sizes from `memory_analysis`) and its numbers against plain
+optax, which XLA's HLO passes decide, not the machine code LLVM makes of
+the CPU kernels; compiling is most of the suite's time (tests/test_step.py:
+96 s -> 64 s on two workers). The older fusion emitters
+(`compat.FAST_COMPILE`'s other option) would save more (39 s) but fuse
+differently enough that programs meant to be bit-identical (quantized
+collectives with the identity encoding) are not. Worker processes the tests
+start use the same flags (`ZEROJAX_TEST_FAST_FLAGS`), so that their numbers
+compare bit for bit with the test's. `ZEROJAX_TEST_XLA_DEFAULTS=1` runs the
+tests with XLA's own settings. An XLA that does not know a flag aborts, so
+the flags are tried once in a subprocess, and left out if it fails.
+"""
+import os
+import subprocess
+import sys
+
+DEVICES = "--xla_force_host_platform_device_count=8"
+FAST = "--xla_backend_optimization_level=0"
+
+
+def _fast() -> str:
+  """FAST where this jax's XLA accepts it, else ""; decided once (the
+  answer is passed on to pytest's workers and subprocesses)."""
+  if os.environ.get("ZEROJAX_TEST_XLA_DEFAULTS") == "1":
+    return ""
+  if "ZEROJAX_TEST_FAST_FLAGS" not in os.environ:
+    tried = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1)"],
+        env={**os.environ, "XLA_FLAGS": FAST, "JAX_PLATFORMS": "cpu"},
+        capture_output=True)
+    os.environ["ZEROJAX_TEST_FAST_FLAGS"] = FAST if tried.returncode == 0 else ""
+  return os.environ["ZEROJAX_TEST_FAST_FLAGS"]
+
+
+if DEVICES not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      f for f in (os.environ.get("XLA_FLAGS", ""), _fast(), DEVICES) if f)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -110,6 +110,7 @@ def rss(live: str) -> None:
 
 
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = (os.environ.get("ZEROJAX_TEST_FAST_FLAGS", "")  # conftest
+                             + " --xla_force_host_platform_device_count=8").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   {"kill": kill, "rss": rss}[sys.argv[1]](*sys.argv[2:])

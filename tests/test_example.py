@@ -29,7 +29,9 @@ PARAGRAPH = (
 
 def _run(args, out, cache):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+  # (the example adds its simulated devices to conftest's compile flags)
+  env.update(XLA_FLAGS=env.get("ZEROJAX_TEST_FAST_FLAGS", ""),
+             JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   cmd = [sys.executable, str(EXAMPLE), "--preset", "tiny", "--steps",

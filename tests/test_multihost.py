@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 def _run_workers(tmp_path, *mode) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env.update(XLA_FLAGS=(env.get("ZEROJAX_TEST_FAST_FLAGS", "")   # conftest
+                        + " --xla_force_host_platform_device_count=4").strip(),
              JAX_PLATFORMS="cpu")
   port, out = _free_port(), tmp_path / "result.npz"
   procs, logs = [], []
