@@ -54,6 +54,27 @@ def test_matches_optax_in_values_and_gradients(vocab_axis, block_size):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_where_counts_the_tokens_optax_counts():
+  """Masked tokens (Hugging Face's -100 labels among them) lose 0 and send
+  no gradient, as under optax's `where=`."""
+  hidden, embedding, labels, cotangent = _problem()
+  labels = labels.at[0, :5].set(-100).at[2, 7].set(-100)
+  where = labels != -100
+  ours = lambda h, w: linear_cross_entropy(h, w, labels, block_size=32,
+                                           where=where)
+  plain = lambda h, w: optax.softmax_cross_entropy_with_integer_labels(
+      h @ w.T, labels, where=where)
+  got = ours(hidden, embedding)
+  np.testing.assert_allclose(got, plain(hidden, embedding), rtol=1e-5,
+                             atol=1e-6)
+  assert np.all(np.asarray(got)[~np.asarray(where)] == 0)
+  (dh, dw), want = (jax.grad(lambda h, w: (f(h, w) * cotangent).sum(),
+                             (0, 1))(hidden, embedding) for f in (ours, plain))
+  assert np.all(np.asarray(dh)[~np.asarray(where)] == 0)
+  for a, b in zip((dh, dw), want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_bfloat16_matches_optax_within_bfloat16_rounding():
   hidden, embedding, labels, cotangent = _problem(dtype=jnp.bfloat16)
   ours, plain = _pair(labels, 0, 32)
@@ -134,8 +155,12 @@ _H, _W, _Y = jnp.zeros((4, 8)), jnp.zeros((32, 8)), jnp.zeros((4,), jnp.int32)
     ((_H, _W[0], _Y), {}, ValueError, "weight is 2-D"),
     ((_H, _W.T, _Y), {}, ValueError, r"must be \[..., 32\]"),
     ((_H, _W, _Y[:3]), {}, ValueError, "leading shape"),
+    ((_H, _W, _Y), {"where": (_Y > 0).astype(jnp.float32)}, ValueError,
+     "where has dtype float32"),
+    ((_H, _W, _Y), {"where": (_Y > 0)[:3]}, ValueError, "labels' shape"),
 ], ids=["axis", "axis-bool", "block-0", "block-float", "hidden-int",
-        "dtypes-differ", "labels-float", "weight-1d", "width", "labels-shape"])
+        "dtypes-differ", "labels-float", "weight-1d", "width", "labels-shape",
+        "where-float", "where-shape"])
 def test_bad_input_is_refused_naming_it(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     linear_cross_entropy(*args, **kwargs)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 
 def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
                          labels: jax.Array, *, vocab_axis: int = 0,
-                         block_size: int = 4096) -> jax.Array:
+                         block_size: int = 4096,
+                         where: Optional[jax.Array] = None) -> jax.Array:
   """Per-token cross entropy of `hidden @ weight.T` (or `hidden @ weight`)
   against integer `labels`, without the logits in memory.
 
@@ -54,6 +56,10 @@ def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
     block_size: at most this many vocabulary rows per block (the blocks
       are evened out); at most one block's logits (`tokens x block_size`
       float32) are alive at once.
+    where: boolean `[...]` (the labels' shape), the tokens to count: the
+      others' losses are 0 and send no gradient, whatever their label
+      (optax's `where=`). Hugging Face's ignored labels (-100):
+      `where=labels != -100`, then `loss.sum() / where.sum()`.
 
   Returns:
     `[...]` float32 losses, one per token (reduce them as the model does:
@@ -61,13 +67,21 @@ def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
   """
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
   _check(hidden, weight, labels, vocab_axis, block_size)
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_ or where.shape != labels.shape:
+      raise ValueError(
+          f"linear_cross_entropy: where has dtype {where.dtype} and shape "
+          f"{where.shape}; give a boolean array of the labels' shape "
+          f"{labels.shape} (True for the tokens to count).")
   d, vocab = hidden.shape[-1], weight.shape[vocab_axis]
   # as many blocks as `block_size` asks for, evened out: the last block
   # then overlaps the one before by less than a row per block
   size = -(-vocab // -(-vocab // block_size))
   losses = _blocked(size, vocab_axis, hidden.reshape(-1, d), weight,
-                    labels.reshape(-1))
-  return losses.reshape(labels.shape)
+                    labels.reshape(-1)).reshape(labels.shape)
+  # (a label out of range hits no word: its loss is the log-sum-exp, finite)
+  return losses if where is None else jnp.where(where, losses, 0.0)
 
 
 def _check(hidden, weight, labels, vocab_axis, block_size) -> None:
