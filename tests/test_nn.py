@@ -555,16 +555,27 @@ def test_create_equals_init_then_shard_and_stays_sharded():
   tokens = jnp.zeros((1, 8), jnp.int32)
   init_fn = lambda r: model.init(r, tokens)["params"]
   tx = optax.adamw(1e-3)
-  for stage, dtype in [(3, "float32"), (2, "bfloat16"), (0, "float32")]:
+  # on one device a chunk per leaf, all made by one program
+  one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+  for stage, dtype, mesh in [(3, "float32", None), (2, "bfloat16", None),
+                             (0, "float32", None), (2, "bfloat16", one)]:
     made = zerojax.create(init_fn, jax.random.key(7), apply_fn=model.apply,
                           tx=tx, stage=stage, compute_dtype=dtype,
-                          stacked=("blocks",))
+                          stacked=("blocks",), mesh=mesh)
     plain = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=jax.jit(init_fn)(jax.random.key(7)), tx=tx),
-                          stage=stage, compute_dtype=dtype, stacked=("blocks",))
+                          stage=stage, compute_dtype=dtype, stacked=("blocks",),
+                          mesh=mesh)
+    assert made.layout == plain.layout
     for a, b in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(plain)):
       assert a.sharding == b.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(len(c.leaves) == 1 for c in made.layout.chunks)
+  fp = zerojax.sharded_init.create_footprint(
+      init_fn, jax.random.key(7), apply_fn=model.apply, tx=tx, stage=2,
+      compute_dtype="bfloat16", stacked=("blocks",), mesh=one)
+  assert len(fp["programs"]) == 3   # the chunks, the rest, the assembly
 
 
 def test_create_peak_is_the_sharded_state_plus_one_leaf():
