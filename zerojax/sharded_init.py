@@ -200,25 +200,25 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
                        static_extras=static_extras, layout=layout, tx=tx,
                        apply_fn=apply_fn, config=config, mesh=mesh)
 
-  def group_program(cs):
-    """One program for the single-leaf chunks `cs`."""
-    def make(rng):
-      leaves = leaves_of(rng)
-      out = []
-      for c in cs:
-        master = layout.pack_chunk(c, leaves)
-        out.append((master, master.astype(config.compute_dtype)
-                    if c in with_compute else None))
-      return tuple(out)
-    # (nothing is offloaded here: the compute copies are replicated)
-    shardings = tuple((NamedSharding(mesh, layout.chunks[c].spec(
-        axes if pol.master_sharded else None, model)),
-                       NamedSharding(mesh, layout.chunks[c].spec(None, model))
-                       if c in with_compute else None) for c in cs)
-    return _GroupProgram(jax.jit(make, out_shardings=shardings))
+  def single_leaf_chunks(rng):
+    leaves = leaves_of(rng)
+    out = []
+    for c in range(len(layout.chunks)):
+      master = layout.pack_chunk(c, leaves)
+      out.append((master, master.astype(config.compute_dtype)
+                  if c in with_compute else None))
+    return tuple(out)
 
   if per_leaf(config, mesh.size):
-    chunks = [group_program(range(len(layout.chunks)))]
+    # (nothing is offloaded here: the compute copies are replicated)
+    shardings = tuple(
+        (NamedSharding(mesh, chunk.spec(axes if pol.master_sharded else None,
+                                        model)),
+         NamedSharding(mesh, chunk.spec(None, model))
+         if c in with_compute else None)
+        for c, chunk in enumerate(layout.chunks))
+    chunks = [_GroupProgram(jax.jit(single_leaf_chunks,
+                                    out_shardings=shardings))]
   else:
     chunks = [chunk_programs(c) for c in range(len(layout.chunks))]
   rest_program = jax.jit(make_rest, out_shardings=rep)
