@@ -155,7 +155,7 @@ _H, _W, _Y = jnp.zeros((4, 8)), jnp.zeros((32, 8)), jnp.zeros((4,), jnp.int32)
     ((_H, _W[0], _Y), {}, ValueError, "weight is 2-D"),
     ((_H, _W.T, _Y), {}, ValueError, r"must be \[..., 32\]"),
     ((_H, _W, _Y[:3]), {}, ValueError, "leading shape"),
-    ((_H, _W, _Y), {"where": (_Y > 0).astype(jnp.float32)}, ValueError,
+    ((_H, _W, _Y), {"where": (_Y > 0).astype(jnp.float32)}, TypeError,
      "where has dtype float32"),
     ((_H, _W, _Y), {"where": (_Y > 0)[:3]}, ValueError, "labels' shape"),
 ], ids=["axis", "axis-bool", "block-0", "block-float", "hidden-int",

@@ -66,14 +66,8 @@ def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
     `.mean()`, or a masked mean).
   """
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
-  _check(hidden, weight, labels, vocab_axis, block_size)
-  if where is not None:
-    where = jnp.asarray(where)
-    if where.dtype != jnp.bool_ or where.shape != labels.shape:
-      raise ValueError(
-          f"linear_cross_entropy: where has dtype {where.dtype} and shape "
-          f"{where.shape}; give a boolean array of the labels' shape "
-          f"{labels.shape} (True for the tokens to count).")
+  where = None if where is None else jnp.asarray(where)
+  _check(hidden, weight, labels, vocab_axis, block_size, where)
   d, vocab = hidden.shape[-1], weight.shape[vocab_axis]
   # as many blocks as `block_size` asks for, evened out: the last block
   # then overlaps the one before by less than a row per block
@@ -84,7 +78,7 @@ def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
   return losses if where is None else jnp.where(where, losses, 0.0)
 
 
-def _check(hidden, weight, labels, vocab_axis, block_size) -> None:
+def _check(hidden, weight, labels, vocab_axis, block_size, where) -> None:
   """Refuses what `linear_cross_entropy` cannot mean, naming the value."""
   if vocab_axis not in (0, 1) or isinstance(vocab_axis, bool):
     raise ValueError(f"linear_cross_entropy(vocab_axis={vocab_axis!r}): the "
@@ -116,6 +110,12 @@ def _check(hidden, weight, labels, vocab_axis, block_size) -> None:
         f"(vocab_axis={vocab_axis}) and labels {labels.shape} do not fit: "
         f"hidden must be [..., {d}] and labels its leading shape "
         f"{hidden.shape[:-1]}.")
+  if where is not None and where.dtype != jnp.bool_:
+    raise TypeError(f"linear_cross_entropy: where has dtype {where.dtype}; "
+                    "give a boolean array (True for the tokens to count).")
+  if where is not None and where.shape != labels.shape:
+    raise ValueError(f"linear_cross_entropy: where has shape {where.shape}; "
+                     f"give the labels' shape {labels.shape}.")
 
 
 def _block(weight, i, size: int, vocab_axis: int):
