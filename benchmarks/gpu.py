@@ -16,7 +16,9 @@ variant recomputes (stage 3 rematerialises each layer).
 Inside a short GPU lease, `benchmarks/gpu_lease.sh` runs the same children
 under a time limit each and keeps each row as it finishes; `python -m
 benchmarks.run --gpu --rows FILE...` turns those rows into the results
-(`read_rows`, `summarize`). With `PROFILE=path.json` in its environment a
+(`read_rows`, `summarize`). Each row records its `SETTING` (device, model
+config, batch, attention, the XLA flags it ran with); rows of different
+settings are never compared or replaced by one another. With `PROFILE=path.json` in its environment a
 child also traces three steps and writes `profile_summary` there.
 """
 from __future__ import annotations
@@ -53,6 +55,10 @@ MODELS = {
         "zero-3", {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
     "zero-3-loss-block": ("zero-3", {"loss_block": 8192}, {}),
     "plain-dp-remat": ("plain-dp", {"remat": True}, {}),
+    # plain data parallel on the blocks as a Python loop, nothing
+    # rematerialised: what the model costs without remat and without a
+    # scan's stacked residuals
+    "plain-dp-unrolled": ("plain-dp", {"scan": False}, {}),
     # on one device each leaf is its own chunk unless a chunk size is given:
     # packed as on N devices, for the comparison
     "zero-3-packed": ("zero-3", {}, {"chunk_size": 2 ** 24}),
@@ -61,7 +67,7 @@ VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
             "gspmd-fsdp") + tuple(MODELS)
 # (config, global batch per device, tokens per row, timed steps, attention:
 # GPTConfig.attention, cuDNN's flash attention on the GPU)
-PLANS = {"gpu": ("gpt2-medium", 8, 1024, 20, "cudnn"),
+PLANS = {"gpu": ("gpt2-medium", 16, 1024, 20, "cudnn"),
          "gpu-smoke": ("tiny", 2, 16, 2, "einsum")}
 MFU_GOAL = {"zero-3": 0.45}   # the target recorded for one H100
 
@@ -120,7 +126,9 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
           "cpu_count": os.cpu_count(),
           "host_memory_bytes": memory.host_memory()["MemTotal"],
           "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "attention": attention,
+          "attention": attention, "config": config,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "batch_per_device": batch_per_device, "seq": seq,
           "compile_s": compile_s,
           "step_s": step_s, "tokens_per_s": tokens / step_s,
           "tflops_per_s": tflops,
@@ -183,26 +191,44 @@ def run(mode: str, log=print) -> dict:
   return summarize(mode, rows)
 
 
+# What a row was measured with, beside its variant: rows compare (ratios,
+# replacements) only within one setting.
+SETTING = ("device_kind", "attention", "config", "batch_per_device", "seq",
+           "xla_flags")
+
+
+# the rows others are measured against: plain DP as it is and with each
+# block rematerialised as stage 3's are, GSPMD FSDP
+REFERENCES = ("plain-dp", "plain-dp-remat", "gspmd-fsdp")
+
+
+def setting(row: dict) -> tuple:
+  """`row`'s SETTING values (its XLA flags as a set: their order is moot)."""
+  return tuple(frozenset(row[k].split()) if k == "xla_flags" and k in row
+               else row.get(k) for k in SETTING)
+
+
 def summarize(mode: str, rows: list) -> dict:
   """{"setup", "rows", "goals"} of `rows` (`_child`'s, measured by `run`
   or by `benchmarks/gpu_lease.sh` elsewhere): each row's step time against
-  plain data parallel and GSPMD FSDP with the same attention, rows in
-  `VARIANTS` order within each attention."""
+  plain data parallel and GSPMD FSDP of the same `setting` (attention,
+  model config, batch, XLA flags), rows in `VARIANTS` order within each
+  setting, the settings in the order first seen."""
   config, per_device, seq, steps, attention = PLANS[mode]
-  attentions = list(dict.fromkeys(r.get("attention", attention)
-                                  for r in rows))
+  settings = list(dict.fromkeys(map(setting, rows)))
   order = {v: i for i, v in enumerate(VARIANTS)}
-  rows = sorted(rows, key=lambda r: (attentions.index(
-      r.get("attention", attention)), order.get(r["variant"], len(order))))
+  rows = sorted(rows, key=lambda r: (settings.index(setting(r)),
+                                     order.get(r["variant"], len(order))))
   for r in rows:
     base = {b["variant"]: b for b in rows if "error" not in b
-            and b.get("attention") == r.get("attention")}
-    for ref in ("plain-dp", "gspmd-fsdp"):
+            and setting(b) == setting(r)}
+    for ref in REFERENCES:
       if "error" not in r and ref in base:
         r[f"step_vs_{ref}"] = r["step_s"] / base[ref]["step_s"]
   return {"setup": {"config": config, "batch_per_device": per_device,
                     "seq": seq, "timed_steps": steps, "compute": "bf16",
-                    "attention": attentions,
+                    "attention": list(dict.fromkeys(
+                        r.get("attention", attention) for r in rows)),
                     "optimizer": "AdamW, fp32 state"},
           "rows": rows, "goals": goal_checks(rows)}
 
@@ -210,7 +236,7 @@ def summarize(mode: str, rows: list) -> dict:
 def read_rows(paths) -> list:
   """The rows (one JSON object per line) that `benchmarks/gpu_lease.sh`
   appended to each of `paths`; a variant measured again in a later file,
-  with the same attention, replaces its earlier row (a failed row replaces
+  in the same `setting`, replaces its earlier row (a failed row replaces
   none)."""
   rows = {}
   for path in paths:
@@ -218,25 +244,46 @@ def read_rows(paths) -> list:
       for line in f:
         if line.strip():
           r = json.loads(line)
-          key = r["variant"], r.get("attention")
+          key = (r["variant"],) + setting(r)
           if "error" not in r or "error" in rows.get(key, r):
             rows[key] = r
   return list(rows.values())
 
 
+def flags_beside_defaults(flags) -> str:
+  """A row's XLA flags as they differ from `zerojax.compat.with_gpu_flags`'
+  defaults: those added, and the defaults it ran without ("" when the
+  same; "?" when not recorded)."""
+  if flags is None:
+    return "?"
+  from zerojax import compat
+  given = {f.split("=", 1)[0]: f for f in flags.split()}
+  defaults = {f.split("=", 1)[0]: f for f in compat.with_gpu_flags("").split()}
+  added = [f for k, f in given.items() if defaults.get(k) != f
+           and "device_count" not in k]
+  without = [f for k, f in defaults.items() if k not in given]
+  return " ".join(added + [f"without {f}" for f in without])
+
+
 def goal_checks(rows: list) -> list:
   """(what, value, bound, met) of the MFU goals that were measured: a row
   without a known device peak (CPU) has no MFU and no goal row."""
-  return [(f"{r['variant']} MFU ({r.get('attention', 'einsum')} attention)",
+  return [(f"{r['variant']} MFU ({r.get('attention', 'einsum')} attention"
+           + "".join(f", {r[k]}" for k in ("device_kind", "config") if k in r)
+           + (f", batch {r['batch_per_device']}" if "batch_per_device" in r
+              else "")
+           + (f", {flags_beside_defaults(r['xla_flags'])}"
+              if flags_beside_defaults(r.get("xla_flags")) not in ("", "?")
+              else "") + ")",
            r["mfu"], MFU_GOAL[r["variant"]], r["mfu"] >= MFU_GOAL[r["variant"]])
           for r in rows if r["variant"] in MFU_GOAL and r.get("mfu") is not None]
 
 
 if __name__ == "__main__":
-  # every variant with the GPU overlap flags the example sets (read when
-  # jax starts the backend, in _child)
+  # every variant with the GPU flags the example sets (read when jax
+  # starts the backend, in _child; the row records the flags it ran with)
   from zerojax import compat
-  os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(
+  os.environ["XLA_FLAGS"] = compat.with_gpu_flags(
       os.environ.get("XLA_FLAGS", ""))
   # PROFILE: a JSON path for the profile summary of this variant
   print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]),

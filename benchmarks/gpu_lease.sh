@@ -9,6 +9,7 @@
 # `python -m benchmarks.run --gpu --rows rows.jsonl` writes the results.
 #
 #   BUDGET=480 PER_VARIANT=150 bash benchmarks/gpu_lease.sh
+#   (BATCH, SEQ, STEPS, ATTENTION, CONFIG, XLA_FLAGS, VARIANTS change what runs)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/zerojax_gpu}
@@ -17,6 +18,16 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CONFIG=${CONFIG:-gpt2-medium}
 deadline=$((SECONDS + ${BUDGET:-480}))
+BATCH=${BATCH:-16} SEQ=${SEQ:-1024} STEPS=${STEPS:-20} ATTENTION=${ATTENTION:-cudnn}
+# what a failed row was to be measured with (a measured row records it)
+setting=$("$PY" -c "import json, os, sys
+import jax
+from zerojax import compat
+print(json.dumps(dict(device_kind=jax.devices()[0].device_kind,
+  attention=sys.argv[1], config=sys.argv[2],
+  batch_per_device=int(sys.argv[3]), seq=int(sys.argv[4]),
+  xla_flags=compat.with_gpu_flags(os.environ.get('XLA_FLAGS', ''))))[1:-1])" \
+  "$ATTENTION" "$CONFIG" "$BATCH" "$SEQ")
 {
   date -u
   nvidia-smi -L
@@ -30,7 +41,7 @@ for v in ${VARIANTS:-zero-3 plain-dp zero-3-packed gspmd-fsdp zero-3-save-dots \
   left=$((deadline - SECONDS))
   limit=$((left < ${PER_VARIANT:-150} ? left : ${PER_VARIANT:-150}))
   if [ "$limit" -lt 30 ]; then
-    echo "{\"variant\": \"$v\", \"error\": \"not run: the lease's time ran out\"}" >>"$OUT/rows.jsonl"
+    echo "{\"variant\": \"$v\", $setting, \"error\": \"not run: the lease's time ran out\"}" >>"$OUT/rows.jsonl"
     continue
   fi
   echo "=== $v (limit ${limit} s) $(date -u +%T)" >>"$OUT/log.txt"
@@ -39,13 +50,13 @@ for v in ${VARIANTS:-zero-3 plain-dp zero-3-packed gspmd-fsdp zero-3-save-dots \
   case " ${PROFILE_VARIANTS-zero-3 plain-dp} " in
     *" $v "*) profile="$OUT/profile_$v.json" ;;
   esac
-  PROFILE=$profile timeout "$limit" "$PY" -m benchmarks.gpu "$v" "$CONFIG" "${BATCH:-8}" "${SEQ:-1024}" "${STEPS:-20}" "${ATTENTION:-cudnn}" \
+  PROFILE=$profile timeout "$limit" "$PY" -m benchmarks.gpu "$v" "$CONFIG" "$BATCH" "$SEQ" "$STEPS" "$ATTENTION" \
     >"$OUT/row.tmp" 2>>"$OUT/log.txt"
   rc=$?
   if [ $rc -eq 0 ]; then
     tail -n 1 "$OUT/row.tmp" >>"$OUT/rows.jsonl"
   else
-    echo "{\"variant\": \"$v\", \"error\": \"exit $rc after $((SECONDS - start)) s (124: over its ${limit} s limit); see log.txt\"}" >>"$OUT/rows.jsonl"
+    echo "{\"variant\": \"$v\", $setting, \"error\": \"exit $rc after $((SECONDS - start)) s (124: over its ${limit} s limit); see log.txt\"}" >>"$OUT/rows.jsonl"
   fi
   echo "=== $v done rc=$rc in $((SECONDS - start)) s" >>"$OUT/log.txt"
   tail -n 1 "$OUT/rows.jsonl"

@@ -156,6 +156,10 @@ CONFIGS = {
                         heads=4),
     "gpt2-small": GPTConfig(),                                   # 124M
     "gpt2-medium": GPTConfig(width=1024, layers=24, heads=16),  # 355M
+    # the vocabulary padded to a multiple of 64 (nanoGPT's 50304): the tied
+    # head's matmuls get aligned shapes on a GPU
+    "gpt2-medium-pad": GPTConfig(width=1024, layers=24, heads=16,
+                                 vocab_size=50304),
     # the same with the tied embedding as a zerojax.nn.BlockedEmbed
     "gpt2-small-blocked": GPTConfig(embed_blocks=16),
     "gpt2-medium-blocked": GPTConfig(width=1024, layers=24, heads=16,

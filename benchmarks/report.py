@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks import gpu  # noqa: E402
+
 MODES = ("quick", "full", "smoke", "gpu", "gpu-smoke")
 SUITES = ("speed", "memory", "comm", "offload", "disk", "checkpoint",
           "throughput", "frontends", "hybrid", "tp", "quantized")
@@ -407,33 +409,43 @@ def _throughput_md(r: dict, mode: str) -> list:
   s = r["setup"]
   lines = [f"### Throughput ({s['config']}, {s['compute']} compute, "
            f"{s['optimizer']}, {s['batch_per_device']}×{s['seq']} tokens per "
-           f"device)", "",
+           f"device unless a row says otherwise)", "",
            "Each variant in a fresh process (`benchmarks/gpu.py`); step time "
            f"is the median of {s['timed_steps']} steps; model FLOPs are "
            "6Ψ + 12·layers·width·seq per token; MFU against the device's "
            "dense bf16 peak (— where the device's peak is unknown: not "
            "measured). Attention `einsum`: the scores written out, then a "
            "softmax; `cudnn`: `jax.nn.dot_product_attention`'s cuDNN flash "
-           "attention. Ratios are against plain DP and GSPMD FSDP with the "
-           f"same attention. `python -m benchmarks.run --{mode}`"
+           "attention; plain DP, remat: each block rematerialised as stage "
+           "3's are. A row's XLA flags are those it ran with beside "
+           "`zerojax.compat.with_gpu_flags`' defaults (\"without\": a "
+           "default it ran without). Ratios are against plain DP and GSPMD "
+           "FSDP of the same attention, config, batch and flags. "
+           f"`python -m benchmarks.run --{mode}`"
            + (" (here: `benchmarks/gpu_lease.sh` on a lent machine, then "
               "`--rows`)." if r.get("meta", {}).get("rows_from") else "."),
-           "", "| variant | attention | device | step s | tokens/s | TFLOP/s "
-           "| MFU | peak MiB | × plain DP | × GSPMD FSDP |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "", "| variant | attention | config | batch | XLA flags | device "
+           "| step s | tokens/s | TFLOP/s | MFU | peak MiB | × plain DP "
+           "| × plain DP, remat | × GSPMD FSDP |",
+           "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for row in r["rows"]:
     attention = row.get("attention", "einsum")
+    where = (f"{row.get('config', s['config'])} | "
+             f"{row.get('batch_per_device', s['batch_per_device'])}×"
+             f"{row.get('seq', s['seq'])} | "
+             f"{gpu.flags_beside_defaults(row.get('xla_flags'))}")
     if "error" in row:
-      lines.append(f"| {row['variant']} | {attention} | error: "
-                   f"{row['error']} |||||||")
+      lines.append(f"| {row['variant']} | {attention} | {where} | error: "
+                   f"{row['error']} ||||||||")
       continue
     mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
     ratio = lambda k: f"{row[k]:.3f}" if k in row else ""
-    lines.append(f"| {row['variant']} | {attention} | {row['devices']}× "
+    lines.append(f"| {row['variant']} | {attention} | {where} | {row['devices']}× "
                  f"{row['device_kind']} | "
                  f"{row['step_s']:.4f} | {row['tokens_per_s']:,.0f} | "
                  f"{row['tflops_per_s']:.2f} | {mfu} | {_mib(row['peak_bytes'])} | "
-                 f"{ratio('step_vs_plain-dp')} | {ratio('step_vs_gspmd-fsdp')} |")
+                 f"{ratio('step_vs_plain-dp')} | {ratio('step_vs_plain-dp-remat')} "
+                 f"| {ratio('step_vs_gspmd-fsdp')} |")
   return lines + ["", f"![throughput]({mode}_throughput.png)", ""]
 
 
@@ -672,20 +684,24 @@ def plot_throughput(r: dict, path: str):
   """Model TFLOP/s per variant (MFU where the device's peak is known), one
   bar per attention."""
   rows = [row for row in r["rows"] if "error" not in row]
-  attentions = list(dict.fromkeys(row.get("attention", "einsum")
-                                  for row in rows))
+  settings = list(dict.fromkeys(map(gpu.setting, rows)))
   variants = list(dict.fromkeys(row["variant"] for row in rows))
   mfu = all(row["mfu"] is not None for row in rows)
-  fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(variants) + 1.5))
-  height = 0.8 / max(len(attentions), 1)
-  for k, attention in enumerate(attentions):
-    got = {row["variant"]: row for row in rows
-           if row.get("attention", "einsum") == attention}
+  fig, ax = plt.subplots(figsize=(8.5, 0.3 * len(variants) * max(
+      len(settings), 1) + 1.8))
+  height = 0.8 / max(len(settings), 1)
+  for k, key in enumerate(settings):
+    got = {row["variant"]: row for row in rows if gpu.setting(row) == key}
+    one = next(iter(got.values()))
+    label = (f"{one.get('attention', 'einsum')} attention, "
+             f"{one.get('config', r['setup']['config'])}, batch "
+             f"{one.get('batch_per_device', r['setup']['batch_per_device'])}"
+             f" {gpu.flags_beside_defaults(one.get('xla_flags'))}")
     ys = [i + k * height for i, v in enumerate(variants) if v in got]
     xs = [100 * got[v]["mfu"] if mfu else got[v]["tflops_per_s"]
           for v in variants if v in got]
-    ax.barh(ys, xs, height=height, label=f"{attention} attention")
-  ax.set_yticks([i + height * (len(attentions) - 1) / 2
+    ax.barh(ys, xs, height=height, label=label[:90])
+  ax.set_yticks([i + height * (len(settings) - 1) / 2
                  for i in range(len(variants))], variants)
   ax.invert_yaxis()
   ax.set_xlabel("MFU %" if mfu else "model TFLOP/s")
@@ -693,8 +709,7 @@ def plot_throughput(r: dict, path: str):
   if mfu and goal is not None:
     ax.axvline(100 * goal, color="k", ls="--", lw=1, label="zero-3 goal")
   ax.legend(fontsize=8)
-  ax.set_title(f"{r['setup']['config']}, {r['setup']['batch_per_device']}×"
-               f"{r['setup']['seq']} tokens per device")
+  ax.set_title(f"{r['setup']['config']} (×{r['setup']['seq']} tokens a row)")
   _save(fig, path)
 
 

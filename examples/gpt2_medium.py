@@ -214,13 +214,13 @@ def simulate_cpu_devices(n: int) -> None:
   """Asks XLA for `n` host devices. Only the CPU platform reads this flag,
   and only when jax starts it, so it is set before any device is used; it does
   nothing on a machine whose default backend is a GPU or TPU. The GPU
-  compiler's overlap flags (`zerojax.compat.GPU_OVERLAP_FLAGS`: prefetch of
-  the next layer's gather, reduce-scatter beside the backward) are set
-  alike; the CPU compiler ignores them."""
+  compiler's flags (`zerojax.compat.GPU_FLAGS`: prefetch of the next
+  layer's gather, reduce-scatter beside the backward, matmuls on cuBLAS)
+  are set alike; the CPU compiler ignores them."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + f" --xla_force_host_platform_device_count={n}").strip()
-  os.environ["XLA_FLAGS"] = compat.with_gpu_overlap_flags(flags)
+  os.environ["XLA_FLAGS"] = compat.with_gpu_flags(flags)
 
 
 # (imports jax, which reads XLA_FLAGS only when it starts a backend)

@@ -2,6 +2,7 @@
 and a smoke run of the whole suite (tiny model, no timing assertions)."""
 import json
 import math
+import os
 import re
 
 import jax
@@ -466,9 +467,13 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it(tmp_path):
   assert (blocked["tflops_per_s"] * blocked["step_s"] ==
           pytest.approx(row["tflops_per_s"] * row["step_s"], rel=1e-3))
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  # the row says what it ran with, and its goal row names that
+  assert (row["config"], row["batch_per_device"], row["seq"]) == ("tiny", 1, 16)
+  assert row["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   h100 = dict(row, mfu=0.5)
-  assert gpu.goal_checks([h100]) == [
-      ("zero-3 MFU (einsum attention)", 0.5, 0.45, True)]
+  [(what, *rest)] = gpu.goal_checks([h100])
+  assert what.startswith("zero-3 MFU (einsum attention, cpu, tiny, batch 1")
+  assert rest == [0.5, 0.45, True]
   table = report._throughput_md(
       {"setup": {"config": "tiny", "compute": "bf16", "optimizer": "AdamW",
                  "batch_per_device": 1, "seq": 16, "timed_steps": 1},
@@ -515,9 +520,10 @@ def test_gpu_rows_measured_elsewhere_are_reported_against_their_own_baseline(
     tmp_path):
   """`benchmarks.run --gpu --rows`: rows that `benchmarks/gpu_lease.sh`
   wrote on a lent machine become the results. Ratios are taken against the
-  plain-DP row of the same attention; a later row replaces an earlier one,
-  but a failed row replaces no measured one; the run fails its missed MFU
-  goal. Without --gpu, --rows is refused."""
+  plain-DP row of the same setting (attention, batch, XLA flags, ...); a
+  later row of the same setting replaces an earlier one, but a failed row
+  replaces no measured one; the run fails its missed MFU goal. Without
+  --gpu, --rows is refused."""
   from benchmarks import run
   def row(variant, attention, step_s, mfu):
     return {"variant": variant, "attention": attention, "devices": 1,
@@ -529,19 +535,36 @@ def test_gpu_rows_measured_elsewhere_are_reported_against_their_own_baseline(
   first.write_text("\n".join(json.dumps(r) for r in [
       row("plain-dp", "einsum", 0.2, 0.2), row("zero-3", "einsum", 0.3, 0.1),
       row("plain-dp", "cudnn", 0.1, 0.4), row("zero-3", "cudnn", 0.2, 0.3)]))
+  flags = "--b=1 --a=2"
   second.write_text("\n".join(json.dumps(r) for r in [
       row("zero-3", "cudnn", 0.12, 0.5),
-      {"variant": "plain-dp", "attention": "cudnn", "error": "exit 124"}]))
+      {"variant": "plain-dp", "attention": "cudnn", "error": "exit 124",
+       "device_kind": "NVIDIA H100"},
+      # another batch, and other flags: rows of their own, no plain DP
+      dict(row("zero-3", "cudnn", 0.22, 0.55), batch_per_device=32),
+      dict(row("zero-3", "cudnn", 0.3, 0.52), xla_flags=flags),
+      dict(row("plain-dp-remat", "cudnn", 0.25, 0.5), xla_flags=flags),
+      # the same flags in another order: the same setting, a later row
+      dict(row("zero-3", "cudnn", 0.2, 0.52), xla_flags="--a=2 --b=1")]))
   out = tmp_path / "out"
   status = run.main(["--gpu", "--rows", str(first), str(second),
                      "--out", str(out)])
   result = json.loads((out / "gpu_throughput.json").read_text())
-  got = {(r["variant"], r["attention"]): r for r in result["rows"]}
-  assert len(got) == 4 and "error" not in got["plain-dp", "cudnn"]
-  assert got["zero-3", "cudnn"]["step_vs_plain-dp"] == pytest.approx(1.2)
-  assert got["zero-3", "einsum"]["step_vs_plain-dp"] == pytest.approx(1.5)
-  assert [g[:2] for g in result["goals"]] == [
-      ["zero-3 MFU (einsum attention)", 0.1], ["zero-3 MFU (cudnn attention)", 0.5]]
+  got = {(r["variant"], r["attention"], r.get("batch_per_device"),
+          r.get("xla_flags")): r for r in result["rows"]}
+  assert len(got) == 7
+  assert "error" not in got["plain-dp", "cudnn", None, None]
+  assert got["zero-3", "cudnn", None, None]["step_vs_plain-dp"] == pytest.approx(1.2)
+  assert got["zero-3", "einsum", None, None]["step_vs_plain-dp"] == pytest.approx(1.5)
+  assert "step_vs_plain-dp" not in got["zero-3", "cudnn", 32, None]
+  assert ("zero-3", "cudnn", None, "--b=1 --a=2") not in got   # replaced
+  other = got["zero-3", "cudnn", None, "--a=2 --b=1"]
+  assert other["step_s"] == 0.2 and "step_vs_plain-dp" not in other
+  assert other["step_vs_plain-dp-remat"] == pytest.approx(0.8)
+  goals = [g[:2] for g in result["goals"]]
+  assert goals[:2] == [["zero-3 MFU (einsum attention, NVIDIA H100)", 0.1],
+                       ["zero-3 MFU (cudnn attention, NVIDIA H100)", 0.5]]
+  assert ["zero-3 MFU (cudnn attention, NVIDIA H100, batch 32)", 0.55] in goals
   assert status == 1     # the einsum row misses its goal
   assert result["meta"]["date"] == "2026-01-02 03:04:05"
   readme = (out / "README.md").read_text()

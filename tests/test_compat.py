@@ -20,17 +20,20 @@ def test_compiler_options_keeps_what_xla_accepts_and_drops_the_rest():
   assert "xla_backend_optimization_level" in compat.compiler_options()
 
 
-def test_gpu_overlap_flags_are_added_once_and_known_to_this_xla():
+def test_gpu_flags_are_added_once_and_known_to_this_xla():
   user = "--xla_gpu_enable_pipelined_all_gather=false --xla_dump_to=/tmp/x"
-  flags = compat.with_gpu_overlap_flags(user)
+  flags = compat.with_gpu_flags(user)
   assert flags.startswith(user)
   assert "--xla_gpu_enable_pipelined_all_gather=true" not in flags  # user's kept
-  for name in compat.GPU_OVERLAP_FLAGS:
+  assert set(compat.GPU_OVERLAP_FLAGS) < set(compat.GPU_FLAGS)
+  for name in compat.GPU_FLAGS:
     assert flags.count(f"--{name}=") == 1
-  assert compat.with_gpu_overlap_flags(flags) == flags
+  assert "--xla_gpu_enable_triton_gemm=false" in flags
+  assert compat.with_gpu_flags(flags) == flags
+  assert compat.with_gpu_overlap_flags is compat.with_gpu_flags
   # XLA aborts a process whose XLA_FLAGS names a flag it does not know (a
   # flag renamed in a newer XLA would break every GPU run of the example)
-  env = {**os.environ, "XLA_FLAGS": compat.with_gpu_overlap_flags("")}
+  env = {**os.environ, "XLA_FLAGS": compat.with_gpu_flags("")}
   proc = subprocess.run([sys.executable, "-c",
                          "import jax; print(jax.numpy.ones(2).sum())"],
                         env=env, capture_output=True, text=True, timeout=300)

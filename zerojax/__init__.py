@@ -7,7 +7,7 @@
     params = zerojax.gather_params(state)
 
 The public surface is `__all__` (docs/design.md, "Public surface"); the
-modules `checkpoint`, `losses` and `nn`, and `compat.with_gpu_overlap_flags`, are
+modules `checkpoint`, `losses` and `nn`, and `compat.with_gpu_flags`, are
 public too. Everything else (the chunk layout, the policy, collectives)
 is internal: importable, but free to change.
 """

@@ -227,7 +227,7 @@ class ZeroConfig:
       whose collectives block the device, so that prefetch there only costs
       memory and time (measured in the README). Scanned layer
       stacks are prefetched by XLA's GPU loop pipeliner instead
-      (`zerojax.compat.GPU_OVERLAP_FLAGS`); this field does not touch them.
+      (`zerojax.compat.GPU_FLAGS`); this field does not touch them.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
       optimizer state and step count stay as they were) in any precision;
       `metrics["skipped"]` says which steps were. Always on under loss
