@@ -78,6 +78,32 @@ def test_gather_params_traces_once_per_state_structure(monkeypatch):
   assert len(traced) == 2
 
 
+def test_one_device_shard_compiles_a_few_programs_not_one_per_leaf():
+  """On one device each leaf is a chunk of its own; `shard` packs them (the
+  master and Adam's two statistics) a group of chunks per program, not a
+  program or two per chunk: 40 leaves of distinct shapes (no two programs
+  alike) compile a handful of programs. The state holds the leaves."""
+  params = {f"w{i:02d}": jnp.arange((i + 1) * 3, dtype=jnp.float32
+                                    ).reshape(i + 1, 3) / 7 for i in range(40)}
+  plain = train_state.TrainState.create(apply_fn=None, params=params,
+                                        tx=optax.adam(1e-3))
+  one = Mesh(np.array(jax.devices()[:1]), ("data",),
+             axis_types=(AxisType.Auto,))
+  compiled = []
+  listener = lambda event, seconds, **kw: (
+      compiled.append(event) if event.endswith("backend_compile_duration")
+      else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = zerojax.shard(plain, mesh=one, stage=2)
+  finally:
+    jax._src.monitoring.unregister_event_duration_listener(listener)
+  assert len(state.layout.chunks) == 40
+  assert 0 < len(compiled) <= 10, len(compiled)   # one or two per chunk: > 80
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(state), params)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"stage": 4}, ValueError, "stage=4 is not a ZeRO stage"),
     ({"stage": -1}, ValueError, "stage=-1"),

@@ -15,7 +15,10 @@ converted by its own `shard_map` programs: tree -> chunk gathers one leaf
 (or a group of small leaves up to the largest leaf's bytes, at least 1 MiB)
 and keeps this device's window of the chunk; chunk -> tree gathers the
 chunk and keeps this device's slice of each leaf. A device holds its part
-of both forms plus one chunk (or one leaf) at a time.
+of both forms plus one chunk (or one leaf) at a time. Chunks a device holds
+whole (replicated, or on a one-device mesh) need no gather: consecutive
+ones are packed by one program, up to the largest leaf's bytes or 64 MiB
+(`_packed`), which is then what a device holds beside both forms.
 """
 from __future__ import annotations
 
@@ -76,6 +79,9 @@ def _is_split(sharding, axis_name) -> bool:
 # then compiles a few programs, not one per leaf; a real model's largest
 # leaf is far above it
 GROUP_FLOOR = 1 << 20
+# ... and the least a program packing whole chunks may make (`_packed`):
+# what it adds to a device beside both forms of the state
+WHOLE_GROUP_FLOOR = 64 << 20
 
 
 def leaf_groups(layout: ChunkLayout, leaves: Sequence[int]) -> list:
@@ -124,6 +130,15 @@ def add_leaf_window(layout, c, i, leaf, shard, mesh, axis_name):
                        out_specs=spec_chunk, check_vma=False)(leaf, shard)
 
 
+def packs_whole(layout, c, sharding, axis_name) -> bool:
+  """Chunk `c` in `sharding` is packed whole by one program, from its whole
+  leaves: replicated, split over an axis of one device (a one-device mesh:
+  each device's window is the chunk), or a chunk of model rows."""
+  return (not _is_split(sharding, axis_name)
+          or meshes.axes_size(sharding.mesh, axis_name) == 1
+          or bool(layout.chunks[c].model_shards))
+
+
 @functools.lru_cache(maxsize=256)
 def pack_programs(layout, c, sharding, axis_name, dtype=None,
                   leaves_of=lambda source: source) -> tuple:
@@ -138,7 +153,7 @@ def pack_programs(layout, c, sharding, axis_name, dtype=None,
   once."""
   chunk = layout.chunks[c]
   dtype = chunk.dtype if dtype is None else dtype
-  if not _is_split(sharding, axis_name) or chunk.model_shards:
+  if packs_whole(layout, c, sharding, axis_name):
     # a chunk of model rows (tensor parallelism): one GSPMD program, which
     # may hold the whole chunk on a device while it packs
     start = jax.jit(lambda source: layout.pack_chunk(c, leaves_of(source), dtype),
@@ -262,14 +277,75 @@ def _unpack_rows_program(layout, c, sharding, dtypes):
 
 
 # ---- whole states ---------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _whole_program(layout, items: tuple, shardings: tuple):
+  """One program packing several chunks whole: per item `(c, dtype,
+  shape)`, chunk `c` in `dtype` reshaped to `shape`, from a `{leaf index:
+  array}` mapping per item, into the item's sharding."""
+  def pack(sources):
+    return [jnp.reshape(layout.pack_chunk(c, source, dtype), shape)
+            for (c, dtype, shape), source in zip(items, sources)]
+  return jax.jit(pack, out_shardings=list(shardings))
+
+
+def _packed(layout, jobs: Sequence[tuple], axis_name: str,
+            release: bool) -> list:
+  """Per job `(c, members, sharding, dtype, shape)` (`members`: chunk `c`'s
+  leaves by leaf index), chunk `c` packed from them, in `dtype`, reshaped
+  to `shape`, in `sharding`; with `release` each member array is deleted
+  once packed. Consecutive jobs whose chunks pack whole (`packs_whole`:
+  every chunk of a one-device mesh, and replicated ones) share a program,
+  up to the largest leaf's bytes a program (at least `WHOLE_GROUP_FLOOR`):
+  a model of many small leaves on one device, a chunk each, compiles a few
+  programs, not one or two per leaf.
+  The others are packed one by one (`chunk_from_leaves`)."""
+  limit = max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
+               for ch in layout.chunks for i in ch.leaves), default=0)
+  limit = max(limit, WHOLE_GROUP_FLOOR)
+  out, group, size = [None] * len(jobs), [], 0
+
+  def flush():
+    if not group:
+      return
+    items = tuple((jobs[k][0], np.dtype(jobs[k][3]), tuple(jobs[k][4]))
+                  for k in group)
+    places = tuple(jobs[k][2].with_memory_kind("device") for k in group)
+    sources = [{i: _on_device(a) for i, a in jobs[k][1].items()} for k in group]
+    packed = _settled(_whole_program(layout, items, places)(sources))
+    for k, x in zip(group, packed):
+      out[k] = _placed(x, jobs[k][2])
+      _delete(list(jobs[k][1].values()) if release else [])
+    group.clear()
+
+  for k, (c, members, sharding, dtype, shape) in enumerate(jobs):
+    if not packs_whole(layout, c, sharding, axis_name):
+      flush()
+      size = 0
+      chunk = chunk_from_leaves(layout, c, members, sharding.with_memory_kind(
+          "device"), axis_name, dtype, release)
+      out[k] = _placed(_reshape_program(tuple(shape), sharding.with_memory_kind(
+          "device"))(chunk) if tuple(shape) != chunk.shape else chunk, sharding)
+      continue
+    nbytes = (layout.chunks[c].length * (layout.chunks[c].layers or 1)
+              * np.dtype(dtype).itemsize)
+    if group and size + nbytes > limit:
+      flush()
+      size = 0
+    group.append(k)
+    size += nbytes
+  flush()
+  return out
+
+
 def to_chunks(layout: ChunkLayout, params: Any, shardings: Sequence[Any],
               axis_name: str, release: bool = False) -> tuple:
   """`(chunks, rest)` of a parameter tree, chunk `c` in `shardings[c]`;
   `release` as for `chunk_from_leaves`."""
   leaves = dict(enumerate(layout.treedef.flatten_up_to(params)))
-  chunks = tuple(chunk_from_leaves(layout, c, leaves, s, axis_name,
-                                   release=release)
-                 for c, s in enumerate(shardings))
+  chunks = tuple(_packed(layout, [
+      (c, {i: leaves[i] for i in layout.chunks[c].leaves}, s,
+       layout.chunks[c].dtype, layout.chunks[c].shape)
+      for c, s in enumerate(shardings)], axis_name, release))
   return chunks, tuple(leaves[i] for i in layout.rest_indices)
 
 
@@ -295,7 +371,7 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
   flat = jax.tree_util.tree_leaves(opt_state)
   views, treedef = jax.tree_util.tree_flatten(view_state)
   places = jax.tree_util.tree_leaves(shardings)
-  out = []
+  out, jobs, at = [], [], []
   for j, (c, i, view, sharding) in enumerate(
       zip(table.chunk, table.leaf, views, places)):
     if c is None:
@@ -307,10 +383,11 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
                  jax.device_put(jnp.zeros(view.shape, view.dtype), sharding))
       continue
     members = {m: flat[k] for m, k in zip(layout.chunks[c].leaves, table.members[j])}
-    device = sharding.with_memory_kind("device")
-    chunk = chunk_from_leaves(layout, c, members, device, axis_name,
-                              view.dtype, release)
-    out.append(_placed(_reshape_program(view.shape, device)(chunk), sharding))
+    at.append(len(out))
+    out.append(None)
+    jobs.append((c, members, sharding, view.dtype, view.shape))
+  for k, x in zip(at, _packed(layout, jobs, axis_name, release)):
+    out[k] = x
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
