@@ -182,8 +182,12 @@ def run(mode: str, log=print) -> dict:
          str(per_device), str(seq), str(steps), attention],
         capture_output=True, text=True,
         timeout=1800)
-    if proc.returncode:
+    if proc.returncode:   # (the device is the children's: not asked here)
+      from zerojax import compat
       rows.append({"variant": variant, "attention": attention,
+                   "config": config, "batch_per_device": per_device,
+                   "seq": seq, "xla_flags": compat.with_gpu_flags(
+                       os.environ.get("XLA_FLAGS", "")),
                    "error": proc.stderr.strip().splitlines()[-1][:500]
                    if proc.stderr.strip() else f"exit {proc.returncode}"})
       continue
