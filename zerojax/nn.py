@@ -487,6 +487,10 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).
       An unrolled block's calls inside a stage-3 step always rematerialise
       with `prevent_cse=False`: ties keep them apart instead (see `unit`).
+      At stage 3 a `policy` should name what it saves
+      (`dots_with_no_batch_dims_saveable`, `save_only_these_names`):
+      `everything_saveable` also keeps every layer's gathered parameters
+      for the backward (README, "What the backward keeps").
 
   Returns:
     A module class with the block's constructor and call signature.
