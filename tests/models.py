@@ -3,7 +3,7 @@ model trained with plain optax on one device."""
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -86,6 +86,8 @@ class ScannedLM(nn.Module):
   # a `zerojax.nn.BlockedEmbed` of this many blocks, named "wte", instead
   # of nn.Embed; with `targets` the call returns its per-token losses
   embed_blocks: int = 0
+  # a `jax.checkpoint_policies` policy for the layerwise block's remat
+  remat_policy: Any = None
 
   @nn.compact
   def __call__(self, tokens, targets=None):
@@ -93,7 +95,8 @@ class ScannedLM(nn.Module):
                           name="wte") if self.embed_blocks
              else nn.Embed(self.vocab, self.width))
     x = embed(tokens)
-    block = layerwise(Block) if self.layerwise else Block
+    policy = {} if self.remat_policy is None else {"policy": self.remat_policy}
+    block = layerwise(Block, **policy) if self.layerwise else Block
     if self.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0},
                      split_rngs={"params": True}, length=self.layers)(

@@ -239,6 +239,42 @@ def test_prefetch_default_is_on_where_collectives_overlap():
   assert zerojax.config.prefetches(zerojax.ZeroConfig(prefetch=True), mesh)
 
 
+def test_a_policy_that_saves_everything_still_gathers_layers_again():
+  """`layerwise(Block, policy=everything_saveable)` on scanned layers at
+  stage 3 keeps the blocks' activations for the backward, not their
+  gathered parameters (zerojax's policy wrapper refuses the gathered
+  leaves, which come out of one `custom_vjp`): the step holds far less
+  than every layer gathered more than without a policy (it held all of
+  them before), and trains as plain optax does."""
+  scan = True
+  layers, width = 6, 256
+  batches = _batches(64, batch=8, seq=8, steps=2)
+
+  def temp_and_state(policy):
+    model = ScannedLM(layers=layers, width=width, vocab=64, scan=scan,
+                      remat_policy=policy)
+    params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
+        stacked=("blocks",) if scan else ())
+    compiled = zerojax.train_step(_loss_fn(model)).lower(
+        state, batches[0]).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, state, model, params
+
+  plain, *_ = temp_and_state(None)
+  everything, state, model, params = temp_and_state(
+      jax.checkpoint_policies.everything_saveable)
+  gathered = 4 * sum(c.used * (c.layers or 1) for c in state.layout.chunks
+                     if c.stack)
+  assert gathered > 4 * 12 * width * width * layers * 0.9
+  assert everything - plain < gathered / 4, (everything, plain, gathered)
+  ref_losses, ref_params = reference_run(_loss_fn(model), params,
+                                         optax.sgd(0.1), batches)
+  state, losses = zero_run(state, _loss_fn(model), batches)
+  assert_matches_reference(losses, zerojax.gather_params(state), ref_losses,
+                           ref_params)
+
+
 def _tiny_lm_state(layerwise, scan, stacked, stage=3):
   model = ScannedLM(layers=2, width=32, vocab=64, layerwise=layerwise, scan=scan)
   batch = _batches(model.vocab, batch=16, seq=8, steps=1)[0]

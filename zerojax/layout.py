@@ -348,11 +348,15 @@ class ChunkLayout:
     """One layer's (or unit's) parameters (nested dicts, paths relative to
     the stack or unit) from chunk `c`'s gathered array `full` (shape
     `[length]`: one layer of a layer chunk, or a unit's chunk)."""
+    return self.place_layer_leaves(c, self.unpack_chunk(
+        c, full, per_layer=bool(self.chunks[c].layers)), tree)
+
+  def place_layer_leaves(self, c: int, leaves: Sequence[Any],
+                         tree: Optional[dict] = None) -> dict:
+    """`layer_tree` of chunk `c`'s leaves already cut from its array."""
     tree = {} if tree is None else tree
     depth = len(self.stack_prefix(c))
-    per_layer = bool(self.chunks[c].layers)
-    for i, leaf in zip(self.chunks[c].leaves,
-                       self.unpack_chunk(c, full, per_layer=per_layer)):
+    for i, leaf in zip(self.chunks[c].leaves, leaves):
       node = tree
       for name in self.leaves[i].names[depth:-1]:
         node = node.setdefault(name, {})
