@@ -43,7 +43,8 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 # `zerojax.nn.BlockedEmbed` (no logits in memory, one vocabulary block
 # gathered at a time); with the layer remat keeping the matmul outputs; with
 # the head's loss as `zerojax.losses.linear_cross_entropy` (no logits in
-# memory, the embedding held). And plain data parallel with each block
+# memory, the embedding held); with the layer remat keeping everything but
+# the gathered parameters. And plain data parallel with each block
 # rematerialised as stage 3's are, which tells remat's cost from zerojax's.
 # Values: (the variant, changes to the model config, ZeroConfig fields).
 MODELS = {
@@ -53,6 +54,9 @@ MODELS = {
     "zero-3-blocked-embed": ("zero-3", {"embed_blocks": 16}, {}),
     "zero-3-save-dots": (
         "zero-3", {"remat_policy": "dots_with_no_batch_dims_saveable"}, {}),
+    # ZeRO-3 without activation checkpointing: the layers' activations kept,
+    # each layer gathered again in the backward (DeepSpeed's default)
+    "zero-3-save-all": ("zero-3", {"remat_policy": "everything_saveable"}, {}),
     "zero-3-loss-block": ("zero-3", {"loss_block": 8192}, {}),
     "plain-dp-remat": ("plain-dp", {"remat": True}, {}),
     # plain data parallel on the blocks as a Python loop, nothing
