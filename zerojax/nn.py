@@ -241,7 +241,9 @@ def _gather_layer(variables: Any, regather: bool = False) -> Any:
   tree = {}
   for c, key in keys.items():
     args = params[key], params.get(slot_key(c)), _AFTER.get()
-    if regather and policy(config).gathers_params and layout.chunks[c].layers:
+    # (a layer kept in host memory, `slot`, comes over as before)
+    if (regather and policy(config).gathers_params and layout.chunks[c].layers
+        and args[1] is None):
       layout.place_layer_leaves(c, _gathered_leaves(layout, config, c)(*args),
                                 tree)
     else:

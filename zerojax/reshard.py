@@ -154,8 +154,9 @@ def pack_programs(layout, c, sharding, axis_name, dtype=None,
   chunk = layout.chunks[c]
   dtype = chunk.dtype if dtype is None else dtype
   if packs_whole(layout, c, sharding, axis_name):
-    # a chunk of model rows (tensor parallelism): one GSPMD program, which
-    # may hold the whole chunk on a device while it packs
+    # replicated, on one device, or a chunk of model rows (tensor
+    # parallelism): one GSPMD program, which may hold the whole chunk on a
+    # device while it packs
     start = jax.jit(lambda source: layout.pack_chunk(c, leaves_of(source), dtype),
                     out_shardings=sharding)
     return start, []
