@@ -260,8 +260,8 @@ def read_rows(paths) -> list:
 
 def flags_beside_defaults(flags) -> str:
   """A row's XLA flags as they differ from `zerojax.compat.with_gpu_flags`'
-  defaults: those added, and the defaults it ran without ("" when the
-  same; "?" when not recorded)."""
+  defaults: those added (but the simulated CPU device count), and the
+  defaults it ran without ("" when the same; "?" when not recorded)."""
   if flags is None:
     return "?"
   from zerojax import compat

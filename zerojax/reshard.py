@@ -84,13 +84,17 @@ GROUP_FLOOR = 1 << 20
 WHOLE_GROUP_FLOOR = 64 << 20
 
 
+def _largest_leaf(layout: ChunkLayout) -> int:
+  """The bytes of the layout's largest chunked leaf."""
+  return max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
+              for c in layout.chunks for i in c.leaves), default=0)
+
+
 def leaf_groups(layout: ChunkLayout, leaves: Sequence[int]) -> list:
   """Consecutive leaves grouped up to the layout's largest leaf in bytes (at
   least `GROUP_FLOOR`): one program per group (fewer compilations) still
   holds at most that much."""
-  limit = max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
-               for c in layout.chunks for i in c.leaves), default=0)
-  limit = max(limit, GROUP_FLOOR)
+  limit = max(_largest_leaf(layout), GROUP_FLOOR)
   groups, size = [], limit
   for i in leaves:
     nbytes = layout.leaves[i].size * layout.leaves[i].dtype.itemsize
@@ -300,9 +304,7 @@ def _packed(layout, jobs: Sequence[tuple], axis_name: str,
   a model of many small leaves on one device, a chunk each, compiles a few
   programs, not one or two per leaf.
   The others are packed one by one (`chunk_from_leaves`)."""
-  limit = max((layout.leaves[i].size * layout.leaves[i].dtype.itemsize
-               for ch in layout.chunks for i in ch.leaves), default=0)
-  limit = max(limit, WHOLE_GROUP_FLOOR)
+  limit = max(_largest_leaf(layout), WHOLE_GROUP_FLOOR)
   out, group, size = [None] * len(jobs), [], 0
 
   def flush():
