@@ -276,14 +276,15 @@ def flags_beside_defaults(flags) -> str:
 def goal_checks(rows: list) -> list:
   """(what, value, bound, met) of the MFU goals that were measured: a row
   without a known device peak (CPU) has no MFU and no goal row."""
-  return [(f"{r['variant']} MFU ({r.get('attention', 'einsum')} attention"
-           + "".join(f", {r[k]}" for k in ("device_kind", "config") if k in r)
-           + (f", batch {r['batch_per_device']}" if "batch_per_device" in r
-              else "")
-           + (f", {flags_beside_defaults(r['xla_flags'])}"
-              if flags_beside_defaults(r.get("xla_flags")) not in ("", "?")
-              else "") + ")",
-           r["mfu"], MFU_GOAL[r["variant"]], r["mfu"] >= MFU_GOAL[r["variant"]])
+  def what(r):
+    flags = flags_beside_defaults(r.get("xla_flags"))
+    return (f"{r['variant']} MFU ({r.get('attention', 'einsum')} attention"
+            + "".join(f", {r[k]}" for k in ("device_kind", "config") if k in r)
+            + (f", batch {r['batch_per_device']}" if "batch_per_device" in r
+               else "")
+            + (f", {flags}" if flags not in ("", "?") else "") + ")")
+  return [(what(r), r["mfu"], MFU_GOAL[r["variant"]],
+           r["mfu"] >= MFU_GOAL[r["variant"]])
           for r in rows if r["variant"] in MFU_GOAL and r.get("mfu") is not None]
 
 

@@ -324,10 +324,12 @@ def _packed(layout, jobs: Sequence[tuple], axis_name: str,
     if not packs_whole(layout, c, sharding, axis_name):
       flush()
       size = 0
-      chunk = chunk_from_leaves(layout, c, members, sharding.with_memory_kind(
-          "device"), axis_name, dtype, release)
-      out[k] = _placed(_reshape_program(tuple(shape), sharding.with_memory_kind(
-          "device"))(chunk) if tuple(shape) != chunk.shape else chunk, sharding)
+      device = sharding.with_memory_kind("device")
+      chunk = chunk_from_leaves(layout, c, members, device, axis_name, dtype,
+                                release)
+      if tuple(shape) != chunk.shape:
+        chunk = _reshape_program(tuple(shape), device)(chunk)
+      out[k] = _placed(chunk, sharding)
       continue
     nbytes = (layout.chunks[c].length * (layout.chunks[c].layers or 1)
               * np.dtype(dtype).itemsize)
