@@ -275,37 +275,6 @@ def test_a_policy_that_saves_everything_still_gathers_layers_again():
                            ref_params)
 
 
-def _tied_ranks(hlo):
-  """The rank of every unsigned `and` in compiled HLO text: the bit ties
-  (`zerojax.nn.tie`) that keep re-gathers apart, each a pass over its
-  array (a `pred` `and` is a mask: an index's bounds check)."""
-  return [len([d for d in dims.split(",") if d])
-          for dims in re.findall(r"= u\d+\[([\d,]*)\]\S* and\(", hlo)]
-
-
-def test_a_policy_on_unrolled_blocks_ties_only_shards_and_inputs():
-  """Unrolled blocks under `layerwise(Block, policy=everything_saveable)`:
-  the backward ties (one pass over each array) only what it gathers and
-  recomputes from, the blocks' flat shards and scalar tokens, never the
-  activations the policy saved (it tied every one, a pass over each per
-  step); and it trains as plain optax does."""
-  model = ScannedLM(layers=3, width=64, vocab=64, scan=False,
-                    remat_policy=jax.checkpoint_policies.everything_saveable)
-  batches = _batches(model.vocab, batch=8, seq=8, steps=2)
-  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
-  state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3)
-  hlo = zerojax.train_step(_loss_fn(model)).lower(
-      state, batches[0]).compile().as_text()
-  ranks = _tied_ranks(hlo)
-  assert ranks and max(ranks) <= 1, sorted(ranks)[-5:]
-  ref_losses, ref_params = reference_run(_loss_fn(model), params,
-                                         optax.sgd(0.1), batches)
-  state, losses = zero_run(state, _loss_fn(model), batches)
-  assert_matches_reference(losses, zerojax.gather_params(state), ref_losses,
-                           ref_params)
-
-
 def _tiny_lm_state(layerwise, scan, stacked, stage=3):
   model = ScannedLM(layers=2, width=32, vocab=64, layerwise=layerwise, scan=scan)
   batch = _batches(model.vocab, batch=16, seq=8, steps=1)[0]

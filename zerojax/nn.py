@@ -170,42 +170,26 @@ def _avals(values) -> set:
           for v in jax.tree_util.tree_leaves(values)}
 
 
-def _own_residuals(vjp_fn, own) -> list:
-  """Per residual of `vjp_fn` (its leaves): whether it is one of `own`'s
-  arrays, the block's shards and arguments, from which the backward
-  recomputes (gathers) the block."""
-  ids = {id(x) for x in jax.tree_util.tree_leaves(own)}
-  return [id(r) in ids for r in jax.tree_util.tree_leaves(vjp_fn)]
-
-
 def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
-                         spaces: list, token_in, own: list) -> tuple:
+                         spaces: list, token_in) -> tuple:
   """The backward of an unrolled block's call (linen or NNX): `vjp_fn`
   (of the rematerialised, gathered block; its residuals are the block's
-  shards and inputs, and what a remat policy saved) applied to the output's
-  cotangent, with the re-gather waiting for that cotangent, and the
-  cotangent of the previous block's token appended. `cotangents` is
-  `(output's, token's)`, `inputs` the `(shape, dtype)`s of the block's
-  array arguments, `spaces` the memory space of each shard (the first of
-  `vjp_fn`'s results), `own` per residual whether it is a shard or an
-  argument (`_own_residuals`)."""
+  shards and inputs) applied to the output's cotangent, with the re-gather
+  waiting for that cotangent, and the cotangent of the previous block's
+  token appended. `cotangents` is `(output's, token's)`, `inputs` the
+  `(shape, dtype)`s of the block's array arguments, `spaces` the memory
+  space of each shard (the first of `vjp_fn`'s results)."""
   cotangent, token_cotangent = cotangents
   after = _anchor(cotangent)
   if after is not None:   # the re-gathers wait for the cotangent...
     # ...of the next block's output when it prefetches this block: its
     # token's cotangent (`_Link`), which that block's backward gives as it
     # starts. The block's saved inputs still wait for its own, so only the
-    # re-gather (shards, token) starts early. What a policy saved is not
-    # tied: every tie is a pass over its array, and what reads a saved
-    # value in the backward reads the cotangent too, unless it is a
-    # recomputation, which XLA may then merge with the forward's (keeping
-    # its result instead).
+    # re-gather (shards, token) starts early.
     early = token_cotangent if link.consumed else after
-    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-    vjp_fn = jax.tree_util.tree_unflatten(treedef, [
-        r if not mine or _anchor(r) is None else tie(
-            r, after if _avals((r,)) <= inputs else early)
-        for r, mine in zip(leaves, own)])
+    vjp_fn = jax.tree_util.tree_map(
+        lambda r: r if _anchor(r) is None else tie(
+            r, after if _avals((r,)) <= inputs else early), vjp_fn)
   grads = vjp_fn(cotangent)
   # a shard in host memory (offload) takes its (unused: the gradient goes
   # to a device slot) cotangent there, as JAX requires
@@ -434,7 +418,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
     finally:
       _AFTER.reset(token)
 
-  spaces, inputs, own = [], set(), []
+  spaces, inputs = [], set()
 
   @jax.custom_vjp
   def tied(shards, other, *values):
@@ -447,13 +431,12 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
     (out, vjp_fn, new), token = gathered(
         lambda *v: jax.vjp(lambda s, *a: rematted(s, other, *a), shards, *v,
                            has_aux=True), values)
-    own[:] = _own_residuals(vjp_fn, (shards, values))
     return (out, new, token), vjp_fn
 
   def backward(vjp_fn, cotangents):
     cotangent, _, token_cotangent = cotangents
     grads = _regathered_backward(vjp_fn, (cotangent, token_cotangent), link,
-                                 inputs, spaces, token_in, own)
+                                 inputs, spaces, token_in)
     return (grads[0], None) + grads[1:]   # no gradient for the state
 
   tied.defvjp(forward, backward)
@@ -631,19 +614,17 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
 
       spaces = []   # per variable of the block: its memory space
       inputs = set()   # (shape, dtype) of the block's array arguments
-      own = []   # per residual: a shard or an argument (`_own_residuals`)
 
       def forward(module, *values):
         spaces[:] = _memory_spaces(module.variables)
         inputs.update(_avals(values[:-1]))
         (out, vjp_fn), token = gathered(
             lambda m, *v: nn.vjp(call, m, *v), module, values)
-        own[:] = _own_residuals(vjp_fn, (module.variables, values))
         return (out, token), vjp_fn
 
       def backward(vjp_fn, cotangents):
         return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
-                                    token_in, own)
+                                    token_in)
 
       out, token = nn.custom_vjp(tied, forward_fn=forward,
                                  backward_fn=backward)(self, *values, token_in)
