@@ -99,6 +99,25 @@ def test_unrolled_stage3_footprint_is_bounded_like_scanned_layers():
   assert_blocks_bounded(c4, c16, s4, "blocks_0", 256)
 
 
+def test_tie_is_a_barrier_on_gpus_and_bits_on_cpu():
+  """`nn.tie` lowered for CUDA is an optimization barrier (free; XLA's GPU
+  backend keeps it through scheduling), for CPU the bit identity (XLA's
+  CPU backend drops barriers): the same values either way."""
+  from zerojax.nn import tie
+  f = jax.jit(lambda x, a: tie(x, a) * 2)
+  x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+  a = jnp.float32(-1.5)
+  np.testing.assert_array_equal(f(x, a), x * 2)
+  lowered = {p: f.trace(x, a).lower(lowering_platforms=(p,)).as_text()
+             for p in ("cuda", "cpu")}
+  assert "optimization_barrier" in lowered["cuda"]
+  assert "stablehlo.and" not in lowered["cuda"]
+  assert "stablehlo.and" in lowered["cpu"]
+  assert "optimization_barrier" not in lowered["cpu"]
+  mask = jnp.array([True, False])
+  np.testing.assert_array_equal(jax.jit(tie)(mask, a), mask)
+
+
 def test_unrolled_regathers_are_distinct_from_the_forward_gathers():
   """Without `tie`, XLA merges each block's backward re-gather with its
   forward gather (CSE): one all-gather per chunk, every block held."""
@@ -123,17 +142,25 @@ def _dependences(text):
     bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.S))
     text = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1)
   ops = {}
+  regions = []   # StableHLO ops whose regions are open: each waits for them
   for line in text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+)(?::\d+)? = (.*)", line)
-    if not m:
+    if regions and line.strip().startswith("})"):
+      regions.pop()
       continue
-    name, rest = m.groups()
-    head = rest.split(", metadata=")[0].split("calls=")[0]
-    is_dot = (" dot(" in head or "stablehlo.dot_general" in head
-              or hlo and any(" dot(" in bodies.get(c, "") for c in
-                             re.findall(r"calls=(%[\w.\-]+)", rest)))
-    ops[name] = (rest, {o for o in re.findall(r"%[\w.\-]+", head)
-                        if o != name}, is_dot)
+    m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+)(?::\d+)? = (.*)", line)
+    head = line
+    if m:
+      name, rest = m.groups()
+      head = rest.split(", metadata=")[0].split("calls=")[0]
+      is_dot = (" dot(" in head or "stablehlo.dot_general" in head
+                or hlo and any(" dot(" in bodies.get(c, "") for c in
+                               re.findall(r"calls=(%[\w.\-]+)", rest)))
+      ops[name] = (rest, {o for o in re.findall(r"%[\w.\-]+", head)
+                          if o != name}, is_dot)
+    for outer in regions:   # (a `platform_dependent` branch is a region)
+      ops[outer][1].update(set(re.findall(r"%[\w.\-]+", head)) - {outer})
+    if m and rest.rstrip().endswith("({"):
+      regions.append(name)
   return ops
 
 
@@ -203,6 +230,7 @@ def test_prefetch_gathers_each_block_one_block_early():
     trained[prefetch] = zerojax.gather_params(step(state, x)[0])
   (cpu, cuda), (cpu_pf, cuda_pf) = waits[False], waits[True]
   assert len(cpu) == len(cuda) == 8
+  assert cuda[7] == cpu["backward", 0] > 0   # (a parse that loses ties: 0)
   for i in range(4):
     earlier = max(i - 1, 0), min(i + 1, 3)   # the block one step before
     assert cpu_pf["forward", i] == cpu["forward", earlier[0]]
