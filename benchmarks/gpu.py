@@ -302,11 +302,11 @@ def goal_checks(rows: list) -> list:
       elif MODELS.get(r["variant"], ("",))[0] == goal:
         runs.setdefault(setting(r), [None, []])[1].append(r)
     for own, others in runs.values():
+      shown = [] if own is None else [own]
       best = max(others, key=lambda o: o["mfu"], default=None)
-      for r in (own, best if best and (own is None or best["mfu"] > own["mfu"])
-                else None):
-        if r is not None:
-          goals.append((what(r), r["mfu"], bound, r["mfu"] >= bound))
+      if best is not None and (own is None or best["mfu"] > own["mfu"]):
+        shown.append(best)
+      goals += [(what(r), r["mfu"], bound, r["mfu"] >= bound) for r in shown]
   return goals
 
 
