@@ -386,11 +386,15 @@ def test_save_and_restore_take_only_non_negative_int_steps(problem, saved,
     zerojax.checkpoint.restore(directory, like=plain, step="3")
 
 
-def _data_file(step_dir):
-  """The largest data file of a step's state item."""
-  files = [os.path.join(root, f) for root, _, names in os.walk(
-      os.path.join(step_dir, "state")) for f in names if os.sep + "d" in root]
-  return max(files, key=os.path.getsize)
+def _data_files(step_dir, values_only=False):
+  """Every data file of a step's state item (with `values_only`, those of
+  the per-process databases, leaving the root b-tree). Which of them a
+  restore reads varies with the stack and the write's timing (OCDBT leaves
+  superseded b-tree nodes beside the values), so damage meant to be found
+  by reading goes to all of them."""
+  return [os.path.join(root, f) for root, _, names in os.walk(
+      os.path.join(step_dir, "state")) for f in names
+          if os.sep + "d" in root and (not values_only or "ocdbt.process" in root)]
 
 
 def _flip(path, at=0.5):
@@ -425,9 +429,9 @@ CORRUPTIONS = {
                      r"/state/_METADATA is missing"),
     "no manifest": (lambda d: os.remove(os.path.join(d, "state", "manifest.ocdbt")),
                     r"/state/manifest.ocdbt is missing"),
-    "truncated data": (lambda d: _truncate(_data_file(d)),
+    "truncated data": (lambda d: [_truncate(f) for f in _data_files(d, True)],
                        r"checkpoint .*/state could not be read"),
-    "flipped bit": (lambda d: _flip(_data_file(d)),
+    "flipped bit": (lambda d: [_flip(f) for f in _data_files(d, True)],
                     r"checkpoint .*/state (is corrupt: .* differ from what "
                     r"was saved|could not be read)"),
     "truncated meta": (lambda d: _truncate(os.path.join(d, "meta", "metadata")),
