@@ -386,15 +386,17 @@ def test_save_and_restore_take_only_non_negative_int_steps(problem, saved,
     zerojax.checkpoint.restore(directory, like=plain, step="3")
 
 
-def _data_files(step_dir, values_only=False):
-  """Every data file of a step's state item (with `values_only`, those of
-  the per-process databases, leaving the root b-tree). Which of them a
-  restore reads varies with the stack and the write's timing (OCDBT leaves
-  superseded b-tree nodes beside the values), so damage meant to be found
-  by reading goes to all of them."""
-  return [os.path.join(root, f) for root, _, names in os.walk(
+def _value_files(step_dir):
+  """The data files of a step's per-process OCDBT databases (the root
+  b-tree's left alone). Which of them a restore reads varies with the stack
+  and the write's timing: files it never reads, likely superseded b-tree
+  nodes, stay beside the values. So damage meant to be found by reading
+  goes to all of them."""
+  files = [os.path.join(root, f) for root, _, names in os.walk(
       os.path.join(step_dir, "state")) for f in names
-          if os.sep + "d" in root and (not values_only or "ocdbt.process" in root)]
+           if "ocdbt.process" in root and os.sep + "d" in root]
+  assert files, f"no value files under {step_dir}"
+  return files
 
 
 def _flip(path, at=0.5):
@@ -429,9 +431,9 @@ CORRUPTIONS = {
                      r"/state/_METADATA is missing"),
     "no manifest": (lambda d: os.remove(os.path.join(d, "state", "manifest.ocdbt")),
                     r"/state/manifest.ocdbt is missing"),
-    "truncated data": (lambda d: [_truncate(f) for f in _data_files(d, True)],
+    "truncated data": (lambda d: [_truncate(f) for f in _value_files(d)],
                        r"checkpoint .*/state could not be read"),
-    "flipped bit": (lambda d: [_flip(f) for f in _data_files(d, True)],
+    "flipped bit": (lambda d: [_flip(f) for f in _value_files(d)],
                     r"checkpoint .*/state (is corrupt: .* differ from what "
                     r"was saved|could not be read)"),
     "truncated meta": (lambda d: _truncate(os.path.join(d, "meta", "metadata")),
