@@ -11,6 +11,8 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from benchmarks import hlo
+# starts processes (or runs for minutes): the full suite's, not the fast tier's
+pytestmark = pytest.mark.slow
 
 N = 8
 F32 = 4

@@ -57,6 +57,7 @@ def saved(problem, tmp_path_factory):
   return directory, params, rest
 
 
+@pytest.mark.slow
 def test_round_trip_is_bit_identical(problem, saved, monkeypatch):
   plain, loss_fn, batches = problem
   directory, params, rest = saved
@@ -73,6 +74,7 @@ def test_round_trip_is_bit_identical(problem, saved, monkeypatch):
   np.testing.assert_array_equal(losses, rest)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices,stage", [(4, 3), (2, 2), (1, 1), (3, 3), (8, 0)])
 def test_restore_on_another_mesh_and_stage(problem, saved, devices, stage):
   plain, loss_fn, batches = problem
@@ -107,6 +109,7 @@ def test_restore_regroups_for_a_tx_with_other_optimizer_classes(
                          zerojax.checkpoint.export_params(state), params)
 
 
+@pytest.mark.slow
 def test_save_on_three_restore_on_eight(problem, tmp_path):
   plain, loss_fn, batches = problem
   state = zerojax.shard(plain, stage=3, mesh=_mesh(3), chunk_size=1000)
@@ -213,6 +216,7 @@ def test_start_from_a_plain_train_state_checkpoint(problem, tmp_path):
   assert np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_bad_input(problem, saved, tmp_path):
   plain, _, _ = problem
   directory, params, _ = saved
@@ -256,6 +260,7 @@ def _worker(mode, directory, timeout=180, prefix=()):
                         env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
   from exit_worker import plain_state
   directory = tmp_path / "a"
@@ -294,6 +299,7 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
   assert sorted(os.listdir(tmp_path / "b")) == ["1", "5"]
 
 
+@pytest.mark.slow
 def test_an_async_save_on_the_last_line_is_committed_at_exit(tmp_path):
   from exit_worker import plain_state
   start = time.monotonic()
@@ -332,6 +338,7 @@ def _unwritable(parent):
   return directory, drop if os.geteuid() == 0 else ()
 
 
+@pytest.mark.slow
 def test_a_save_into_an_unwritable_directory_fails_at_save():
   parent = tempfile.mkdtemp()
   try:
@@ -348,6 +355,7 @@ def test_a_save_into_an_unwritable_directory_fails_at_save():
     shutil.rmtree(parent)
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_in_the_background_sets_the_exit_status(tmp_path):
   """The data write fails after save() returned (no file may grow, as on a
   full disk): the exit waits for it, prints the lost step once and exits
@@ -362,6 +370,7 @@ def test_a_save_that_fails_in_the_background_sets_the_exit_status(tmp_path):
   assert not [d for d in os.listdir(tmp_path) if d.isdigit()]
 
 
+@pytest.mark.slow
 def test_stepping_a_donated_state_raises_instead_of_crashing(tmp_path):
   proc = _worker("donated", tmp_path, timeout=120)
   assert proc.returncode == 1, (proc.returncode, proc.stderr[-4000:])
@@ -488,6 +497,7 @@ def _freeze_embedding_and_first_block(params):
       lambda path, _: path[0].key in ("Embed_0", "block_0"), params)
 
 
+@pytest.mark.slow
 def test_a_restore_from_a_plain_train_state_keeps_frozen(problem, tmp_path,
                                                         monkeypatch):
   """`frozen` is a callable, not stored: the metadata names the frozen

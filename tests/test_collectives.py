@@ -4,6 +4,8 @@ bit for bit, and a stage-3 step that holds chunks gathered (no
 it."""
 import re
 
+import pytest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,7 @@ def _step_text(model, stage_fields):
   return lowered.compile(compat.compiler_options()), state.layout
 
 
+@pytest.mark.slow
 def test_held_chunks_are_not_kept_beside_their_leaves():
   # unrolled blocks without the opt-in: every chunk gathered for the step
   model = ScannedLM(layers=3, scan=False, layerwise=False)

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import jax
 import numpy as np
 
@@ -20,6 +22,7 @@ def test_compiler_options_keeps_what_xla_accepts_and_drops_the_rest():
   assert "xla_backend_optimization_level" in compat.compiler_options()
 
 
+@pytest.mark.slow
 def test_gpu_flags_are_added_once_and_known_to_this_xla():
   user = "--xla_gpu_enable_pipelined_all_gather=false --xla_dump_to=/tmp/x"
   flags = compat.with_gpu_flags(user)
@@ -70,6 +73,7 @@ print("ok", len(got))
 """
 
 
+@pytest.mark.slow
 def test_write_on_host_hands_each_device_its_shard_without_hanging():
   """Each device's operands reach the callback as numpy arrays, once per
   call, with many large ones in flight at once on 8 simulated devices: the

@@ -60,6 +60,7 @@ def _check_against_host_tier(disk, host):
                                atol=2 * np.spacing(np.float32(1e-2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,fields", OFFLOADED_UPDATE_CASES + (
     # a [layers, length] chunk, streamed a layer at a time
     (2, dict(compute_dtype="bfloat16", kind="scan_transformer")),
@@ -117,6 +118,7 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
                            _params(disk), ref_params)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
   """Saved from the files (maps of them, never the whole state in memory),
   restored into a fresh disk tier (going on exactly as the saved state
@@ -151,6 +153,7 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
     jax.tree_util.tree_map(check, _params(restored), _params(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hpz", [False, True])
 def test_the_disk_tier_matches_the_host_tier_on_a_replica_mesh(hpz, tmp_path,
                                                                monkeypatch):
@@ -188,6 +191,7 @@ def test_the_disk_tier_matches_the_host_tier_on_a_replica_mesh(hpz, tmp_path,
   disk_tier.remove(disk)
   assert list(tmp_path.iterdir()) == []   # gradient files included
 
+@pytest.mark.slow
 def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
   """SIGKILL after the first shard of step 2's statistics is written: the
   live files are a mix of two steps (scratch); the checkpoint of step 1
@@ -300,6 +304,7 @@ def test_a_disk_tier_needs_a_donating_step(tmp_path):
   zerojax.train_step(loss_fn)(state, batches[0])
 
 
+@pytest.mark.slow
 def test_the_update_holds_few_chunks_in_host_memory(tmp_path):
   """Four chunks of 8 MiB of statistics each: the disk update's peak RSS
   (sampled every 0.2 ms) is at most 2.5 chunks' statistics above the
@@ -324,6 +329,7 @@ def test_memory_report_counts_the_files_as_disk(tmp_path):
   assert "disk 3 chunk(s): 0, 1, 2" in str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_checkpoint_holds_a_master_that_was_on_disk(stage, tmp_path):
   """bf16: the fp32 master is on disk too (at stage 3 beside its sharded
@@ -354,6 +360,7 @@ def test_a_checkpoint_holds_a_master_that_was_on_disk(stage, tmp_path):
                          _params(state))
 
 
+@pytest.mark.slow
 def test_stage_3_bf16_create_and_eval_read_the_sharded_compute_copy(tmp_path):
   """Stage 3, bf16: `create` makes the same state as `shard` (the master on
   disk, its bf16 shards in host memory), `eval_step` reads the copy, and

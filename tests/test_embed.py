@@ -31,6 +31,7 @@ def _plain_params(params, vocab=VOCAB):
   return {**params, "Embed_0": {"embedding": table}}
 
 
+@pytest.mark.slow
 def test_matches_nn_embed_and_optax_on_a_plain_tree():
   module = BlockedEmbed(VOCAB, 16, blocks=4)
   k = jax.random.split(jax.random.key(0), 4)
@@ -64,6 +65,7 @@ def test_matches_nn_embed_and_optax_on_a_plain_tree():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab,config", [
     (VOCAB, {"stage": 3, "accum_steps": 2}),
     (600, {"stage": 3}),   # 600 words >= 8 x 32 tokens: looked up by rows
@@ -114,6 +116,7 @@ class _UntiedLM(nn.Module):
                                                            targets)
 
 
+@pytest.mark.slow
 def test_an_untied_head_trains_at_stage3_as_a_plain_weight():
   batches = lm_batches(VOCAB, steps=3)
   model, plain = _UntiedLM(True), _UntiedLM(False)
@@ -180,6 +183,7 @@ def test_nnx_module_trains_as_a_plain_table(vocab, stage):
                              ref.wte[...], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_step_gives_the_plain_models_losses_and_logits():
   """`zerojax.eval_step` at stage 3 (the table by blocks, the lookup by
   rows): the per-token losses and the logits (`attend`) of the same model
@@ -221,6 +225,7 @@ def _elements(hlo: str, dtype: str, op: str) -> list:
           for dims in re.findall(dtype + r"\[([\d,]*)\]\{[^}]*\} " + op, hlo)]
 
 
+@pytest.mark.slow
 def test_stage3_gathers_one_block_of_the_table_at_a_time():
   """Per-use gathering of the tied embedding, by blocks: the step
   all-gathers no more than one block of the table (`[rows x d]`) at once,

@@ -59,6 +59,7 @@ def _metrics(params, b, batch_stats):
               logits, b["y"]).mean()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3, "3 offload"])
 def test_eval_equals_plain_apply_on_gathered_params(trained, stage):
   states, batch = trained
@@ -100,6 +101,7 @@ def _unrolled(layers, width=256):
   return state, train, evaluate
 
 
+@pytest.mark.slow
 def test_stage3_eval_needs_no_more_memory_than_training_and_never_the_whole_model():
   state, train, evaluate = _unrolled(16)
   footprint = lambda c: zerojax.compiled_footprint(c)["footprint"]

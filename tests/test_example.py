@@ -14,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+# starts processes (or runs for minutes): the full suite's, not the fast tier's
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt2_medium.py"

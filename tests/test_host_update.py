@@ -32,6 +32,7 @@ def _params(state):
   return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,fields", OFFLOADED_UPDATE_CASES)
 def test_the_host_update_is_bit_identical_to_the_device_update(stage, fields):
   _, params, loss_fn, batches = _problem("transformer", steps=3)
@@ -51,6 +52,7 @@ def test_the_host_update_is_bit_identical_to_the_device_update(stage, fields):
                              ref_params)
 
 
+@pytest.mark.slow
 def test_the_host_update_holds_on_layer_chunks_under_hpz():
   """Per-layer ([layers, length]) chunks of a scanned model, the state
   sharded over replica x data (hpZ): still bit-identical."""

@@ -66,6 +66,7 @@ def _matches_plain_optax(stages, compute_dtype, check_state, **fields):
                                rtol=1e-5 if compute_dtype == "float32" else 2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_hybrid_matches_plain_optax_at_every_stage(compute_dtype):
   def check(state):
@@ -94,6 +95,7 @@ def test_hybrid_collectives_stay_in_their_groups(stage, accum):
           zerojax.memory_report(one_d).measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_hpz_matches_plain_optax(compute_dtype):
   def check(state):
@@ -105,6 +107,7 @@ def test_hpz_matches_plain_optax(compute_dtype):
   _matches_plain_optax((1, 2, 3), compute_dtype, check, hpz=True)
 
 
+@pytest.mark.slow
 def test_hpz_with_offload_matches_plain_optax():
   """Host shards come to the device for the replica gather."""
   def check(state):
@@ -113,6 +116,7 @@ def test_hpz_with_offload_matches_plain_optax():
                        offload_optimizer=True)
 
 
+@pytest.mark.slow
 def test_hpz_gathers_over_the_replicas_once_then_within_data():
   """Stage 3 hpZ on a scanned LM gathered per layer: the secondary
   partition is one replica gather per chunk per step; the per-layer
@@ -189,6 +193,7 @@ def test_hybrid_bad_input():
   assert int(state.step) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hpz", [False, True], ids=["hsdp", "hpz"])
 def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path, hpz):
   _, _, loss_fn, batches = _problem()

@@ -38,6 +38,7 @@ def _pair(labels, vocab_axis, block_size):
 
 # block sizes: uneven blocks whose last overlaps the one before (7: 15
 # blocks of 7 rows over 101 words, 32: 4 of 26), one block, one clipped
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [7, 32, 101, 4096])
 @pytest.mark.parametrize("vocab_axis", [0, 1])
 def test_matches_optax_in_values_and_gradients(vocab_axis, block_size):
@@ -113,6 +114,7 @@ def test_no_logits_in_the_compiled_program():
   assert temps["ours"] <= 4 * 4 * tokens * block < logits_bytes / 3, temps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     {"stage": 3, "stacked": ("blocks",), "accum_steps": 2},
 ], ids=["stage3-layerwise-accum2"])

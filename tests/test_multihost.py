@@ -20,6 +20,8 @@ import pytest
 import zerojax
 from models import zero_run
 from multihost_worker import CHUNK, SPLIT, problem
+# starts processes (or runs for minutes): the full suite's, not the fast tier's
+pytestmark = pytest.mark.slow
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 240

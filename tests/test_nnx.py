@@ -45,6 +45,7 @@ def _close(a, b, compute_dtype):
       a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_nnx_matches_a_plain_nnx_optimizer_loop(kind, compute_dtype):
@@ -140,6 +141,7 @@ def _bn_reference(make, loss_fn, batches):
   return nnx.merge(graph, params, rest)
 
 
+@pytest.mark.slow
 def test_nnx_batch_norm_statistics_match_data_parallel():
   make, loss_fn, batches = _bn_problem()
   ref = _bn_reference(make, loss_fn, batches)
@@ -181,6 +183,7 @@ def test_nnx_dropout_draws_per_device_and_per_step():
   assert int(state.nnx_state["drop"]["rngs"]["count"]) == 2
 
 
+@pytest.mark.slow
 def test_nnx_eval_step_equals_the_gathered_model():
   make, loss_fn, batches = nnx_problem("transformer")
   state = zerojax.shard(make(), stage=3, tx=TX)
@@ -249,6 +252,7 @@ def _nnx_lm(rng):
   return NnxTransformer(nnx.Rngs(rng), vocab=512, width=128, layers=4, seq=8)
 
 
+@pytest.mark.slow
 def test_nnx_create_equals_shard_of_the_built_model():
   for stage, dtype in [(3, "float32"), (2, "bfloat16")]:
     made = zerojax.create(_nnx_lm, jax.random.key(7), tx=TX, stage=stage,
@@ -290,6 +294,7 @@ def _scanned_problem(layerwise, layers=4, width=32):
   return (lambda: net(nnx.Rngs(0))), loss_fn, batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,mode,offload", [
     (3, "per layer", {}),
     # each layer's shards come from host memory (they once met the
@@ -323,6 +328,7 @@ def _scanned_footprint(layers, width=256):
   return zerojax.compiled_footprint(compiled)["footprint"], per_layer
 
 
+@pytest.mark.slow
 def test_nnx_scanned_stage3_footprint_does_not_grow_with_gathered_layers():
   width = 256
   (fp4, per_layer), (fp16, _) = (_scanned_footprint(n, width) for n in (4, 16))
@@ -347,6 +353,7 @@ def test_nnx_shard_shape_is_what_shard_gives():
       (x.shape, x.dtype, x.sharding) for x in want]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"prefetch": True},
     # each block's shards come over from host memory at its call
@@ -396,6 +403,7 @@ def _listed_step(layers, wrap, width=256):
   return zerojax.train_step(loss_fn).lower(state, batch).compile(), state
 
 
+@pytest.mark.slow
 def test_nnx_listed_stage3_footprint_is_bounded_and_regathers_distinct():
   (c4, s4), (c16, _) = (_listed_step(n, True, 256) for n in (4, 16))
   assert_blocks_bounded(c4, c16, s4, "blocks/0", 256)
@@ -408,6 +416,7 @@ def test_nnx_listed_stage3_footprint_is_bounded_and_regathers_distinct():
   assert c4.memory_analysis().temp_size_in_bytes < held
 
 
+@pytest.mark.slow
 def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
   """`per_use=("embed",)` with `nnx.Embed` wrapped: the table is gathered
   at the lookup and again at the tied head (`attend`, a method other than
@@ -480,6 +489,7 @@ class FlagDropNet(nnx.Module):
     return self.head(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["listed", "scanned"])
 def test_nnx_wrapped_blocks_take_flags_and_draw_dropout_as_unwrapped(scan):
   """Flags and keyword arrays reach a wrapped listed block; its dropout
@@ -543,6 +553,7 @@ class AttributeBlocksNet(nnx.Module):
     return self.head(x)
 
 
+@pytest.mark.slow
 def test_nnx_blocks_given_an_rngs_draw_as_unwrapped():
   """An `nnx.Rngs` passed to wrapped blocks: each block moves its count on
   (written back out of the block's call), so the blocks draw different

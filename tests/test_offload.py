@@ -47,6 +47,7 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype", [(1, "bfloat16"), (2, "float32"), (3, "float32")])
 def test_optimizer_offload_is_exact_and_stays_on_host(stage, dtype):
   base, base_losses, _, _ = _baseline(stage, compute_dtype=dtype)
@@ -74,6 +75,7 @@ def test_parameter_offload_at_stage3():
              for master, opt in kinds)
 
 
+@pytest.mark.slow
 def test_stage3_offloaded_layers_come_to_the_device_one_at_a_time():
   """A layerwise model at stage 3: with its shards in host memory, each
   layer's shard is moved to the device inside the layer loop, right before
@@ -122,6 +124,7 @@ def test_half_offload_splits_by_chunk_bytes():
   assert abs(kinds["pinned_host"] - total / 2) <= largest
 
 
+@pytest.mark.slow
 def test_offloaded_chunks_come_to_the_device_one_at_a_time():
   """Each offloaded chunk's optimizer state is moved to the device only once
   the previous chunk's new state has been written back: one optimization

@@ -36,6 +36,7 @@ def _assert_matches_reference(kind, tx, losses, params):
                            *reference_run(loss_fn, p0, tx, batches))
 
 
+@pytest.mark.slow
 def test_callable_mask_sees_original_shapes():
   seen = []
 
@@ -51,6 +52,7 @@ def test_callable_mask_sees_original_shapes():
   _assert_matches_reference("transformer", tx, losses, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_masked_and_multi_transform(stage):
   def labels(params):
@@ -66,6 +68,7 @@ def test_masked_and_multi_transform(stage):
   _assert_matches_reference("mlp", tx, losses, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tx", [
     ("sgd", optax.sgd(1e-2)),
     ("momentum", optax.sgd(1e-2, momentum=0.9, nesterov=True)),
@@ -79,6 +82,7 @@ def test_elementwise_transformations_are_exact(name, tx):
   _assert_matches_reference("mlp", tx, losses, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tx,culprit", [
     (optax.lamb(1e-3), "scale_by_trust_ratio"),
     (optax.lars(1e-3), "scale_by_trust_ratio"),
@@ -92,6 +96,7 @@ def test_per_tensor_transformations_are_refused(tx, culprit):
     zerojax.shard(state, stage=3)
 
 
+@pytest.mark.slow
 def test_probes_fall_back_when_xla_lacks_a_compile_option(monkeypatch):
   """A newer or older XLA without one of the probes' compile options must
   not make every tx look as if it failed on chunks."""
@@ -112,6 +117,7 @@ def test_probes_fall_back_when_xla_lacks_a_compile_option(monkeypatch):
                                     (0,) * n)
 
 
+@pytest.mark.slow
 def test_trained_optimizer_state_is_carried_over():
   """A TrainState with momentum already built up shards without loss."""
   tx = optax.adam(1e-2)

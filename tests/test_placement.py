@@ -29,6 +29,7 @@ def _params(state):
   return jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
 
+@pytest.mark.slow
 def test_the_first_step_places_what_fits_and_trains_as_planned():
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   abstract = zerojax.shard_shape(_plain(), stage=3, chunk_size=CHUNK)
@@ -58,6 +59,7 @@ def test_the_first_step_places_what_fits_and_trains_as_planned():
                          _params(manual))
 
 
+@pytest.mark.slow
 def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   budget = 100_000   # below what any rung needs (about 350 kB)
@@ -77,6 +79,7 @@ def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
       float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_a_planned_checkpoint_is_planned_again(tmp_path):
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   state, _ = zero_run(zerojax.shard(_plain(), stage=3, chunk_size=CHUNK,

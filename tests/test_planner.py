@@ -65,6 +65,7 @@ def bounds(problem, base):
   return none, full, host, sizes
 
 
+@pytest.mark.slow
 def test_plan_is_the_least_offload_that_fits(problem, base, abstract, bounds):
   plain, loss_fn, batch = problem
   none, full, full_host, sizes = bounds

@@ -38,6 +38,7 @@ floats = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32,
                    allow_subnormal=False)   # denormals: below
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(values=st.lists(floats, min_size=1, max_size=70),
        mode=st.sampled_from(["int8", "int4"]),
@@ -50,6 +51,7 @@ def test_error_is_at_most_half_a_step(values, mode, block):
   assert np.all(np.abs(out - x) <= step / 2 * (1 + 1e-5) + 1e-6 * np.abs(x))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(ints=st.lists(st.integers(-7, 7), min_size=1, max_size=40),
        absmax=st.floats(1e-3, 1e3, allow_subnormal=False),
@@ -81,6 +83,7 @@ def test_zeros_constants_and_denormals(mode):
   assert np.all(np.isfinite(out)) and np.all(np.abs(out - tiny) <= np.abs(tiny))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(ints=st.lists(st.integers(-8, 7), min_size=1, max_size=16).map(
     lambda v: v + v[:len(v) % 2]))
@@ -103,6 +106,7 @@ def test_non_finite_stays_non_finite(mode, bad):
   np.testing.assert_allclose(out[4:], x[4:], rtol=0.1)   # the other block
 
 
+@pytest.mark.slow
 def test_collectives_match_plain_ones_within_the_bound():
   mesh = jax.make_mesh((8,), ("data",),
                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -159,6 +163,7 @@ def _run(stage, mesh=None, **fields):
   return np.array(losses), zerojax.gather_params(state), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,compute_dtype,setting", [
     (0, "float32", None), (1, "bfloat16", None), (2, "float32", None),
     (3, "float32", None), (2, "bfloat16", "hsdp"), (3, "bfloat16", "hpz"),
@@ -203,6 +208,7 @@ def _bytes(compiled, kind):
                                                   for d in op.dtypes}
 
 
+@pytest.mark.slow
 def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
   """Stage 3, bf16 compute, 8 devices, every chunk gathered once: the
   gathers carry s8, (1 + 4/B) bytes an element (padded to whole blocks)
@@ -248,6 +254,7 @@ def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
   assert _bytes(q4, "all-to-all")[0] / (4 * sum(lengths)) < 0.155
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_hsdp_replica_all_reduce_goes_quantized(stage):
   """HSDP on (replica 2, data 4) with int8 gradients: the per-step replica
@@ -271,6 +278,7 @@ def test_hsdp_replica_all_reduce_goes_quantized(stage):
     assert groups == expected, (kind, groups)
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_still_skips_the_step():
   model, params, loss_fn, batches = _problem()
   state = zerojax.shard(train_state.TrainState.create(

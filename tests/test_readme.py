@@ -16,6 +16,8 @@ from flax.training import train_state
 
 import zerojax
 from models import NnxMLP, ResNet, Transformer, lm_batches
+# starts processes (or runs for minutes): the full suite's, not the fast tier's
+pytestmark = pytest.mark.slow
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 

@@ -48,6 +48,7 @@ def test_what_each_stage_stores(stage, dtype, master_split, compute):
       assert leaf.sharding.is_fully_replicated == (stage == 0)
 
 
+@pytest.mark.slow
 def test_gather_params_returns_the_original_tree():
   state, _, _ = _state("transformer")
   z = zerojax.shard(state, stage=3, chunk_size=1000)
@@ -78,6 +79,7 @@ def test_gather_params_traces_once_per_state_structure(monkeypatch):
   assert len(traced) == 2
 
 
+@pytest.mark.slow
 def test_one_device_shard_compiles_a_few_programs_not_one_per_leaf():
   """On one device each leaf is a chunk of its own; `shard` packs them (the
   master and Adam's two statistics) a group of chunks per program, not a
@@ -210,6 +212,7 @@ class ConvNet(nn.Module):
     return nn.Dense(3)(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_any_linen_model(stage):
   model = ConvNet()

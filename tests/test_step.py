@@ -60,8 +60,12 @@ MATRIX = [(kind, stage, dtype, accum, CLIP if (dtype == "bfloat16") != (accum ==
           for dtype in ("float32", "bfloat16") for accum in (1, 4)]
 
 
-@pytest.mark.parametrize("kind,stage,dtype,accum,clip", MATRIX, ids=[
-    f"{k}-{s}-{d}-{a}-{'clip' if c else 'noclip'}" for k, s, d, a, c in MATRIX])
+# (the MLP's cases are the fast tier's parity check at every stage)
+@pytest.mark.parametrize("kind,stage,dtype,accum,clip", [
+    pytest.param(*case, marks=[pytest.mark.slow] * (case[0] == "transformer"),
+                 id="{}-{}-{}-{}-{}".format(*case[:4],
+                                            "clip" if case[4] else "noclip"))
+    for case in MATRIX])
 def test_matches_plain_optax(kind, stage, dtype, accum, clip):
   losses, params, state = _zero_run(kind, stage=stage, compute_dtype=dtype,
                                     accum_steps=accum, clip_norm=clip)
@@ -69,6 +73,7 @@ def test_matches_plain_optax(kind, stage, dtype, accum, clip):
   assert int(state.step) == len(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_layer_stacked_chunks_match_plain_optax(stage):
   losses, params, state = _zero_run("scan_transformer", stage=stage,
@@ -114,6 +119,7 @@ def test_a_one_device_mesh_compiles_no_collective(stage):
   assert not found, found
 
 
+@pytest.mark.slow
 def test_one_device_keeps_each_leaf_a_chunk(tmp_path):
   """On one device with no chunk size given each leaf is a chunk of its own
   (nothing to send, so nothing to pack: docs/design.md), the step still
@@ -173,6 +179,7 @@ def test_the_donated_master_is_updated_in_place(stage, devices):
   assert not [n for n in copied if n in sizes], (copied, sizes)
 
 
+@pytest.mark.slow
 def test_metrics_report_global_norm_before_clipping_and_aux():
   model, params, loss_fn, batches = make_problem("mlp")
 

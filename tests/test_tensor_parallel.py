@@ -67,6 +67,7 @@ def _reference_norm(loss_fn, params, batch, compute_dtype):
       lambda x: x.astype(compute_dtype), p), batch).astype(np.float32))(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_tensor_parallel_matches_plain_optax_at_every_stage(compute_dtype):
   """Stages 0-3 with accumulation: losses, parameters and the gradient norm
@@ -97,6 +98,7 @@ def test_tensor_parallel_matches_plain_optax_at_every_stage(compute_dtype):
                                compute_dtype == "float32" else 2e-2)
 
 
+@pytest.mark.slow
 def test_scanned_layerwise_tensor_parallel_stage_3():
   """A scanned stack (`nn.scan` with the layer axis unsplit) gathered a
   layer at a time: its chunks are `[layers, M, length]`, and training
@@ -129,6 +131,7 @@ def _gspmd_step(loss_fn, mesh):
   return step, put
 
 
+@pytest.mark.slow
 def test_tensor_parallel_matches_a_plain_gspmd_step_and_keeps_to_the_data_axis():
   """Stage 3 against the GSPMD step of the same model on the same mesh
   (float32, rtol 1e-5). In the compiled step every gather and
@@ -168,6 +171,7 @@ def test_tensor_parallel_matches_a_plain_gspmd_step_and_keeps_to_the_data_axis()
   assert 0 < over_model(ops) <= over_model(gspmd.ops) + 16
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_restores_across_model_degrees(tmp_path):
   """Saved on (data 4, model 2): restored on the same mesh (read straight
   in), on (data 2, model 4), on a 1-D 8-device mesh without tensor
@@ -234,6 +238,7 @@ def test_bad_tensor_parallel_input_is_refused(fields, params, match):
              for x in jax.tree_util.tree_leaves(nn.meta.unbox(ts.params)))
 
 
+@pytest.mark.slow
 def test_create_with_tensor_parallelism_equals_init_then_shard():
   """`zerojax.create` from the boxed init: the model dims are read from the
   boxes the init returns, and the state equals `shard` of the jitted init,
@@ -260,6 +265,7 @@ def test_create_with_tensor_parallelism_equals_init_then_shard():
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_an_nnx_model_split_over_model_trains_as_plain_optax():
   """An NNX model whose kernels are split with `nnx.with_partitioning`,
   built under the mesh (so its parameters carry their `NamedSharding`):
@@ -361,6 +367,7 @@ def _run_and_program(state, loss_fn, batches):
   return state, losses, norms, program
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hpz", [False, True], ids=["hsdp", "hpz"])
 def test_tensor_parallel_on_a_3d_mesh_with_replicas(hpz):
   """(replica 2, data 2, model 2): tensor parallelism beside HSDP or hpZ at
@@ -391,6 +398,7 @@ def test_tensor_parallel_on_a_3d_mesh_with_replicas(hpz):
         assert [op.kind for op in over_replica] == ["all-reduce"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields", [
     dict(offload_optimizer=True, offload_params=True),
     dict(offload_optimizer=True, update_on="host"),
@@ -416,6 +424,7 @@ def test_tensor_parallel_with_host_offload(fields):
     assert state.config.placement == "planned"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_quantized_collectives():
   """qwZ / qgZ on row chunks: with the exact (identity) encoding the losses
   equal the plain tensor-parallel run's bit for bit and the parameters to
@@ -466,6 +475,7 @@ def test_the_split_is_read_from_logical_names_and_from_placed_arrays():
   assert layout(placed) == want
 
 
+@pytest.mark.slow
 def test_eval_step_on_a_tensor_parallel_state():
   """eval_step at stages 1 and 3 (the forward's gathers, per row): per
   example logits' sums and the mean loss equal the plain model's on the
