@@ -14,10 +14,29 @@ def _block(width, hidden=None):
           "fc": {"kernel": np.zeros((width, hidden)), "bias": np.zeros(hidden)}}
 
 
-def test_a_block_name_used_twice_is_not_a_unit():
+def test_a_block_name_used_twice_is_a_unit_by_path():
   params = {"a": {"blocks_0": _block(4), "blocks_1": _block(4)},
-            "b": {"blocks_0": _block(4), "blocks_1": _block(4)}}
-  assert repeated_blocks(params) == ()
+            "b": {"blocks_0": _block(8), "blocks_1": _block(8)}}
+  assert repeated_blocks(params) == ("a/blocks_0", "a/blocks_1",
+                                     "b/blocks_0", "b/blocks_1")
+  # two towers alike: their blocks are the blocks
+  assert repeated_blocks({"a": params["a"], "b": params["a"]}) == (
+      "a/blocks_0", "a/blocks_1", "b/blocks_0", "b/blocks_1")
+  assert repeated_blocks({"a": _block(4), "b": _block(4)}) == ("a", "b")
+  # decoder blocks whose self- and cross-attention are alike: the blocks
+  attention = {"q": {"kernel": np.zeros((4, 4))}, "k": {"kernel": np.zeros((4, 4))}}
+  decoder = {"self": attention, "cross": attention, "mlp": _block(4)}
+  assert repeated_blocks({"d_0": decoder, "d_1": decoder}) == ("d_0", "d_1")
+
+
+def test_blocks_are_found_by_structure_whatever_their_names():
+  """24 blocks named `enc_a` ... `enc_x` are units as `blocks_<i>` are;
+  siblings shaped alike that hold no submodule (`q`, `k`) are not."""
+  letters = "abcdefghijklmnopqrstuvwx"
+  params = {**{f"enc_{c}": _block(4) for c in letters},
+            "q": {"kernel": np.zeros((4, 4))}, "k": {"kernel": np.zeros((4, 4))},
+            "head": _block(4, hidden=8)}
+  assert repeated_blocks(params) == tuple(f"enc_{c}" for c in letters)
 
 
 def test_blocks_named_by_index_are_units_by_path():

@@ -22,6 +22,7 @@ def _all_gathers(hlo):
   return hlo.count("all-gather-start(") + hlo.count(" all-gather(")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan,layerwise,offload", [
     (True, True, {}), (True, False, {}), (False, True, {}), (False, False, {}),
     # an unrolled block's shards in host memory: their cotangent goes there
@@ -62,6 +63,7 @@ def _footprint(layers, width=512):
   return zerojax.compiled_footprint(compiled), compiled.as_text(), state
 
 
+@pytest.mark.slow
 def test_stage3_footprint_does_not_grow_with_gathered_layers():
   width, seq, per_device_batch = 512, 32, 2
   fp4, hlo4, s4 = _footprint(4, width)
@@ -83,17 +85,20 @@ def test_stage3_footprint_does_not_grow_with_gathered_layers():
 @functools.lru_cache(maxsize=None)
 def _unrolled_step(layers, layerwise, width=256, prefetch=None):
   """The compiled stage-3 step of `layers` residual blocks, and its
-  (abstract) state."""
+  (abstract) state; without the opt-in, held for the step
+  (`reshard_after_forward=False`)."""
   model = ResidualMLP(layers=layers, width=width, layerwise=layerwise)
   x = np.zeros((64, width), np.float32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1])["params"])
   state = zerojax.shard_shape(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                              prefetch=prefetch)
+                              prefetch=prefetch,
+                              reshard_after_forward=layerwise)
   step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
   return step.lower(state, x).compile(), state
 
 
+@pytest.mark.slow
 def test_unrolled_stage3_footprint_is_bounded_like_scanned_layers():
   (c4, s4), (c16, _) = (_unrolled_step(n, True, 256) for n in (4, 16))
   assert_blocks_bounded(c4, c16, s4, "blocks_0", 256)
@@ -195,6 +200,7 @@ def _dots_before_gathers(text):
   return out
 
 
+@pytest.mark.slow
 def test_prefetch_gathers_each_block_one_block_early():
   """`prefetch`: block i's forward all-gather waits only for what block
   i-1's waited for without it, so it can run beside block i-1's dots; and
@@ -248,6 +254,7 @@ def test_prefetch_gathers_each_block_one_block_early():
       jax.tree.leaves(trained[False]), jax.tree.leaves(trained[True])))
 
 
+@pytest.mark.slow
 def test_prefetch_holds_one_more_block_at_any_depth():
   temps = {layers: _unrolled_step(layers, True, 256, prefetch=True)[0]
            .memory_analysis().temp_size_in_bytes for layers in (4, 16)}
@@ -267,6 +274,7 @@ def test_prefetch_default_is_on_where_collectives_overlap():
   assert zerojax.config.prefetches(zerojax.ZeroConfig(prefetch=True), mesh)
 
 
+@pytest.mark.slow
 def test_a_policy_that_saves_everything_still_gathers_layers_again():
   """`layerwise(Block, policy=everything_saveable)` on scanned layers at
   stage 3 keeps the blocks' activations for the backward, not their
@@ -364,6 +372,7 @@ def _lowered_reduce_scatters(text):
   return [(in_loop or f in from_loops, shape) for f, in_loop, shape in found]
 
 
+@pytest.mark.slow
 def test_stage2_reduces_each_layers_gradient_inside_the_loop():
   """At stage 2 a wrapped scanned block reduce-scatters its layer's
   gradient in the backward loop's body, where the backward of the layers
@@ -397,10 +406,12 @@ def test_stage2_reduces_each_layers_gradient_inside_the_loop():
   assert not any(in_loop for in_loop, _ in lowered[False])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layerwise,scan,want", [
     (True, True, {"blocks": "per layer"}),
     (True, False, {"blocks_0": "per block", "blocks_1": "per block"}),
-    (False, False, {"blocks_0": "whole step", "blocks_1": "whole step"}),
+    (False, False, {"blocks_0": "per block", "blocks_1": "per block"}),
+    (False, True, {"blocks": "per layer"}),
 ])
 def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
   model, state, batch = _tiny_lm_state(layerwise, scan,
@@ -411,6 +422,7 @@ def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
       "whole step"]                      # the embedding, final norm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_listed_blocks_called_with_flags_are_gathered_per_block(prefetch):
   """Blocks in a setup-time list named by index (each index twice: "enc" and
@@ -433,6 +445,7 @@ def test_listed_blocks_called_with_flags_are_gathered_per_block(prefetch):
                            *reference_run(loss_fn, params, tx, batches))
 
 
+@pytest.mark.slow
 def test_a_wrapped_block_with_flags_runs_as_the_block_outside_a_step():
   """Outside a step (and below stage 3) the wrapped block is the block under
   `nn.remat`, its flags static: dropout on and off, values and gradients
@@ -452,22 +465,109 @@ def test_a_wrapped_block_with_flags_runs_as_the_block_outside_a_step():
         np.testing.assert_allclose, rtol=1e-5, atol=1e-8), got, want)
 
 
-@pytest.mark.parametrize("scan,said", [
-    (True, "the blocks scanned under 'blocks' are not wrapped with "
-     "zerojax.nn.layerwise"),
-    (False, "gathers the 2 repeated blocks 'blocks_0', 'blocks_1' for the "
-     "whole step")])
-def test_a_model_without_the_opt_in_is_told_so(caplog, scan, said):
-  model, state, batch = _tiny_lm_state(False, scan, ("blocks",) if scan else ())
+def _trained(model, stacked=(), steps=3, **config):
+  """Three stage-3 steps of `model` (a ScannedLM) on 8 devices: (losses,
+  gathered parameters, how the step gathered each chunk)."""
+  batches = _batches(model.vocab, batch=16, seq=8, steps=steps)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
+                        stacked=stacked, **config)
+  modes = zerojax.train_step(_loss_fn(model)).gathering(state, batches[0])
+  state, losses = zero_run(state, _loss_fn(model), batches)
+  return losses, zerojax.gather_params(state), modes
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(scan):
+  """No `layerwise` in the model: stage 3 gathers each block at its call
+  (each layer in its scan) and again in its backward pass, as the opt-in
+  does, bit for bit."""
+  stacked = ("blocks",) if scan else ()
+  plain = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
+                             layerwise=False), stacked)
+  wrapped = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
+                               layerwise=True), stacked)
+  assert plain[2] == wrapped[2]
+  assert set(v for k, v in plain[2].items() if k.startswith("blocks")) == {
+      "per layer" if scan else "per block"}
+  np.testing.assert_array_equal(plain[0], wrapped[0])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, plain[1], wrapped[1])
+
+
+class _PenalisedLM(nn.Module):
+  """Blocks whose first kernel the model also reads outside their calls
+  (a penalty on it): gathering them per call would not free it."""
+  vocab: int = 64
+
+  @nn.compact
+  def __call__(self, tokens):
+    lm = ScannedLM(layers=2, width=32, vocab=64, scan=False, layerwise=False,
+                   name="lm")
+    logits = lm(tokens)
+    kernel = lm.variables["params"]["blocks_1"]["Dense_0"]["kernel"]
+    return logits + 1e-3 * jnp.sum(kernel ** 2)
+
+
+def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
+  from zerojax import grads
+  grads._SAID.clear()
+  model = _PenalisedLM()
+  batches = _batches(64, batch=16, seq=8, steps=3)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  tx = optax.sgd(0.5, momentum=0.9)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3)
+  loss_fn = _loss_fn(model)
   with caplog.at_level("WARNING", logger="zerojax"):
-    modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
-  assert modes["blocks" if scan else "blocks_0"] == "whole step"
-  assert said in " ".join(r.getMessage() for r in caplog.records)
-  caplog.clear()   # wrapped: nothing said
-  model, state, batch = _tiny_lm_state(True, scan, ("blocks",) if scan else ())
+    modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
+  assert modes["lm/blocks_0"] == "per block"
+  assert modes["lm/blocks_1"] == "whole step"
+  said = [r.getMessage() for r in caplog.records]
+  assert sum("'blocks_1' gathered for the whole step: its parameters are "
+             "also read outside its own call" in m for m in said) == 1
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="zerojax"):   # said once
+    zerojax.train_step(loss_fn).gathering(state, batches[0])
+  assert not caplog.records
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
+
+
+class _TwoShapes(nn.Module):
+  """A block module called on parameters it holds, and a sibling of the same
+  structure whose parameters the model uses without calling it."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = ResidualBlock(32, name="blocks_0")(x)
+    if self.is_initializing():
+      ResidualBlock(32, name="blocks_1")(x)
+      return x
+    p = self.variables["params"]["blocks_1"]
+    return x @ p["Dense_0"]["kernel"] @ p["Dense_1"]["kernel"]
+
+
+def test_parameters_used_without_calling_their_module_are_held(caplog):
+  from zerojax import grads
+  grads._SAID.clear()
+  model = _TwoShapes()
+  x = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
+  params = model.init(jax.random.key(0), x[:1])["params"]
+  tx = optax.sgd(0.1)
+  loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3)
   with caplog.at_level("WARNING", logger="zerojax"):
-    zerojax.train_step(_loss_fn(model)).gathering(state, batch)
-  assert not [r for r in caplog.records if "layerwise" in r.getMessage()]
+    modes = zerojax.train_step(loss_fn).gathering(state, x)
+  assert (modes["blocks_0"], modes["blocks_1"]) == ("per block", "whole step")
+  assert "'blocks_1' gathered for the whole step: no call of a module " \
+      "holding exactly those parameters" in " ".join(
+          r.getMessage() for r in caplog.records)
+  state, losses = zero_run(state, loss_fn, [x, x])
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, [x, x]))
 
 
 def _bridged_state(per_use, wrap=True, hidden=512, batch=64):
@@ -482,6 +582,7 @@ def _bridged_state(per_use, wrap=True, hidden=512, batch=64):
   return model, state, x
 
 
+@pytest.mark.slow
 def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
   """`per_use=("bridge",)`: the bridge's leaves get chunks of their own, the
   step gathers them at its call (and again in its backward pass), and
@@ -503,6 +604,7 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
                            *reference_run(loss_fn, params, tx, batches))
 
 
+@pytest.mark.slow
 def test_a_per_use_module_is_gathered_once_per_call():
   """Held, the bridge's chunks are gathered once for the step; per use, at
   its forward call and again in its backward pass (one more all-gather per
@@ -537,42 +639,43 @@ class _TiedLM(nn.Module):
     return embed.attend(x).astype(jnp.float32)
 
 
+@pytest.mark.slow
 def test_a_per_use_tied_embedding_is_gathered_at_each_method_call():
-  """A wrapped module's other public methods gather too: a tied `nn.Embed`
-  named in `per_use` is gathered at the lookup and again at `attend`
-  (which reads the table in `setup`, so without this it found no
-  parameter), and trains exactly."""
+  """A module's other public methods gather too: a tied `nn.Embed` named in
+  `per_use` is gathered at the lookup and again at `attend` (which reads
+  the table in `setup`), wrapped or as written, and trains exactly."""
   batches = _batches(64)
-  gathers = {}
-  for wrap in (False, True):
+  gathers, trained = {}, {}
+  for wrap, reshard in ((False, False), (False, True), (True, True)):
     model = _TiedLM(wrap)
     params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
     tx = optax.sgd(0.5, momentum=0.9)
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx), stage=3,
-                          per_use=("embed",))
+                          per_use=("embed",), reshard_after_forward=reshard)
     loss_fn = _loss_fn(model)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["embed"] == (
-        "per block" if wrap else "whole step")
-    gathers[wrap] = _all_gathers(
+        "per block" if wrap or reshard else "whole step")
+    gathers[wrap, reshard] = _all_gathers(
         step.lower(state, batches[0]).compile().as_text())
-  state, losses = zero_run(state, loss_fn, batches)   # the wrapped one
-  assert_matches_reference(losses, zerojax.gather_params(state),
+    if reshard:
+      trained[wrap] = zero_run(state, loss_fn, batches)
+  assert_matches_reference(trained[False][1],
+                           zerojax.gather_params(trained[False][0]),
                            *reference_run(loss_fn, params, tx, batches))
+  np.testing.assert_array_equal(trained[False][1], trained[True][1])
   # the lookup's and the head's (whose backward keeps it: only `__call__`
   # is rematerialised) instead of one held for the step
-  assert gathers[True] == gathers[False] + 1
+  assert gathers[False, True] == gathers[True, True] == gathers[
+      False, False] + 1
 
 
-def test_a_per_use_module_left_unwrapped_is_held_and_told_so(caplog):
+def test_a_per_use_module_left_unwrapped_is_gathered_per_call():
   model, state, x = _bridged_state(("bridge",), wrap=False)
-  with caplog.at_level("WARNING", logger="zerojax"):
-    modes = zerojax.train_step(
-        lambda p, b: model.apply({"params": p}, b)).gathering(state, x)
-  assert modes["bridge"] == "whole step"
-  said = " ".join(r.getMessage() for r in caplog.records)
-  assert "per_use=('bridge',)" in said and "zerojax.nn.layerwise" in said
+  modes = zerojax.train_step(
+      lambda p, b: model.apply({"params": p}, b)).gathering(state, x)
+  assert modes["bridge"] == "per block"
 
 
 @pytest.mark.parametrize("scanned,per_use,error,message", [
@@ -614,6 +717,7 @@ def test_an_error_in_the_model_surfaces_instead_of_choosing_a_gather():
     zerojax.train_step(flaky)(state, batch)
 
 
+@pytest.mark.slow
 def test_create_equals_init_then_shard_and_stays_sharded():
   model = ScannedLM(layers=4, width=128, vocab=512, layerwise=False)
   tokens = jnp.zeros((1, 8), jnp.int32)
@@ -642,6 +746,7 @@ def test_create_equals_init_then_shard_and_stays_sharded():
   assert len(fp["programs"]) == 3   # the chunks, the rest, the assembly
 
 
+@pytest.mark.slow
 def test_create_peak_is_the_sharded_state_plus_one_leaf():
   model = ScannedLM(layers=4, width=256, vocab=512, layerwise=False)
   tokens = jnp.zeros((1, 8), jnp.int32)

@@ -53,13 +53,15 @@ def search_chunk_size(groups: Sequence[Sequence[int]], *, min_chunk_size: int,
 def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
   """The unrolled blocks of a parameter tree: sibling submodules with the same
   structure (relative paths, shapes, dtypes) as at least one sibling, that
-  themselves contain submodules (a block, not one `Dense`), named either
-  `<base>_<i>` (`blocks_0`, `Block_3`, Flax's automatic names), each then
-  given by its name, which must be used once in the tree, or `<i>` (a list's
-  items: `h/0`, `h/1` in Hugging Face's Flax models, `layers/0` in an
-  `nnx.List`), each then given by its path from the root, `"transformer/h/0"`
-  (`unit_depth` reads both). Subtrees under `stacked` are skipped; blocks
-  inside blocks are not looked for.
+  themselves contain submodules (a block, not one `Dense`), whatever their
+  names (`blocks_0`, `Block_3`, a list's `h/0` as in Hugging Face's Flax
+  models, `layers/0` in an `nnx.List`, or `enc_a`, `enc_b`). A block is
+  given by its name where that name is used once in the tree, else by its
+  path from the root, `"transformer/h/0"` (`unit_depth` reads both).
+  Subtrees under `stacked` are skipped; where repeated blocks hold repeated
+  blocks with nearly all (90%) of their parameters, the inner ones are the
+  blocks. Whether a block is called as one (and so gathered per call) is
+  the step's to find (`zerojax.nn.intercept`); a block that is not is held.
   """
   def signature(node):
     if isinstance(node, dict):
@@ -70,29 +72,41 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
     return isinstance(node, dict) and any(isinstance(v, dict)
                                           for v in node.values())
 
-  found, names = [], []
+  def size(node):
+    if isinstance(node, dict):
+      return sum(size(v) for v in node.values())
+    return int(np.prod(np.shape(node)))
 
-  def visit(node, path):
+  names = []
+
+  def visit(node, path) -> list:
+    """`(path, subtree)` of the blocks under `node` (at `path`). A repeated
+    block holding repeated blocks that hold nearly all of it (two towers
+    alike, each a list of blocks) gives those; one holding only part of it
+    in repeated submodules (a decoder block's self- and cross-attention) is
+    the block."""
     groups = {}
     for k, v in node.items():
       names.append(str(k))
-      base, _, index = str(k).rpartition("_")
-      numbered = str(k).isdigit()
-      if ((base or numbered) and index.isdigit() and is_block(v)
-          and str(k) not in stacked):
-        groups.setdefault((base, numbered, signature(v)), []).append(str(k))
-    units = {k for group in groups.values() if len(group) > 1 for k in group}
-    found.extend("/".join(path + (k,)) if k.isdigit() else k
-                 for k in map(str, node) if k in units)
+      if is_block(v) and str(k) not in stacked:
+        groups.setdefault(signature(v), []).append(str(k))
+    repeated = {k for group in groups.values() if len(group) > 1 for k in group}
+    found = []
     for k, v in node.items():
-      if isinstance(v, dict) and str(k) not in units and str(k) not in stacked:
-        visit(v, path + (str(k),))
+      if isinstance(v, dict) and str(k) not in stacked:
+        inner = visit(v, path + (str(k),))
+        held = sum(size(block) for _, block in inner)
+        found.extend([(path + (str(k),), v)] if str(k) in repeated and
+                     held < 0.9 * size(v) else inner)
+    return found
 
   params = _as_dict(params)
-  if isinstance(params, dict):
-    visit(params, ())
-  counts = {n: names.count(n) for n in found}
-  return tuple(n for n in found if "/" in n or counts[n] == 1)
+  found = visit(params, ()) if isinstance(params, dict) else []
+  counts = {}
+  for n in names:
+    counts[n] = counts.get(n, 0) + 1
+  return tuple(p[-1] if counts[p[-1]] == 1 and not p[-1].isdigit()
+               else "/".join(p) for p, _ in found)
 
 
 def unit_depth(names: Sequence[str], unit: str) -> int:

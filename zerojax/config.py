@@ -228,6 +228,13 @@ class ZeroConfig:
       memory and time (measured in the README). Scanned layer
       stacks are prefetched by XLA's GPU loop pipeliner instead
       (`zerojax.compat.GPU_FLAGS`); this field does not touch them.
+    reshard_after_forward: stage 3 (FSDP2's name): each block that owns
+      chunks (a repeated block, a layer of a scanned stack, a `per_use`
+      module) is gathered when it is called, dropped after, and gathered
+      again in its backward pass, found by the step without an opt-in in
+      the model (linen; NNX blocks need `zerojax.nn.layerwise`). False
+      holds every chunk gathered for the whole step (GSPMD FSDP's memory,
+      one gather per chunk), except blocks wrapped in `layerwise`.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
       optimizer state and step count stay as they were) in any precision;
       `metrics["skipped"]` says which steps were. Always on under loss
@@ -263,6 +270,7 @@ class ZeroConfig:
   device_budget: Union[None, int, float] = None
   prefetch: Optional[bool] = None
   skip_nonfinite: bool = False
+  reshard_after_forward: bool = True
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -335,7 +343,8 @@ class ZeroConfig:
                                                     (bool, np.bool_)):
       raise TypeError(f"prefetch={self.prefetch!r} must be True, False or "
                       "None (on for GPU and TPU meshes, off on CPU).")
-    for name in ("hpz", "offload_optimizer", "offload_params", "skip_nonfinite"):
+    for name in ("hpz", "offload_optimizer", "offload_params", "skip_nonfinite",
+                 "reshard_after_forward"):
       if name == "offload_optimizer" and self.offload_optimizer == DISK:
         continue
       if not isinstance(getattr(self, name), (bool, np.bool_)):

@@ -68,6 +68,7 @@ class _Blocks:
   """The vocabulary-block computations `BlockedEmbed` and `NnxBlockedEmbed`
   share. A subclass has `num_embeddings`, `features`, `blocks` and says
   where its table is (`_source`) and how the step hears it (`_heard`)."""
+  locals()[zero_nn.GATHERS_ITSELF] = True   # see zerojax.nn.intercept
 
   @property
   def rows(self) -> int:

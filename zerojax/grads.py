@@ -205,28 +205,41 @@ class ModelCall:
                  else p for c, p in enumerate(self.params_in))
 
   def opted_in(self, diff, batch, dev_rng, fields) -> frozenset:
-    """Chunks a `zerojax.nn.layerwise` block gathers itself (layer stacks,
-    unrolled blocks): one abstract trace on the ordinary tree hears which
-    blocks are wrapped, each saying its module path; an error in it is
-    the model's own."""
+    """Chunks a block gathers itself at its calls (layer stacks, unrolled
+    blocks, `per_use` modules): one abstract trace on the ordinary tree
+    hears which blocks are called, each saying its module path: a
+    `zerojax.nn.layerwise` block, or at stage 3 any linen block that owns
+    chunks (`zerojax.nn.intercept`). A block heard there whose parameters
+    are also read outside its call (a tied weight another module reads, a
+    penalty in the loss) is held for the step instead (`_read_outside`).
+    An error in the trace is the model's own."""
     layout = self.layout
     own = {c: layout.stack_prefix(c) for c, ch in enumerate(layout.chunks)
            if self.pol.layer_hooks and ch.stack is not None}
     if not own:
       return frozenset()
-    called = set()
-    jax.eval_shape(lambda d: self.outputs(d, batch, dev_rng, fields,
-                                          called=called), diff)
+    called, heard, refused = set(), set(), {}
+    traced = jax.make_jaxpr(lambda d: self.outputs(
+        d, batch, dev_rng, fields, called=called, hearing=(heard, refused)))(
+            diff)
     layerwise = frozenset(c for c, path in own.items() if path in called)
-    if self.pol.gathers_params:
-      _say_whole(layout, self.cfg, own, layerwise)
-    return layerwise
+    read = _read_outside(traced, {c for c in layerwise if own[c] in heard})
+    if self.pol.gathers_params and self.cfg.reshard_after_forward:
+      _say_whole(layout, self.cfg, own, layerwise - read, read,
+                 {c: refused[p] for c, p in own.items() if p in refused})
+    return layerwise - read
 
   def outputs(self, diff, batch, rng, fields, layerwise=frozenset(),
-              called=None):
-    """What the user's function returns on this device's `batch`."""
+              called=None, hearing=None):
+    """What the user's function returns on this device's `batch`; with
+    `hearing`, `(heard, refused)` of the step's hearing trace
+    (`zerojax.nn.active`)."""
     params = self._tree(diff, layerwise)
-    with zero_nn.active(self.layout, self.cfg, called, self.prefetch):
+    heard, refused = (None, None) if hearing is None else hearing
+    with zero_nn.active(self.layout, self.cfg, called, self.prefetch,
+                        auto=(self.pol.gathers_params
+                              and self.cfg.reshard_after_forward),
+                        heard=heard, refused=refused):
       return (self.loss_fn(params, batch, rng, **fields) if self.with_rng
               else self.loss_fn(params, batch, **fields))
 
@@ -274,6 +287,62 @@ class ModelCall:
       else:   # the shards, differentiated
         own[c] = (diff[c], None)
     return _with_layer_params(layout, chunks, leaves, self.rest, own)
+
+
+def _read_outside(traced, chunks: set) -> frozenset:
+  """Of `chunks` (whose blocks ran on zeros in the hearing trace `traced`, a
+  closed jaxpr of the chunks' shards), those the outputs still depend on:
+  read outside their block's call."""
+  if not chunks:
+    return frozenset()
+  jaxpr = traced.jaxpr
+  live = _live_inputs(jaxpr, [True] * len(jaxpr.outvars))
+  return frozenset(c for c in chunks if live[c])
+
+
+# equations whose one sub-jaxpr takes the equation's inputs and gives its
+# outputs, in order (`_live_inputs` looks inside them)
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _live_inputs(jaxpr, live_out: list) -> list:
+  """Per input of `jaxpr`, whether the outputs marked in `live_out` depend
+  on it: a backward walk, into scans (to the carry's fixpoint) and calls;
+  every input of another nested equation, or of one with an effect (a
+  callback's; not a collective's axis name), counts where any output does."""
+  live = {id(v) for v, used in zip(jaxpr.outvars, live_out) if used}
+  for eqn in reversed(jaxpr.eqns):
+    outs = [id(v) in live for v in eqn.outvars]
+    effects = [e for e in eqn.effects
+               if type(e).__name__ != "NamedAxisEffect"]
+    if not (effects or any(outs)):
+      continue
+    ins = [True] * len(eqn.invars) if effects else _live_eqn_inputs(eqn, outs)
+    live.update(id(v) for v, used in zip(eqn.invars, ins) if used)
+  return [id(v) in live for v in jaxpr.invars]
+
+
+def _live_eqn_inputs(eqn, outs: list) -> list:
+  """`_live_inputs` of one equation with outputs `outs` live."""
+  params, name = eqn.params, eqn.primitive.name
+  if name == "scan":   # inputs: consts, carry, xs; outputs: carry, ys
+    body = params["jaxpr"].jaxpr
+    consts, carry = params["num_consts"], params["num_carry"]
+    while True:
+      ins = _live_inputs(body, outs)
+      # a carry read by a live carry is live on the way out too
+      more = [o or i for o, i in zip(outs[:carry],
+                                     ins[consts:consts + carry])]
+      if more == outs[:carry]:
+        return ins
+      outs = more + outs[carry:]
+  sub = params.get("jaxpr", params.get("call_jaxpr"))
+  sub = getattr(sub, "jaxpr", sub)
+  if (name in _CALLS and sub is not None and len(sub.invars) == len(eqn.invars)
+      and len(sub.outvars) == len(eqn.outvars)):
+    return _live_inputs(sub, outs)
+  return [True] * len(eqn.invars)
 
 
 def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
@@ -343,44 +412,60 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
   return out
 
 
-def _say_whole(layout, config, own_gather: dict, layerwise: frozenset) -> None:
-  """A scanned stack whose blocks are not wrapped is gathered whole, every
-  layer at once, and so are repeated blocks not wrapped, and a `per_use`
-  module not wrapped is held: legal, but not what `stacked=`, stage 3 on a
-  deep model, or `per_use=` is for."""
-  stacks = sorted({layout.chunks[c].stack for c in own_gather
-                   if c not in layerwise and layout.chunks[c].layers})
+_SAID: set = set()   # messages said already (each is said once a process)
+
+
+def _say_once(message: str) -> None:
+  if message not in _SAID:
+    _SAID.add(message)
+    _log.warning(message)
+
+
+def _names(layout, chunks) -> str:
+  names = list(dict.fromkeys(layout.chunks[c].stack for c in sorted(chunks)))
+  return (", ".join(map(repr, names[:3])) + (", ..." if len(names) > 3 else "")
+          + ("" if len(names) == 1 else f" ({len(names)} modules)"))
+
+
+def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
+               read: frozenset, refused: dict) -> None:
+  """Says once which blocks (layer stacks, repeated blocks, `per_use`
+  modules) stage 3 holds gathered for the whole step instead of gathering
+  them at each call, and why: their parameters are read outside the
+  block's call (`read`), a block's call cannot be replayed (`refused`,
+  `{chunk: why}`), or no call of a module holding them was heard (called
+  with another parameter structure, read without a call, or an NNX block
+  not wrapped)."""
+  for why in dict.fromkeys(refused.values()):
+    chunks = [c for c, w in refused.items() if w == why]
+    _say_once(f"zerojax: stage 3 holds {_names(layout, chunks)} gathered "
+              f"for the whole step: {why}.")
+  if read:
+    _say_once(
+        f"zerojax: stage 3 holds {_names(layout, read)} gathered for the "
+        "whole step: its parameters are also read outside its own call (by "
+        "another module, or by the loss function), so gathering it per "
+        "call would not free them. To gather it per call, read the weights "
+        "only inside the module (e.g. a tied head calling the embedding "
+        "module's attend).")
+  unheard = [c for c in own_gather
+             if c not in layerwise and c not in read and c not in refused]
+  stacks = [c for c in unheard if layout.chunks[c].layers]
   if stacks:
-    _log.warning(
-        "zerojax: stacked=%r at stage 3, but the blocks scanned under %s are "
-        "not wrapped with zerojax.nn.layerwise, so the step gathers all their "
-        "layers at once for the whole step (memory grows with depth). Wrap "
-        "the block class, Block = zerojax.nn.layerwise(Block), to gather one "
-        "layer at a time.", tuple(config.stacked),
-        ", ".join(map(repr, stacks)))
-  blocks = list(dict.fromkeys(
-      layout.chunks[c].stack for c in sorted(own_gather)
-      if c not in layerwise and not layout.chunks[c].layers
-      and layout.chunks[c].stack not in config.per_use))
+    _say_once(
+        f"zerojax: stacked={tuple(config.stacked)!r} at stage 3, but no "
+        f"layer of {_names(layout, stacks)} was called as a module inside "
+        "its scan, so the step gathers all its layers at once for the "
+        "whole step (memory grows with depth). An NNX block scanned this "
+        "way needs its class wrapped: Block = zerojax.nn.layerwise(Block).")
+  blocks = [c for c in unheard if not layout.chunks[c].layers]
   if blocks:
-    _log.warning(
-        "zerojax: stage 3 gathers the %d repeated blocks %s%s for the whole "
-        "step, all at once (memory grows with depth, as under GSPMD FSDP): "
-        "their class is not wrapped with zerojax.nn.layerwise. Wrap it, Block "
-        "= zerojax.nn.layerwise(Block) (linen or NNX; in third-party code, "
-        "assign the wrapped class where the model looks it up), to gather "
-        "one block at a time.", len(blocks),
-        ", ".join(map(repr, blocks[:3])), ", ..." if len(blocks) > 3 else "")
-  named = sorted({layout.chunks[c].stack for c in own_gather
-                  if c not in layerwise
-                  and layout.chunks[c].stack in config.per_use})
-  if named:
-    _log.warning(
-        "zerojax: per_use=%r at stage 3, but %s is not wrapped with "
-        "zerojax.nn.layerwise, so the step holds it gathered for the whole "
-        "step. Wrap its class (e.g. Head = zerojax.nn.layerwise(Head)) to "
-        "gather it at each call.", tuple(config.per_use),
-        ", ".join(map(repr, named)))
+    _say_once(
+        f"zerojax: stage 3 holds {_names(layout, blocks)} gathered for the "
+        "whole step: no call of a module holding exactly those parameters "
+        "was seen (a block called with another parameter structure, "
+        "parameters used without calling their module, or an NNX block "
+        "not wrapped: Block = zerojax.nn.layerwise(Block)).")
 
 
 def _with_layer_params(layout, chunks, leaves, rest, own: dict):

@@ -43,7 +43,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -61,20 +61,58 @@ SLOT_KEY = "__zerojax_slot_"   # a gradient slot (offload_params; stage 2)
 _ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
 # the array a unit's forward gather waits for (its block's input)
 _AFTER = contextvars.ContextVar("zerojax_after", default=None)
+# the block whose call `intercept` is running (its own call passes through)
+_BYPASS = contextvars.ContextVar("zerojax_bypass", default=None)
+# inside a `layerwise` block's call (Flax's lifts call the block's own
+# class there): `intercept` lets every call through
+_OPTED = contextvars.ContextVar("zerojax_opted", default=False)
+# a class attribute of modules that gather their own chunks (`layerwise`
+# classes, `BlockedEmbed`): `intercept` leaves them alone
+GATHERS_ITSELF = "_zerojax_gathers_itself"
+
+
+class _Context(NamedTuple):
+  """What a step tells the blocks while it traces the user's function."""
+  layout: Any
+  config: Any
+  called: set     # module paths of the blocks that gathered (or would)
+  chain: Optional["_Chain"]   # prefetch's, or None
+  auto: dict      # {module path: its chunks}: blocks gathered per call
+                  # without an opt-in (`intercept`); empty when off
+  probing: bool   # the step's hearing trace: blocks heard run on zeros
+  heard: set      # module paths `intercept` heard (`called` has them too)
+  refused: dict   # {module path: why it is not gathered per call}
 
 
 @contextlib.contextmanager
 def active(layout, config, called: Optional[set] = None,
-           prefetch: bool = False):
+           prefetch: bool = False, auto: bool = False,
+           heard: Optional[set] = None, refused: Optional[dict] = None):
   """Set by the step while it traces the user's loss (trace-time metadata).
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
   step learns which stacks and blocks opted in, without guessing. With
-  `prefetch`, unrolled blocks are chained (`_Chain`)."""
-  token = _ACTIVE.set((layout, config, set() if called is None else called,
-                       _Chain() if prefetch else None))
+  `prefetch`, unrolled blocks are chained (`_Chain`). With `auto`, linen
+  blocks that hold chunks of their own (repeated blocks, scanned stacks,
+  `per_use` modules) are gathered per call without an opt-in
+  (`intercept`); with `heard` too (the step's hearing trace), such blocks
+  say their paths there and run on zeros in place of their parameters, so
+  that what still reads those parameters is a read from outside the
+  block's call (`grads.ModelCall.opted_in`)."""
+  owners = {}
+  if auto:
+    for c, chunk in enumerate(layout.chunks):
+      if chunk.stack is not None:
+        owners.setdefault(layout.stack_prefix(c), []).append(c)
+  token = _ACTIVE.set(_Context(layout, config,
+                               set() if called is None else called,
+                               _Chain() if prefetch else None, owners,
+                               heard is not None,
+                               set() if heard is None else heard,
+                               {} if refused is None else refused))
   try:
-    yield
+    with nn.intercept_methods(intercept):
+      yield
   finally:
     _ACTIVE.reset(token)
 
@@ -528,6 +566,184 @@ class _Arguments:
                   **dict(zip(self.names, values[self.count:])))
 
 
+def _opted(method: Callable) -> Callable:
+  """`method` of a `layerwise` class, which `intercept` lets through."""
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    token = _OPTED.set(True)
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      _OPTED.reset(token)
+  return call
+
+
+def _unit_call(module, arguments: _Arguments, call: Callable):
+  """One call of an unrolled linen block inside a stage-3 step (the
+  explicit `layerwise` class's and the automatic path's, `intercept`):
+  `call(module, *arrays)`, the gathered, rematerialised block, as a
+  `custom_vjp` whose residuals are the block's shards and inputs, its
+  gathers tied to the block's input (forward) and to the output's
+  cotangent (backward), or with prefetch to the previous block's input and
+  the next block's output cotangent; see the module docstring."""
+  values = arguments.arrays
+  chain = _ACTIVE.get().chain
+  # the forward gather waits for `token_in`: from the previous block's
+  # input when prefetching (`_Chain`), else from this block's own
+  token_in = None if chain is None else chain.take(module.parent)
+  link = _Link()
+  if token_in is None and _anchor(values) is not None:
+    token_in = jax.lax.stop_gradient(_token(values))
+
+  def gathered(run, module, values):
+    """`run` with the block's gathers waiting for `values[-1]`, and the
+    token (this block's input) the next block's gathers may wait for."""
+    token = _AFTER.set(values[-1])
+    try:
+      return run(module, *values[:-1]), _token(values[:-1])
+    finally:
+      _AFTER.reset(token)
+
+  def tied(module, *values):
+    """The primal (an evaluation, no backward pass), as the forward."""
+    return gathered(call, module, values)
+
+  spaces = []   # per variable of the block: its memory space
+  inputs = set()   # (shape, dtype) of the block's array arguments
+
+  def forward(module, *values):
+    spaces[:] = _memory_spaces(module.variables)
+    inputs.update(_avals(values[:-1]))
+    (out, vjp_fn), token = gathered(
+        lambda m, *v: nn.vjp(call, m, *v), module, values)
+    return (out, token), vjp_fn
+
+  def backward(vjp_fn, cotangents):
+    return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
+                                token_in)
+
+  out, token = nn.custom_vjp(tied, forward_fn=forward,
+                             backward_fn=backward)(module, *values, token_in)
+  if chain is not None:
+    chain.put(module.parent, token, link)
+  return out
+
+
+def intercept(next_fun, args, kwargs, context):
+  """Flax's method interceptor while a step traces the user's function
+  (`active`): automatic per-block gathering. A linen module whose path is
+  a block's with chunks of its own (`_Context.auto`) is called as a
+  `layerwise` block would be (`_auto_call`), or, in the step's hearing
+  trace (an ordinary tree), says where it sits. Modules of `layerwise`
+  classes gather themselves."""
+  ctx = _ACTIVE.get()
+  module = context.module
+  name = context.method_name
+  if (ctx is None or not ctx.auto or module is _BYPASS.get() or _OPTED.get()
+      or getattr(type(module), GATHERS_ITSELF, False) or module.scope is None
+      or name not in ("__call__", "setup") and name not in _own_methods(
+          type(module))
+      or module.is_initializing()):
+    return next_fun(*args, **kwargs)
+  path = tuple(module.scope.path)
+  chunks = ctx.auto.get(path)
+  if chunks is None:
+    return next_fun(*args, **kwargs)
+  params = module.variables.get("params", {})
+  keys = _chunk_keys(params)
+  layout = ctx.layout
+  if name == "setup":
+    # Flax sets a module up before its first method call, reading the
+    # parameters a `setup` makes (`nn.Embed`'s table): a block holding
+    # shards is set up in its gathered clones instead (`_auto_call`)
+    return None if keys else next_fun(*args, **kwargs)
+  if not keys:
+    mutated = [c for c in module.variables if c != "params"
+               and module.is_mutable_collection(c)]
+    if ctx.probing and mutated:
+      ctx.refused[path] = (f"it updates {', '.join(map(repr, mutated))} in "
+                           "its call, which a re-gathered backward pass "
+                           "would not replay")
+    elif ctx.probing and _holds_layer(layout, chunks, path, params):
+      ctx.called.add(path)
+      ctx.heard.add(path)
+      return _on_zeros(module, name, args, kwargs)
+    return next_fun(*args, **kwargs)
+  stacked = any(layout.chunks[c].layers for c in keys)
+  if stacked and any(jnp.ndim(params[k]) != 1 for k in keys.values()):
+    return next_fun(*args, **kwargs)   # the scan around the layers
+  return _auto_call(module, name, args, kwargs, stacked)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_methods(cls: type) -> frozenset:
+  """The public methods a linen module's own classes define, but `setup`
+  (not what Flax's lifted transforms call on it)."""
+  return frozenset(_public_methods(cls, nn.Module)) - {"setup"}
+
+
+def _holds_layer(layout, chunks, path: tuple, params) -> bool:
+  """Whether `params` (a module's, on an ordinary tree) are one layer (or
+  the whole) of the block that owns `chunks`: every leaf at its path, of
+  its shape without the layer axis of a stacked chunk (the module called
+  inside the scan, not the scan)."""
+  depth = len(path)
+  for c in chunks:
+    for i in layout.chunks[c].leaves:
+      leaf = layout.leaves[i]
+      node = params
+      for name in leaf.names[depth:]:
+        if not hasattr(node, "get"):
+          return False
+        node = node.get(name, node.get(int(name)) if name.isdigit() else None)
+        if node is None:
+          return False
+      shape = leaf.shape[1:] if leaf.stacked else leaf.shape
+      if tuple(jnp.shape(node)) != tuple(shape):
+        return False
+  return True
+
+
+def _bypassing(method: str) -> Callable:
+  """`(module, *args, **kwargs) -> module.method(...)`, which `intercept`
+  lets through."""
+  def run(m, *args, **kwargs):
+    token = _BYPASS.set(m)
+    try:
+      return getattr(m, method)(*args, **kwargs)
+    finally:
+      _BYPASS.reset(token)
+  return run
+
+
+def _on_zeros(module, method: str, args: tuple, kwargs: dict):
+  """The block's method with zeros in place of its parameters (the hearing
+  trace's: its outputs then depend on the parameters only through reads
+  from outside the call)."""
+  return nn.map_variables(
+      _bypassing(method), "params",
+      trans_in_fn=lambda v: jax.tree_util.tree_map(jnp.zeros_like, v))(
+          module, *args, **kwargs)
+
+
+def _auto_call(module, method: str, args: tuple, kwargs: dict,
+               stacked: bool):
+  """`module.method(*args, **kwargs)` of a block that holds chunk shards,
+  run as the same method of `layerwise(type(module))` would be: gathered
+  (`_gather_layer`), rematerialised, and for an unrolled block tied and
+  chained (`_unit_call`); other public methods gathered only."""
+  arguments = _Arguments(args, kwargs)
+  mapped = nn.map_variables(_bypassing(method), "params",
+                            trans_in_fn=_gather_layer)
+  if method != "__call__":
+    return mapped(module, *args, **kwargs)
+  rematted = lambda **kw: nn.remat(
+      lambda m, *arrays: arguments.call(mapped, m, arrays), **kw)
+  if stacked:
+    return rematted()(module, *arguments.arrays)
+  return _unit_call(module, arguments, rematted(prevent_cse=False))
+
+
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   """Wraps a Flax block class so zerojax gathers its parameters per layer.
 
@@ -587,61 +803,21 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     module docstring. Inside a zerojax step every call says where it sits
     (`active`)."""
 
+    @_opted
     def __call__(self, *args, **kwargs):
       context = _ACTIVE.get()
       if context is not None and not self.is_initializing():
-        context[2].add(tuple(self.scope.path))
+        context.called.add(tuple(self.scope.path))
       arguments = _Arguments(args, kwargs)
       if not (remat and self._is_unit()):
         if remat and arguments.any_static:
           return self._remat(arguments, remat_kwargs)(self, *arguments.arrays)
         return super().__call__(*args, **kwargs)
-      values = arguments.arrays
-      chain = context[3]
-      # the forward gather waits for `token_in`: from the previous block's
-      # input when prefetching (`_Chain`), else from this block's own
-      token_in = None if chain is None else chain.take(self.parent)
-      link = _Link()
-      if token_in is None and _anchor(values) is not None:
-        token_in = jax.lax.stop_gradient(_token(values))
-
       call = (self._remat(arguments, {**remat_kwargs, "prevent_cse": False})
               if arguments.any_static else
               lambda module, *values: arguments.call(unit.__call__, module,
                                                      values))
-
-      def gathered(run, module, values):
-        """`run` with the block's gathers waiting for `values[-1]`, and the
-        token (this block's input) the next block's gathers may wait for."""
-        token = _AFTER.set(values[-1])
-        try:
-          return run(module, *values[:-1]), _token(values[:-1])
-        finally:
-          _AFTER.reset(token)
-
-      def tied(module, *values):
-        """The primal (an evaluation, no backward pass), as the forward."""
-        return gathered(call, module, values)
-
-      spaces = []   # per variable of the block: its memory space
-      inputs = set()   # (shape, dtype) of the block's array arguments
-
-      def forward(module, *values):
-        spaces[:] = _memory_spaces(module.variables)
-        inputs.update(_avals(values[:-1]))
-        (out, vjp_fn), token = gathered(
-            lambda m, *v: nn.vjp(call, m, *v), module, values)
-        return (out, token), vjp_fn
-
-      def backward(vjp_fn, cotangents):
-        return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
-                                    token_in)
-
-      out, token = nn.custom_vjp(tied, forward_fn=forward,
-                                 backward_fn=backward)(self, *values, token_in)
-      if chain is not None:
-        chain.put(self.parent, token, link)
-      return out
+      return _unit_call(self, arguments, call)
 
     @staticmethod
     def _remat(arguments: _Arguments, kwargs: dict):
@@ -663,6 +839,10 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
       return bool(chunks) and not any(context[0].chunks[c].layers
                                       for c in chunks)
 
+  setattr(Layerwise, GATHERS_ITSELF, True)
+  for name in _public_methods(block, nn.Module):   # `attend`, say
+    if name != "setup":
+      setattr(Layerwise, name, _opted(getattr(wrapped, name)))
   # Flax names unnamed submodules after their class: wrapping a block keeps
   # its parameter paths (`Block_0`, not `LayerwiseBlock_0`)
   Layerwise.__name__ = Layerwise.__qualname__ = block.__name__
