@@ -34,7 +34,8 @@ def test_hugging_face_blocks_are_gathered_per_block_without_the_line(name):
   config = third_party.CONFIGS[name].replace(layers=3)
   batches = lm_batches(config.vocab_size, batch=16, seq=8, steps=3)
   tx = optax.sgd(0.5, momentum=0.9)
-  modes, losses, params, (model, init) = _trained(config, batches, tx)
+  modes, losses, params, (model, init) = _trained(config, batches, tx,
+                                                  remat="full")
   blocks = {k: v for k, v in modes.items() if k.split("/")[-1].isdigit()}
   assert len(blocks) == 3 and set(blocks.values()) == {"per block"}
   assert_matches_reference(losses, params,
@@ -43,6 +44,10 @@ def test_hugging_face_blocks_are_gathered_per_block_without_the_line(name):
   assert wrapped[0] == modes
   np.testing.assert_array_equal(wrapped[1], losses)
   jax.tree_util.tree_map(np.testing.assert_array_equal, wrapped[2], params)
+  kept = _trained(config, batches, tx)   # the default: activations kept
+  assert kept[0] == modes
+  assert_matches_reference(kept[1], kept[2],
+                           *reference_run(_loss_fn(model), init, tx, batches))
 
 
 @pytest.mark.slow

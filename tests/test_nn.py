@@ -479,20 +479,54 @@ def _trained(model, stacked=(), steps=3, **config):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-def test_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(scan):
+@pytest.mark.parametrize("remat,policy", [
+    ("full", None),
+    ("dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)])
+def test_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
+    scan, remat, policy):
   """No `layerwise` in the model: stage 3 gathers each block at its call
   (each layer in its scan) and again in its backward pass, as the opt-in
-  does, bit for bit."""
+  with the same remat policy does, bit for bit."""
   stacked = ("blocks",) if scan else ()
   plain = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
-                             layerwise=False), stacked)
+                             layerwise=False), stacked, remat=remat)
   wrapped = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
-                               layerwise=True), stacked)
+                               layerwise=True, remat_policy=policy), stacked)
   assert plain[2] == wrapped[2]
   assert set(v for k, v in plain[2].items() if k.startswith("blocks")) == {
       "per layer" if scan else "per block"}
   np.testing.assert_array_equal(plain[0], wrapped[0])
   jax.tree_util.tree_map(np.testing.assert_array_equal, plain[1], wrapped[1])
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_the_default_keeps_activations_and_gathers_blocks_again(scan):
+  """`remat="none"` (the default): each block gathered twice (forward,
+  backward), nothing recomputed, training as plain optax; its compiled
+  footprint holds the activations the full remat drops, but not the
+  gathered blocks `reshard_after_forward=False` holds."""
+  model = ScannedLM(layers=4, width=64, vocab=64, scan=scan, layerwise=False)
+  batches = _batches(model.vocab, batch=16, seq=16, steps=3)
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  tx = optax.sgd(0.5, momentum=0.9)
+  stacked = ("blocks",) if scan else ()
+  make = lambda **kw: zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3, stacked=stacked,
+                                    **kw)
+  state = make()
+  step = zerojax.train_step(_loss_fn(model))
+  compiled = {}
+  for name, kw in (("none", {}), ("full", {"remat": "full"}),
+                   ("held", {"reshard_after_forward": False})):
+    compiled[name] = step.lower(make(**kw), batches[0]).compile()
+  gathers = _all_gathers(compiled["none"].as_text())
+  chunks = len(state.layout.chunks)
+  assert gathers == (3 if scan else 2 * 4 + chunks - 4)
+  temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+  assert temp["full"] < temp["none"]
+  state, losses = zero_run(state, _loss_fn(model), batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(_loss_fn(model), params, tx, batches))
 
 
 class _PenalisedLM(nn.Module):
@@ -510,8 +544,7 @@ class _PenalisedLM(nn.Module):
 
 
 def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
-  from zerojax import grads
-  grads._SAID.clear()
+  zerojax.nn._SAID.clear()   # (said once a process)
   model = _PenalisedLM()
   batches = _batches(64, batch=16, seq=8, steps=3)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
@@ -550,8 +583,7 @@ class _TwoShapes(nn.Module):
 
 
 def test_parameters_used_without_calling_their_module_are_held(caplog):
-  from zerojax import grads
-  grads._SAID.clear()
+  zerojax.nn._SAID.clear()   # (said once a process)
   model = _TwoShapes()
   x = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
   params = model.init(jax.random.key(0), x[:1])["params"]
@@ -652,7 +684,8 @@ def test_a_per_use_tied_embedding_is_gathered_at_each_method_call():
     tx = optax.sgd(0.5, momentum=0.9)
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx), stage=3,
-                          per_use=("embed",), reshard_after_forward=reshard)
+                          per_use=("embed",), reshard_after_forward=reshard,
+                          remat="full")
     loss_fn = _loss_fn(model)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["embed"] == (

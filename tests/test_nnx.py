@@ -392,11 +392,12 @@ def _listed_reference():
 @functools.lru_cache(maxsize=None)
 def _listed_step(layers, wrap, width=256):
   """The compiled stage-3 step of `layers` listed residual blocks, and its
-  state."""
+  state; unwrapped, held for the step (`reshard_after_forward=False`)."""
   block = zerojax.nn.layerwise(NnxResidualBlock) if wrap else NnxResidualBlock
   net = nnx_listed(block, layers, width)
   state = zerojax.shard_shape(nnx.eval_shape(lambda: net(nnx.Rngs(0))),
-                              tx=optax.adam(1e-3), stage=3)
+                              tx=optax.adam(1e-3), stage=3,
+                              reshard_after_forward=wrap)
   batch = {"x": np.zeros((64, width), np.float32),
            "y": np.zeros((64, 4), np.float32)}
   loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
@@ -433,7 +434,8 @@ def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
   gathers = {}
   for wrap in (False, True):
     embed = zerojax.nn.layerwise(nnx.Embed) if wrap else nnx.Embed
-    state = zerojax.shard(make(embed), stage=3, tx=TX, per_use=("embed",))
+    state = zerojax.shard(make(embed), stage=3, tx=TX, per_use=("embed",),
+                          reshard_after_forward=wrap)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["embed"] == (
         "per block" if wrap else "whole step")
@@ -506,7 +508,8 @@ def test_nnx_wrapped_blocks_take_flags_and_draw_dropout_as_unwrapped(scan):
   for wrap in (False, True):
     block = zerojax.nn.layerwise(FlagDropBlock) if wrap else FlagDropBlock
     state = zerojax.shard(FlagDropNet(nnx.Rngs(0, dropout=1), block, scan),
-                          stage=3, tx=TX, stacked=("blocks",) if scan else ())
+                          stage=3, tx=TX, stacked=("blocks",) if scan else (),
+                          reshard_after_forward=wrap)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])[name] == (
         mode if wrap else "whole step")
@@ -571,7 +574,7 @@ def test_nnx_blocks_given_an_rngs_draw_as_unwrapped():
   for wrap in (False, True):
     block = zerojax.nn.layerwise(PassedRngsBlock) if wrap else PassedRngsBlock
     state = zerojax.shard(AttributeBlocksNet(nnx.Rngs(0), block), stage=3,
-                          tx=TX)
+                          tx=TX, reshard_after_forward=wrap)
     step = zerojax.train_step(loss_fn)
     key = jax.random.key(1)
     assert step.gathering(state, batches[0], key)["block_2"] == (
@@ -599,7 +602,8 @@ def test_nnx_scanned_block_takes_flags_and_keywords_as_unwrapped():
   loss_fn = lambda m, b: jnp.mean(m(b) ** 2)
   runs = {}
   for wrap in (False, True):
-    state = zerojax.shard(net(wrap), stage=3, tx=TX, stacked=("blocks",))
+    state = zerojax.shard(net(wrap), stage=3, tx=TX, stacked=("blocks",),
+                          reshard_after_forward=wrap)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["blocks"] == (
         "per layer" if wrap else "whole step")
@@ -607,6 +611,41 @@ def test_nnx_scanned_block_takes_flags_and_keywords_as_unwrapped():
   np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
   _close(_params(zerojax.gather_model(runs[True][0])),
          _params(zerojax.gather_model(runs[False][0])), "float32")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["listed", "scanned"])
+def test_nnx_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
+    scan, caplog):
+  """No `layerwise` in the model: the step's rebuilt model (never the
+  user's) gathers each block in an `nnx.List`, or each layer of an
+  `nnx.scan` stack, as the opt-in does, bit for bit; and says once that
+  NNX blocks recompute (remat='none' is linen's only)."""
+  zerojax.nn._SAID.clear()   # (said once a process)
+  make = nnx_scanned if scan else nnx_listed
+  batches = [{"x": np.full((16, 32), i + 1.0, np.float32),
+              "y": np.zeros((16, 4), np.float32)} for i in range(3)]
+  loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  runs = {}
+  for wrap in (False, True):
+    block = zerojax.nn.layerwise(NnxResidualBlock) if wrap else NnxResidualBlock
+    model = make(block)(nnx.Rngs(0))
+    state = zerojax.shard(model, stage=3, tx=TX,
+                          stacked=("blocks",) if scan else ())
+    step = zerojax.train_step(loss_fn)
+    with caplog.at_level("WARNING", logger="zerojax"):
+      modes = step.gathering(state, batches[0])
+    runs[wrap] = modes, _trained(step, state, batches)
+    assert type(model.blocks if scan else model.blocks[0]) is block
+  assert runs[False][0] == runs[True][0]
+  assert {v for k, v in runs[False][0].items() if k.startswith("blocks")} == {
+      "per layer" if scan else "per block"}
+  np.testing.assert_array_equal(runs[False][1][1], runs[True][1][1])
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         _params(zerojax.gather_model(runs[False][1][0])),
+                         _params(zerojax.gather_model(runs[True][1][0])))
+  said = [r.getMessage() for r in caplog.records]
+  assert sum("NNX blocks gathered per call (NnxResidualBlock) recompute" in m
+             and "remat='none' is linen's only" in m for m in said) == 1
 
 
 def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):

@@ -232,9 +232,18 @@ class ZeroConfig:
       chunks (a repeated block, a layer of a scanned stack, a `per_use`
       module) is gathered when it is called, dropped after, and gathered
       again in its backward pass, found by the step without an opt-in in
-      the model (linen; NNX blocks need `zerojax.nn.layerwise`). False
+      the model (NNX blocks with `remat="full"` whatever `remat` says). False
       holds every chunk gathered for the whole step (GSPMD FSDP's memory,
       one gather per chunk), except blocks wrapped in `layerwise`.
+    remat: stage 3, what the backward pass of a linen block gathered per
+      call (`reshard_after_forward`, without `layerwise` in the model) keeps:
+      "none" (the default, ZeRO-3's and FSDP2's) keeps its activations and
+      gathers its parameters again, the FLOPs of plain data parallelism;
+      "dots" keeps the matmul outputs
+      (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and
+      recomputes the rest; "full" keeps the block's input and recomputes
+      the block (activation checkpointing, `layerwise`'s default). "dots"
+      and "full" are what `layerwise(Block, policy=...)` does, bit for bit.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
       optimizer state and step count stay as they were) in any precision;
       `metrics["skipped"]` says which steps were. Always on under loss
@@ -271,6 +280,7 @@ class ZeroConfig:
   prefetch: Optional[bool] = None
   skip_nonfinite: bool = False
   reshard_after_forward: bool = True
+  remat: str = "none"
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -349,6 +359,10 @@ class ZeroConfig:
         continue
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+    if self.remat not in ("none", "dots", "full"):
+      raise ValueError(f"remat={self.remat!r} must be 'none' (activations "
+                       "kept), 'dots' (matmul outputs kept) or 'full' "
+                       "(the block recomputed).")
     if self.offload_optimizer and self.stage == 0:
       raise ValueError("offload_optimizer needs stage >= 1 (stage 0 keeps "
                        "everything replicated); use stage=1, 2 or 3.")

@@ -44,24 +44,19 @@ from zerojax import nn as zero_nn
 from zerojax.policy import policy
 
 
-_log = logging.getLogger("zerojax")
-_SAID = set()   # module paths warned about (a step traces its loss twice)
-
-
 def _say_unstacked(layout, config, path: tuple) -> None:
   """A `BlockedEmbed` at stage 2 or 3 whose table is not a stack (its
   module is not in `stacked=`) is held whole, as `nn.Embed` would be:
   legal, but not what the module is for."""
-  if (not policy(config).layer_hooks or path in _SAID
+  if (not policy(config).layer_hooks
       or any(layout.stack_prefix(c) == path
              for c, chunk in enumerate(layout.chunks) if chunk.stack)):
     return
-  _SAID.add(path)
-  _log.warning(
-      "zerojax: BlockedEmbed %s is not in stacked=%r, so the step holds its "
-      "whole table (and gradient) as it would nn.Embed's. Add its name, "
-      "stacked=(..., %r), to gather it one vocabulary block at a time.",
-      "/".join(path), tuple(config.stacked), path[-1])
+  zero_nn.say_once(
+      f"zerojax: BlockedEmbed {'/'.join(path)} is not in "
+      f"stacked={tuple(config.stacked)!r}, so the step holds its whole table "
+      "(and gradient) as it would nn.Embed's. Add its name, stacked=(..., "
+      f"{path[-1]!r}), to gather it one vocabulary block at a time.")
 
 
 class _Blocks:

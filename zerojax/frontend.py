@@ -114,6 +114,7 @@ class Nnx:
         stack = _node(model, prefix)
         if stack is not None:
           setattr(stack, zero_nn.STACK_ATTR, prefix)
+          zero_nn.gather_per_call(stack)
     for path, x in shards.items():
       setattr(_node(model, path[:-1]), str(path[-1]), zero_nn.Shard(x))
 

@@ -26,7 +26,6 @@ them), others taken from the axis's first device, and feed the next one.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,6 @@ from zerojax.config import batch_axes, manual_axes, prefetches, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
 from zerojax.state import chunk_spec, state_shardings
 
-_log = logging.getLogger("zerojax")
 
 
 def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
@@ -412,15 +410,6 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
   return out
 
 
-_SAID: set = set()   # messages said already (each is said once a process)
-
-
-def _say_once(message: str) -> None:
-  if message not in _SAID:
-    _SAID.add(message)
-    _log.warning(message)
-
-
 def _names(layout, chunks) -> str:
   names = list(dict.fromkeys(layout.chunks[c].stack for c in sorted(chunks)))
   return (", ".join(map(repr, names[:3])) + (", ..." if len(names) > 3 else "")
@@ -438,10 +427,10 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
   not wrapped)."""
   for why in dict.fromkeys(refused.values()):
     chunks = [c for c, w in refused.items() if w == why]
-    _say_once(f"zerojax: stage 3 holds {_names(layout, chunks)} gathered "
+    zero_nn.say_once(f"zerojax: stage 3 holds {_names(layout, chunks)} gathered "
               f"for the whole step: {why}.")
   if read:
-    _say_once(
+    zero_nn.say_once(
         f"zerojax: stage 3 holds {_names(layout, read)} gathered for the "
         "whole step: its parameters are also read outside its own call (by "
         "another module, or by the loss function), so gathering it per "
@@ -452,7 +441,7 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
              if c not in layerwise and c not in read and c not in refused]
   stacks = [c for c in unheard if layout.chunks[c].layers]
   if stacks:
-    _say_once(
+    zero_nn.say_once(
         f"zerojax: stacked={tuple(config.stacked)!r} at stage 3, but no "
         f"layer of {_names(layout, stacks)} was called as a module inside "
         "its scan, so the step gathers all its layers at once for the "
@@ -460,7 +449,7 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
         "way needs its class wrapped: Block = zerojax.nn.layerwise(Block).")
   blocks = [c for c in unheard if not layout.chunks[c].layers]
   if blocks:
-    _say_once(
+    zero_nn.say_once(
         f"zerojax: stage 3 holds {_names(layout, blocks)} gathered for the "
         "whole step: no call of a module holding exactly those parameters "
         "was seen (a block called with another parameter structure, "

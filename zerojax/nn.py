@@ -1,4 +1,6 @@
-"""The Flax-facing opt-in for per-layer gathering of repeated blocks (stage 3).
+"""Per-block gathering at stage 3: found without an opt-in (`intercept`,
+linen's method interceptor; `gather_per_call`, NNX), and the Flax-facing
+opt-in it does the work of, `layerwise`, kept as an override.
 
     Block = zerojax.nn.layerwise(Block)             # the one line
     x, _ = nn.scan(Block, variable_axes={"params": 0},
@@ -43,6 +45,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
@@ -52,7 +55,7 @@ import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
-from zerojax import collectives
+from zerojax import collectives, regather
 from zerojax.offload import HOST_SPACE
 from zerojax.policy import policy
 
@@ -66,6 +69,17 @@ _BYPASS = contextvars.ContextVar("zerojax_bypass", default=None)
 # inside a `layerwise` block's call (Flax's lifts call the block's own
 # class there): `intercept` lets every call through
 _OPTED = contextvars.ContextVar("zerojax_opted", default=False)
+_log = logging.getLogger("zerojax")
+_SAID: set = set()   # messages said already (each is said once a process)
+
+
+def say_once(message: str) -> None:
+  """Logs `message` as a warning the first time it is said."""
+  if message not in _SAID:
+    _SAID.add(message)
+    _log.warning(message)
+
+
 # a class attribute of modules that gather their own chunks (`layerwise`
 # classes, `BlockedEmbed`): `intercept` leaves them alone
 GATHERS_ITSELF = "_zerojax_gathers_itself"
@@ -348,6 +362,30 @@ def _full_layer(layout, config, c: int, value, slot, after=None):
                             config.axis_name, wire)
 
 
+def gather_per_call(module) -> None:
+  """An NNX block that owns chunks, in the model a step rebuilt for its
+  trace (never the user's object): made an instance of
+  `layerwise(type(module))`, so that it gathers per call as the opt-in
+  does (with its remat: NNX blocks recompute, whatever
+  `ZeroConfig.remat` says, and the step says so once). Blocks that gather
+  themselves are left as they are."""
+  context = _ACTIVE.get()
+  cls = type(module)
+  if (context is None or not context.auto
+      or getattr(cls, GATHERS_ITSELF, False)):
+    return
+  if context.config.remat != "full":
+    say_once(f"zerojax: NNX blocks gathered per call ({cls.__name__}) "
+             "recompute their forward in the backward pass (remat='full'): "
+             f"remat={context.config.remat!r} is linen's only for now.")
+  module.__class__ = _nnx_auto(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _nnx_auto(cls: type) -> type:
+  return _nnx_layerwise(cls, True)
+
+
 def active_layout():
   """`(layout, config)` while a zerojax step traces the user's function,
   else None."""
@@ -424,6 +462,7 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
              "__module__": block.__module__, "__doc__": block.__doc__}
   for name in _public_methods(block, nnx.Module):
     methods[name] = gathering(getattr(block, name))
+  methods[GATHERS_ITSELF] = True
   Layerwise = type(block.__name__, (block,), methods)
   Layerwise.__qualname__ = block.__qualname__
   return Layerwise
@@ -726,22 +765,79 @@ def _on_zeros(module, method: str, args: tuple, kwargs: dict):
           module, *args, **kwargs)
 
 
+# `ZeroConfig.remat`: the `jax.checkpoint_policies` policy of each choice
+# that rematerialises (its gathered parameters never saved: `_regathering`)
+_POLICIES = {"dots": "dots_with_no_batch_dims_saveable", "full": None}
+
+
 def _auto_call(module, method: str, args: tuple, kwargs: dict,
                stacked: bool):
   """`module.method(*args, **kwargs)` of a block that holds chunk shards,
-  run as the same method of `layerwise(type(module))` would be: gathered
-  (`_gather_layer`), rematerialised, and for an unrolled block tied and
-  chained (`_unit_call`); other public methods gathered only."""
+  as `ZeroConfig.remat` says: "none", its activations kept and its
+  parameters gathered again for the backward pass (`_kept_call`); else
+  as the same method of `layerwise(type(module), policy=...)` would run:
+  gathered (`_gather_layer`), rematerialised, and for an unrolled block
+  tied and chained (`_unit_call`). Other public methods are gathered
+  only."""
   arguments = _Arguments(args, kwargs)
-  mapped = nn.map_variables(_bypassing(method), "params",
-                            trans_in_fn=_gather_layer)
+  choice = _ACTIVE.get().config.remat
+  if method == "__call__" and choice == "none" and not any(
+      str(k).startswith(SLOT_KEY) for k in module.variables["params"]):
+    return _kept_call(module, arguments)
+  name = _POLICIES.get(choice)
+  policy = None if name is None else getattr(jax.checkpoint_policies, name)
+  mapped = nn.map_variables(
+      _bypassing(method), "params",
+      trans_in_fn=functools.partial(_gather_layer,
+                                    regather=policy is not None))
   if method != "__call__":
     return mapped(module, *args, **kwargs)
+  kwargs = {} if policy is None else {"policy": _regathering(policy)}
   rematted = lambda **kw: nn.remat(
-      lambda m, *arrays: arguments.call(mapped, m, arrays), **kw)
+      lambda m, *arrays: arguments.call(mapped, m, arrays), **kwargs, **kw)
   if stacked:
     return rematted()(module, *arguments.arrays)
   return _unit_call(module, arguments, rematted(prevent_cse=False))
+
+
+def _kept_call(module, arguments: _Arguments):
+  """A block's call whose backward keeps its activations and gathers its
+  parameters again (`regather.kept_call`): the block as a pure function of
+  its gathered parameters and the call's arrays (an unbound clone's
+  `apply`, its other collections and RNG streams closed over; nothing in
+  it intercepted), its gathers tied as `_unit_call`'s are (to the block's
+  input; the re-gather to the output's cotangent). Prefetch does not
+  chain these calls."""
+  variables = dict(module.variables)
+  shards = dict(variables.pop("params"))
+  unbound = module.clone(parent=None)
+  scope_rngs = getattr(module.scope, "rngs", {}) or {}
+  rngs = {name: module.make_rng(name) for name in scope_rngs}
+
+  def block(params, *arrays):
+    token = _OPTED.set(True)
+    try:
+      return arguments.call(
+          lambda _, *args, **kwargs: unbound.apply(
+              {"params": params, **variables}, *args, rngs=rngs, **kwargs),
+          None, arrays)
+    finally:
+      _OPTED.reset(token)
+
+  context = _ACTIVE.get()   # (the backward pass is traced after `active`)
+
+  def gather(shards, after):
+    tokens = _ACTIVE.set(context), _AFTER.set(after)
+    try:
+      return _gather_layer({"params": shards})["params"]
+    finally:
+      _AFTER.reset(tokens[1])
+      _ACTIVE.reset(tokens[0])
+
+  token = _token(arguments.arrays)
+  token = (jnp.zeros((), jnp.float32) if token is None
+           else jax.lax.stop_gradient(token))
+  return regather.kept_call(block, gather, shards, arguments.arrays, token)
 
 
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
