@@ -65,8 +65,8 @@ class _Llama(third_party.HFLlamaConfig):
 def _config(model: str, layers: int, **changes):
   base = {"gpt2": _GPT2(vocab_size=2048, width=256, layers=layers, heads=4,
                         positions=SEQ),
-          "llama": _Llama(vocab_size=2048, width=256, layers=layers, heads=4,
-                          kv_heads=2, hidden=704, positions=SEQ)}[model]
+          "llama": _Llama(vocab_size=2048, width=256, layers=layers,
+                          heads=4)}[model]
   return base.replace(**changes)
 
 

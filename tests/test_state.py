@@ -123,6 +123,10 @@ def test_one_device_shard_compiles_a_few_programs_not_one_per_leaf():
     ({"offload_fraction": "half"}, TypeError, r"offload_fraction='half' must be a number"),
     ({"skip_nonfinite": "yes"}, TypeError, r"skip_nonfinite='yes' must be True or False"),
     ({"prefetch": "yes"}, TypeError, r"prefetch='yes' must be True, False or None"),
+    ({"reshard_after_forward": 1}, TypeError,
+     r"reshard_after_forward=1 must be True or False"),
+    ({"remat": "some"}, ValueError,
+     r"remat='some' must be 'none' \(activations kept\), 'dots'"),
     ({"stacked": ("nonexistent",)}, ValueError,
      r"no submodule is named 'nonexistent'; the submodules are \['Dense_0'"),
 ])
