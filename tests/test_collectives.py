@@ -63,9 +63,10 @@ def _step_text(model, stage_fields):
 
 @pytest.mark.slow
 def test_held_chunks_are_not_kept_beside_their_leaves():
-  # unrolled blocks without the opt-in: every chunk gathered for the step
+  # unrolled blocks held: every chunk gathered for the step
   model = ScannedLM(layers=3, scan=False, layerwise=False)
-  compiled, layout = _step_text(model, {"chunk_size": 20000})
+  compiled, layout = _step_text(model, {"chunk_size": 20000,
+                                        "reshard_after_forward": False})
   cut = sum(len(c.leaves) > 1 or c.padding > 0 for c in layout.chunks)
   assert cut >= 3
   text = compiled.as_text()

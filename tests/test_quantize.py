@@ -218,7 +218,8 @@ def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
   block = 74
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=3,
-      compute_dtype="bfloat16", quantize_block=block)
+      compute_dtype="bfloat16", quantize_block=block,
+      reshard_after_forward=False)
   lengths = [c.length for c in state.layout.chunks]
   padded = sum(8 * -(-n // 8 // block) * block for n in lengths)
   # memory_report names the chunks padded on the wire, and by how much

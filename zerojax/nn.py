@@ -781,8 +781,7 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
   only."""
   arguments = _Arguments(args, kwargs)
   choice = _ACTIVE.get().config.remat
-  if method == "__call__" and choice == "none" and not any(
-      str(k).startswith(SLOT_KEY) for k in module.variables["params"]):
+  if method == "__call__" and choice == "none":
     return _kept_call(module, arguments)
   name = _POLICIES.get(choice)
   policy = None if name is None else getattr(jax.checkpoint_policies, name)
@@ -837,7 +836,13 @@ def _kept_call(module, arguments: _Arguments):
   token = _token(arguments.arrays)
   token = (jnp.zeros((), jnp.float32) if token is None
            else jax.lax.stop_gradient(token))
-  return regather.kept_call(block, gather, shards, arguments.arrays, token)
+  host = {k for k, v in shards.items()
+          if _memory_spaces((v,)) == [HOST_SPACE]}
+  return regather.kept_call(
+      block, gather, shards, arguments.arrays, token,
+      lambda saved: collectives.held_apart(saved, context.config.axis_name),
+      lambda cts: {k: jax.device_put(g, HOST_SPACE) if k in host else g
+                   for k, g in cts.items()})
 
 
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:

@@ -23,12 +23,17 @@ import jax.numpy as jnp
 
 
 def kept_call(f: Callable, gather: Callable, shards: Any, arrays: tuple,
-              token: jax.Array):
+              token: jax.Array, hold: Callable, place: Callable):
   """`f(gather(shards, token), *arrays)`, its backward pass keeping the
   residuals that depend on `arrays` and computing the others again from
   `gather(shards, after)`, `after` being the output's cotangent (see
   `zerojax.nn.tie`: the re-gather waits for it). `token` (a float32
-  scalar) is what the forward gather waits for; it takes no gradient."""
+  scalar) is what the forward gather waits for; it takes no gradient.
+  `hold(residuals)` gives the kept residuals back, each in a buffer of
+  its own: XLA would otherwise fold a residual's cheap producer (a bias
+  add) into the backward pass, where it reads the gathered parameters,
+  which then stay alive from the forward pass on. `place(cotangents)`
+  puts the shards' cotangents where the shards are (host memory)."""
   params = jax.eval_shape(lambda s: gather(s, token), shards)
   kept = _on_inputs(f, params, arrays)
   avals = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
@@ -42,7 +47,7 @@ def kept_call(f: Callable, gather: Callable, shards: Any, arrays: tuple,
   def forward(shards, token, arrays):
     out, vjp_fn = jax.vjp(f, gather(shards, token), *arrays)
     leaves = jax.tree_util.tree_leaves(vjp_fn)
-    return out, (shards, tuple(r for r, k in zip(leaves, kept) if k))
+    return out, (shards, hold(tuple(r for r, k in zip(leaves, kept) if k)))
 
   def backward(residuals, cotangent):
     shards, saved = residuals
@@ -56,7 +61,8 @@ def kept_call(f: Callable, gather: Callable, shards: Any, arrays: tuple,
     vjp_fn = jax.tree_util.tree_unflatten(
         treedef, [next(saved) if k else r for r, k in zip(leaves, kept)])
     grads = vjp_fn(cotangent)
-    return (gather_vjp(grads[0])[0], jnp.zeros_like(token), tuple(grads[1:]))
+    return (place(gather_vjp(grads[0])[0]), jnp.zeros_like(token),
+            tuple(grads[1:]))
 
   run.defvjp(forward, backward)
   return run(shards, token, tuple(arrays))
