@@ -321,12 +321,27 @@ def _live_inputs(jaxpr, live_out: list) -> list:
   return [id(v) in live for v in jaxpr.invars]
 
 
+def _scan_counts(params: dict):
+  """`(consts, carry)` of a scan equation: its parameters under jax 0.10,
+  its input flat tree's first two parts under jax 0.12; None if neither."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  try:
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
+  except (KeyError, AttributeError, TypeError, ValueError):
+    return None
+
+
 def _live_eqn_inputs(eqn, outs: list) -> list:
   """`_live_inputs` of one equation with outputs `outs` live."""
   params, name = eqn.params, eqn.primitive.name
   if name == "scan":   # inputs: consts, carry, xs; outputs: carry, ys
     body = params["jaxpr"].jaxpr
-    consts, carry = params["num_consts"], params["num_carry"]
+    counts = _scan_counts(params)
+    if counts is None:
+      return [True] * len(eqn.invars)
+    consts, carry = counts
     while True:
       ins = _live_inputs(body, outs)
       # a carry read by a live carry is live on the way out too
