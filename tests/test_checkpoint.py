@@ -451,6 +451,12 @@ CORRUPTIONS = {
                    r"metadata .*/meta/metadata has no format"),
     "edited layout": (lambda d: _edit_meta(d, _move_first_leaf, True),
                       r"metadata .*/meta/metadata fails its checksum"),
+    "no metadata": (lambda d: os.remove(os.path.join(d, "meta", "metadata")),
+                    r"/meta/metadata is missing: the step's chunk layout"),
+    "newer format": (lambda d: _edit_meta(
+        d, lambda m: m.update(format="zerojax-99"), False),
+                     r"has format 'zerojax-99', which this zerojax does not "
+                     r"know .* written by a newer zerojax\? Upgrade"),
     "edited layout, no checksum": (
         lambda d: _edit_meta(d, _move_first_leaf, False),
         r"the layout is inconsistent: leaf .* (overlaps|ends at)"),

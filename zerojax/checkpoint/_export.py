@@ -14,7 +14,7 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         params_shapes)
 from zerojax.checkpoint._restore import open_step, restore_to_host
 from zerojax.config import shard_axes
-from zerojax.state import ZeroTrainState
+from zerojax.state import ZeroTrainState, check_live
 
 
 def export_params(directory_or_state: Any, *, step: Optional[int] = None,
@@ -25,6 +25,7 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   the optax state in its ordinary tree form. From a directory the trees are
   nested dicts (lists for tuples), as orbax reads any tree back."""
   if isinstance(directory_or_state, ZeroTrainState):
+    check_live(directory_or_state, "checkpoint.export_params()")
     tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
   else:
     path, meta, _, saved = open_step(directory_or_state, step)

@@ -17,6 +17,7 @@ from zerojax.state import ZeroTrainState
 FORMAT = "zerojax-3"   # chunk form (the package docstring)
 VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
 CHUNK_FORMATS = (FORMAT, VIEW_FORMAT)
+READ_FORMATS = CHUNK_FORMATS + ("zerojax-1",)   # "zerojax-1": the tree form
 
 
 def params_shapes(layout) -> Any:

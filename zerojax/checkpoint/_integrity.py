@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zerojax.checkpoint._format import CHUNK_FORMATS, by_path, saved_list
+from zerojax.checkpoint._format import (CHUNK_FORMATS, READ_FORMATS, by_path,
+                                        saved_list)
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
 
@@ -112,12 +113,20 @@ def seal(meta: dict) -> dict:
   return {**meta, "sha256": _digest(meta)}
 
 
-def read_meta(step_dir: str) -> Any:
-  """The checked metadata of a step's directory, None where it has none
-  (format "zerojax-1" had some; plain orbax checkpoints have none)."""
+def saved_steps(directory: str) -> list:
+  """The steps in `directory`, ascending: entries named as orbax names them
+  (`str(step)`; `str.isdigit` alone also takes '²', which `int` refuses)."""
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isascii() and name.isdigit() and name == str(int(name)))
+
+
+def read_meta(step_dir: str) -> dict:
+  """The checked metadata of a step's directory (every format zerojax wrote
+  has it)."""
   path = os.path.join(step_dir, "meta", "metadata")
   if not os.path.exists(path):
-    return None
+    raise ValueError(f"{path} is missing: the step's chunk layout and "
+                     "configuration are unknown")
   try:
     with open(path) as f:
       meta = json.load(f)
@@ -129,6 +138,11 @@ def read_meta(step_dir: str) -> Any:
   if "sha256" in meta and meta["sha256"] != _digest(meta):
     raise ValueError(f"checkpoint metadata {path} fails its checksum: it was "
                      "changed after the save.")
+  if meta["format"] not in READ_FORMATS:
+    raise ValueError(f"checkpoint metadata {path} has format "
+                     f"{meta['format']!r}, which this zerojax does not know "
+                     f"(it reads {', '.join(READ_FORMATS)}): written by a newer "
+                     "zerojax? Upgrade zerojax to read it.")
   missing = [k for k in ("config", "num_shards") + (
       ("layout",) if meta["format"] in CHUNK_FORMATS else ()) if k not in meta]
   if missing:

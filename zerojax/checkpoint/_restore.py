@@ -21,7 +21,7 @@ from zerojax.checkpoint._format import (
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
     non_empty, params_shapes, saved_list, shape_signature)
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
-                                           read_meta, verify)
+                                           read_meta, saved_steps, verify)
 from zerojax.checkpoint._save import wait
 from zerojax.config import DISK, OFFLOAD_FIELDS, shard_axes
 from zerojax.layout import path_names
@@ -40,7 +40,7 @@ def open_step(directory: str, step: Optional[int]):
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint directory {directory!r}.")
   wait(directory)
-  steps = sorted(int(s) for s in os.listdir(directory) if s.isdigit())
+  steps = saved_steps(directory)
   if not steps:
     # A plain orbax checkpoint of a TrainState (StandardCheckpointer.save).
     if step is not None or not os.path.exists(
@@ -119,9 +119,24 @@ def _check_opt_state(saved: dict, want: dict) -> None:
                      describe_mismatch(saved, want, "").split("\n", 1)[1])
 
 
+def _check_dtypes(saved: dict, abstract, cast: bool) -> None:
+  """`saved`: {leaf name: dtype name} at save. A leaf whose dtype `like`
+  changes is refused, naming it, unless the caller asked (`cast`)."""
+  want = {k: jnp.dtype(x.dtype).name for k, x in by_path(abstract).items()}
+  changed = sorted(k for k in want if k in saved and saved[k] != want[k])
+  if changed and not cast:
+    shown = ", ".join(f"{k} ({saved[k]} -> {want[k]})" for k in changed[:5])
+    raise ValueError(
+        f"`like` would change the dtype of {len(changed)} saved parameter(s): "
+        f"{shown}{' ...' if len(changed) > 5 else ''}. Pass like= a state "
+        "with the saved dtypes, or restore(..., cast=True) to convert them "
+        "(a narrower dtype loses precision; nothing was restored).")
+
+
 def restore(directory: str, *, like: Any, step: Optional[int] = None,
             mesh: Optional[Mesh] = None, stage: Optional[int] = None,
-            tx: Any = None, **config_fields) -> ZeroTrainState:
+            tx: Any = None, cast: bool = False,
+            **config_fields) -> ZeroTrainState:
   """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
   differ from those at save time (any device count, any stage).
 
@@ -138,6 +153,8 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     mesh: target mesh; default all devices on the data axis.
     stage: target stage; default the saved one (or `like`'s).
     tx: the optax optimizer, when `like` is an NNX model.
+    cast: convert saved parameters to the dtypes of `like`'s where they
+      differ; without it such a `like` is refused, naming the leaves.
     **config_fields: further ZeroConfig overrides. An explicit `frozen=`
       replaces the saved one (`frozen=None` trains every leaf): leaves
       unfrozen start with zero optimizer statistics, and the chunks are
@@ -195,6 +212,14 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   dims = _model_dims(like, boxed, meta, config, mesh)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh, model_dims=dims)
+  if not isinstance(cast, bool):
+    raise TypeError(f"restore(cast={cast!r}): cast is True or False.")
+  if meta is not None and meta.get("format") in CHUNK_FORMATS:
+    _check_dtypes({"/".join(i["names"]): i["dtype"]
+                   for i in meta["layout"]["leaves"]}, abstract, cast)
+  else:
+    _check_dtypes({k: jnp.dtype(x.dtype).name for k, x in
+                   by_path(saved.get("params", {})).items()}, abstract, cast)
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
     state = _restore_chunk_form(path, saved, meta["layout"],
                                 meta.get("checksums"),

@@ -6,6 +6,13 @@ background. What zerojax adds to orbax:
   * a directory that cannot be written fails at `save()` (a probe file);
   * a background write that fails is raised at the next `save`/`wait` of
     that directory, naming the directory and the step it lost;
+  * saves are serialised process-wide (`_LOCK`), one background write at a
+    time: orbax's CheckpointManager races when two threads save into one
+    directory (steps returned as saved but never committed, "Save
+    finalization already in progress") and when two managers commit at
+    once (missing tmp metadata, hangs). A save first waits for the write in
+    flight, whichever its directory; a failure found so is kept for that
+    directory's next `save`/`wait`;
   * every save still in flight is committed before the interpreter shuts
     down. Orbax's commit schedules work on thread pools, which Python closes
     at shutdown *before* `atexit` hooks run ("cannot schedule new futures
@@ -39,6 +46,8 @@ from zerojax.state import ZeroTrainState, check_live
 _MANAGERS: dict = {}   # absolute directory -> CheckpointManager
 _KEEP: dict = {}       # absolute directory -> its manager's `keep`
 _PENDING: dict = {}    # absolute directory -> the step being written
+_FAILED: dict = {}     # absolute directory -> the error of its lost write
+_LOCK = threading.RLock()   # every use of the dicts above and of orbax
 _EXIT_HOOK: list = []
 # no thread can start at shutdown (gh-113964): orbax's commit needs some
 _NO_THREADS_AT_EXIT = sys.version_info[:3] in ((3, 12, 0), (3, 12, 1))
@@ -88,32 +97,63 @@ def _check_writable(directory: str) -> None:
                   "(nothing was saved)", directory) from None
 
 
-def _finish(directory: str) -> None:
-  """Waits for the save in flight to `directory`; raises naming the step it
-  lost when the background write failed."""
-  mgr, step = _MANAGERS.get(directory), _PENDING.pop(directory, None)
-  if mgr is None:
+def _settle(directory: str) -> None:
+  """Waits for the save in flight to `directory`; a failed background
+  write is kept, naming the step it lost, for `_finish`."""
+  mgr = _MANAGERS.get(directory)
+  if mgr is None or directory not in _PENDING:
     return
+  step = _PENDING.pop(directory)
   try:
     mgr.wait_until_finished()
-  except Exception as e:  # noqa: BLE001 - re-raised, naming what was lost
-    raise RuntimeError(f"checkpoint step {step} in {directory} was not "
-                       f"written: {type(e).__name__}: {e}") from e
+  except Exception as e:  # noqa: BLE001 - kept, naming what was lost
+    error = RuntimeError(f"checkpoint step {step} in {directory} was not "
+                         f"written: {type(e).__name__}: {e}")
+    error.__cause__ = e
+    _FAILED.setdefault(directory, error)
+    # orbax's manager may be left mid-commit: the next save gets a new one
+    _MANAGERS.pop(directory, None)
+
+
+def _finish(directory: str) -> None:
+  """Waits for the save in flight to `directory`; raises naming the step it
+  lost when the background write failed (also one found earlier)."""
+  with _LOCK:
+    _settle(directory)
+    if directory in _FAILED:
+      raise _FAILED.pop(directory)
 
 
 def _finish_all_at_exit() -> None:
   failed = False
-  for directory in list(_MANAGERS):
-    try:
-      _finish(directory)
-      _MANAGERS.pop(directory).close()
-    except Exception as e:  # noqa: BLE001 - reported once, then exit(1)
-      print(f"zerojax: {e}", file=sys.stderr, flush=True)
-      failed = True
+  with _LOCK:
+    for directory in list(_MANAGERS) + list(_FAILED):
+      try:
+        _finish(directory)
+        if directory in _MANAGERS:
+          _MANAGERS.pop(directory).close()
+      except Exception as e:  # noqa: BLE001 - reported once, then exit(1)
+        print(f"zerojax: {e}", file=sys.stderr, flush=True)
+        failed = True
   if failed:
     # The exit status is decided before exit hooks run: only this changes it,
     # and it cannot hang on orbax's threads of the failed save.
     os._exit(1)
+
+
+def _check_keep(directory: str, steps: list, keep: Optional[int]) -> None:
+  """Refuses a `keep` that would have orbax delete a step that is a
+  symbolic link (it would fail half-way, after writing the new step)."""
+  if keep is None:
+    return
+  for step in steps[:max(len(steps) + 1 - keep, 0)]:
+    path = os.path.join(directory, str(step))
+    if os.path.islink(path):
+      raise ValueError(
+          f"keep={keep} would delete step {step}, but {path} is a symbolic "
+          f"link (to {os.readlink(path)}); zerojax does not delete through "
+          "links. Replace the link by the directory, remove it, or save "
+          "with keep=None (nothing was written).")
 
 
 def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
@@ -123,6 +163,11 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
   The write is committed at the latest when the process exits normally; a
   failed background write is raised by the next `save` or `wait` of this
   directory (or, at exit, printed and the exit status set to 1).
+
+  Safe from several threads, into one directory or several: saves are
+  serialised, one background write at a time in the process (the module
+  docstring). A save that returns is committed, or its failure is raised
+  by the next `save`/`wait` of its directory, naming its step.
 
   Args:
     directory: the checkpoint directory (created if missing).
@@ -152,9 +197,18 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
                      "written; keep at least 1, or None to keep all.")
   step = int(state.step) if step is None else check_step(step, "save")
   directory = os.path.abspath(directory)
+  with _LOCK:
+    return _save_locked(directory, state, step, keep, wait)
+
+
+def _save_locked(directory: str, state: ZeroTrainState, step: int,
+                 keep: Optional[int], wait: bool) -> int:
   _check_writable(directory)
+  for other in list(_PENDING):   # one background write at a time
+    _settle(other)
   _finish(directory)   # the previous save's failure is raised here
   mgr = _manager(directory, keep)
+  _check_keep(directory, sorted(mgr.all_steps()), keep)
   if step in mgr.all_steps():
     raise ValueError(f"step {step} already exists in {directory}; pass "
                      "another step= (nothing was overwritten).")
@@ -172,9 +226,17 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
                "frozen": frozen_names(layout),
                "num_shards": state.num_shards, "layout": layout,
                "checksums": checksums(tree)})
+  try:
+    started = mgr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+  except Exception as e:  # noqa: BLE001 - re-raised, naming what was lost
+    _MANAGERS.pop(directory, None)
+    raise RuntimeError(f"checkpoint step {step} in {directory} was not "
+                       f"written: {type(e).__name__}: {e}") from e
+  if not started:   # orbax decided not to save: never returned as saved
+    raise RuntimeError(f"checkpoint step {step} in {directory} was not "
+                       "written: orbax's CheckpointManager declined it.")
   _PENDING[directory] = step
-  mgr.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
   if wait or state.config.disk:
     _finish(directory)
   return step
