@@ -21,7 +21,8 @@ from zerojax import grads, outputs
 from zerojax.config import batch_axes, manual_axes, shard_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
-from zerojax.step import check_mutable, check_state, shard_batch
+from zerojax.step import (check_mutable, check_signature, check_state,
+                          shard_batch)
 
 
 def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
@@ -54,6 +55,7 @@ def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
     return shard_batch(state, batch)
 
   def evaluate(state, batch, rng=None):
+    check_signature(fn, rng is not None, mutable, "evaluate()")
     return jitted(state, prepare(state, batch), rng)
 
   evaluate.lower = lambda state, batch, rng=None: jitted.lower(

@@ -239,6 +239,12 @@ class ChunkLayout:
       info = LeafInfo(jax.tree_util.keystr(path), shape, dtype,
                       stacked=stack is not None, names=names, model_dim=dim,
                       model_shards=model_shards if dim is not None else 1)
+      if train and jnp.issubdtype(dtype, jnp.complexfloating):
+        raise ValueError(
+            f"parameter {info.path} is {dtype.name}: zerojax's chunks hold "
+            "real numbers, so it would never be trained. Store it as two "
+            "real leaves (real and imaginary parts), or freeze it "
+            "(frozen=...) to keep it as it is.")
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
       unit = (None if stack is not None else
               next((u for u in units if unit_depth(names, u)), None))

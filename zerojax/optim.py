@@ -276,7 +276,10 @@ def _compare(layout, reference, chunked) -> Optional[str]:
   the update chunks; numpy arrays."""
   for want, out_chunks in zip(reference, chunked):
     for c, chunk in enumerate(layout.chunks):
-      if chunk.padding and np.any(out_chunks[c][..., chunk.used:]):
+      pad = out_chunks[c][..., chunk.used:]
+      if chunk.padding and np.any(pad):
+        if chunk.dtype == np.float16 and not np.all(np.isfinite(pad)):
+          return _FLOAT16
         return "it moves zero padding (its update of a zero is not zero)"
     for i, info in enumerate(layout.leaves):
       if info.chunk >= 0 and not np.allclose(
@@ -288,11 +291,23 @@ def _compare(layout, reference, chunked) -> Optional[str]:
   return None
 
 
+_FLOAT16 = "float16"   # `_compare`'s reason: a zero's update is not finite
+
+
 def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
   """Raises ValueError naming the part of `tx` that cannot run on chunks."""
   why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
   if why is None:
     return
+  if why == _FLOAT16:
+    raise ValueError(
+        f"optax transformation {_transform_name(tx)!r} computes a non-finite "
+        "update for a zero gradient on float16 parameters (an epsilon such "
+        "as adam's eps=1e-8 is 0 in float16, so 0/0): it would turn "
+        "parameters to NaN wherever a gradient is zero. Keep the parameters "
+        "in float32 and compute in float16 (zerojax.shard(..., "
+        "compute_dtype='float16'): the update then runs on the float32 "
+        "master).")
   culprit, reason = tx, why
   while True:
     for inner in _inner_transforms(culprit):

@@ -156,6 +156,11 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   boxed_init, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
   axes = shard_axes(config)
   boxed = jax.eval_shape(boxed_init, rng)
+  if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(boxed)):
+    raise TypeError(
+        f"init_fn returned {boxed!r:.80}, not a tree of parameter arrays: it "
+        "must return the parameters (e.g. `lambda r: model.init(r, x)"
+        "[\"params\"]`) or an nnx.Module (nothing was created).")
   # tensor parallelism: the dims the model splits over `model_axis`, read
   # from its partitioning boxes, which the step's tree goes without
   dims = tensor_parallel.model_dims(boxed, config.model_axis, mesh,

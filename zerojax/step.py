@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import jax
@@ -180,6 +181,35 @@ def check_mutable(mutable, caller: str) -> tuple:
   return tuple(mutable)
 
 
+def check_signature(fn: Callable, with_rng: bool, mutable: tuple,
+                    caller: str) -> None:
+  """A TypeError naming the expected call when `fn` cannot take the
+  arguments the step passes: `(params, batch)`, `rng` third when the step
+  is given one, each `mutable` field by keyword."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):   # a builtin or C callable: not known
+    return
+  args = ("params", "batch") + (("rng",) if with_rng else ())
+  try:
+    signature.bind(*args, **{m: None for m in mutable})
+  except TypeError as e:
+    call = ", ".join(args + tuple(f"{m}=..." for m in mutable))
+    other = ("pass no rng to the step, or give the function an rng "
+             "parameter" if with_rng else
+             "pass the step an rng (step(state, batch, rng)), or drop the "
+             "function's third parameter")
+    raise TypeError(
+        f"{caller}: the function{signature} cannot be called as fn({call}) "
+        f"({e}); {other}.") from None
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape"):
+    return f"a 0-d array ({x!r})"
+  return f"a {type(x).__name__} ({x!r:.60})"
+
+
 def shard_batch(state, batch, accum_steps: int = 1):
   """`batch` split over the data axis (and the replica axis: `batch_axes`),
   checked: every array with the same leading (global batch) axis, a
@@ -187,13 +217,27 @@ def shard_batch(state, batch, accum_steps: int = 1):
   batch, for `.lower`) get the sharding."""
   devices = state.num_batch_shards
   per_step = devices * accum_steps
-  sizes = {np.shape(x)[0] if np.ndim(x) else None
-           for x in jax.tree_util.tree_leaves(batch)}
-  if not sizes:
+  leaves = jax.tree_util.tree_leaves_with_path(batch)
+  if not leaves:
     raise ValueError("the batch has no arrays.")
-  if None in sizes or len(sizes) != 1:
-    raise ValueError(f"every batch array needs the same leading (global "
-                     f"batch) axis; got leading sizes {sorted(map(str, sizes))}.")
+  for path, x in leaves:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or not np.ndim(x):
+      raise ValueError(
+          f"batch{jax.tree_util.keystr(path)} is {_describe(x)}: every batch "
+          "value must be an array whose leading axis is the global batch "
+          "(pass a scalar as an array of shape [batch], or close over it in "
+          "loss_fn).")
+  sizes = {np.shape(x)[0] for _, x in leaves}
+  if len(sizes) != 1:
+    first = {}
+    for path, x in leaves:
+      first.setdefault(np.shape(x)[0], jax.tree_util.keystr(path))
+    raise ValueError(
+        "every batch array needs the same leading (global batch) axis; got "
+        + ", ".join(f"{n} (batch{k})" for n, k in sorted(first.items())) + ".")
+  if 0 in sizes:
+    raise ValueError("the batch is empty (leading size 0): a step on it "
+                     "would average over no examples; skip it.")
   size = sizes.pop()
   if size % per_step:
     raise ValueError(
@@ -281,6 +325,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
+    check_signature(loss_fn, rng is not None, mutable, "step()")
     if getattr(state, "config", None) is not None and (
         state.config.placement == "auto"):
       from zerojax import planner   # it compiles steps: imports this module
