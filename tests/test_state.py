@@ -60,6 +60,21 @@ def test_gather_params_returns_the_original_tree():
     zerojax.gather_params(state)
 
 
+def test_gather_params_to_host_is_numpy_and_equal():
+  state, _, _ = _state("mlp", tx=optax.sgd(0.1))
+  z = zerojax.shard(state, stage=3, chunk_size=300)
+  host = zerojax.gather_params(z, to="host")
+  assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(host))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, host, state.params)
+  half = zerojax.gather_params(z, jnp.bfloat16, to="host")
+  jax.tree_util.tree_map(
+      lambda h, p: np.testing.assert_array_equal(h, p.astype(jnp.bfloat16)),
+      half, state.params)
+  with pytest.raises(ValueError, match=r"gather_params\(to='cpu'\): to is "
+                     r"'device' .* or 'host'"):
+    zerojax.gather_params(z, to="cpu")
+
+
 def test_gather_params_traces_once_per_state_structure(monkeypatch):
   traced = []
   merge = zerojax.layout.ChunkLayout.merge

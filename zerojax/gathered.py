@@ -1,6 +1,6 @@
-"""The ordinary forms of a sharded state, replicated on its mesh: the
-parameter tree (`gather_params`, for export) and, for a state made from an
-NNX model, the `nnx.Module` (`gather_model`)."""
+"""The ordinary forms of a sharded state, replicated on its mesh or in host
+memory: the parameter tree (`gather_params`, for export) and, for a state
+made from an NNX model, the `nnx.Module` (`gather_model`)."""
 from __future__ import annotations
 
 import functools
@@ -8,27 +8,57 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import disk_tier, frontend
+from zerojax import disk_tier, frontend, reshard
+from zerojax.config import shard_axes
 from zerojax.layout import ChunkLayout
 from zerojax.state import ZeroTrainState, check_live
 
 
-def gather_params(state: ZeroTrainState, dtype: Any = None) -> Any:
-  """The ordinary parameter tree of a sharded state, replicated.
+def gather_params(state: ZeroTrainState, dtype: Any = None, *,
+                  to: str = "device") -> Any:
+  """The ordinary parameter tree of a sharded state.
 
   Args:
     state: a `ZeroTrainState`.
     dtype: cast floating leaves to this dtype; None keeps each leaf's dtype.
+    to: "device" (the default): jax arrays replicated on the state's mesh,
+      a whole copy of the model on every device, to run it; "host": numpy
+      arrays in host memory, gathered one leaf at a time (no device holds
+      more than its shard and one leaf), for a model larger than one
+      device.
   """
   if not isinstance(state, ZeroTrainState):
     raise TypeError(f"gather_params() takes a ZeroTrainState, got "
                     f"{type(state).__name__}.")
+  if to not in ("device", "host"):
+    raise ValueError(f"gather_params(to={to!r}): to is 'device' (replicated "
+                     "on the mesh) or 'host' (numpy arrays).")
   check_live(state, "gather_params()")
   dtype = None if dtype is None else jnp.dtype(dtype)
-  return _gather_program(state.layout, state.mesh, dtype)(
-      disk_tier.loaded_master(state), state.rest)
+  master = disk_tier.loaded_master(state)
+  if to == "host":
+    tree = reshard.to_tree(state.layout, master, state.rest,
+                           shard_axes(state.config))
+    return jax.tree_util.tree_map(lambda x: _cast(to_host(x), dtype), tree)
+  return _gather_program(state.layout, state.mesh, dtype)(master, state.rest)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """`x` as one numpy array; under multi-host every process gets all of it
+  (np.asarray alone refuses arrays with shards on other hosts)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _cast(x, dtype):
+  if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return x.astype(dtype)
 
 
 def gather_model(state: ZeroTrainState, dtype: Any = None):
@@ -55,8 +85,6 @@ def _gather_program(layout: ChunkLayout, mesh: Mesh, dtype) -> Callable:
     tree = layout.merge(master, rest)
     if dtype is None:
       return tree
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-        else x, tree)
+    return jax.tree_util.tree_map(lambda x: _cast(x, dtype), tree)
 
   return jax.jit(merge, out_shardings=NamedSharding(mesh, P()))

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from zerojax import disk_tier, reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
@@ -14,6 +12,7 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         params_shapes)
 from zerojax.checkpoint._restore import open_step, restore_to_host
 from zerojax.config import shard_axes
+from zerojax.gathered import to_host
 from zerojax.state import ZeroTrainState, check_live
 
 
@@ -26,7 +25,7 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
   nested dicts (lists for tuples), as orbax reads any tree back."""
   if isinstance(directory_or_state, ZeroTrainState):
     check_live(directory_or_state, "checkpoint.export_params()")
-    tree = jax.tree_util.tree_map(_to_host, _tree_form(directory_or_state))
+    tree = jax.tree_util.tree_map(to_host, _tree_form(directory_or_state))
   else:
     path, meta, _, saved = open_step(directory_or_state, step)
     tree = restore_to_host(path, saved, meta and meta.get("checksums"))
@@ -34,14 +33,6 @@ def export_params(directory_or_state: Any, *, step: Optional[int] = None,
       params, opt = cut_chunks(layout_from_json(meta["layout"], None), tree)
       tree = {"params": nest_by_names(params), "opt_state": nest_by_names(opt)}
   return (tree["params"], tree["opt_state"]) if with_opt_state else tree["params"]
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-  # Under multi-host, every process ends up with the whole tree (export's
-  # purpose); np.asarray alone refuses arrays with shards on other hosts.
-  if x.is_fully_addressable:
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _tree_form(state: ZeroTrainState) -> dict:
