@@ -213,3 +213,26 @@ def test_blocked_embed_block_trains_a_tied_lm_at_stage_3():
       x @ table.T, batch["targets"]).mean()
   _, metrics = step(state, batch)
   np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+
+
+def test_weighted_loss_block_trains_on_the_token_mean(quick_start):
+  model = quick_start["model"]
+
+  def token_losses(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["targets"])
+
+  ns = _run(_block("def loss_fn(params, batch):\n  l = token_losses"),
+            token_losses=token_losses)
+  batch = dict(quick_start["loader"][0])
+  batch["mask"] = (np.arange(model.seq)[None] < np.arange(16)[:, None] % 5 + 1
+                   ).astype(np.float32)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=quick_start["params"], tx=optax.sgd(0.1)),
+      stage=3)
+  _, metrics = ns["step"](state, batch)
+  l = token_losses(quick_start["params"], batch)
+  want = (l * batch["mask"]).sum() / batch["mask"].sum()
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
+  assert float(metrics["weight"]) == batch["mask"].sum()

@@ -25,7 +25,8 @@ from zerojax.step import (check_mutable, check_signature, check_state,
                           shard_batch)
 
 
-def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
+def eval_step(fn: Callable, *, mutable: tuple = (),
+              weighted: bool = False) -> Callable:
   """Builds a jitted evaluation of a ZeRO state.
 
   Args:
@@ -38,6 +39,9 @@ def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
       `fn` as keyword arguments, e.g. `("batch_stats",)` for a BatchNorm
       model evaluated with its running averages. Evaluation changes no
       state: what `fn` returns is all that comes back.
+    weighted: `fn` returns `(sum, weight)` (as a `train_step(weighted=True)`
+      loss does) and `evaluate` returns Σ sum / Σ weight over the whole
+      global batch, a scalar (NaN for a batch of weight 0).
 
   Returns:
     `evaluate(state, batch, rng=None) -> outputs`, jitted (the state is not
@@ -48,7 +52,9 @@ def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
   if not callable(fn):
     raise TypeError(f"eval_step() takes the evaluation function, got {fn!r}.")
   mutable = check_mutable(mutable, "eval_step")
-  jitted = jax.jit(functools.partial(_evaluate, fn, mutable))
+  if not isinstance(weighted, bool):
+    raise TypeError(f"eval_step(weighted={weighted!r}) must be True or False.")
+  jitted = jax.jit(functools.partial(_evaluate, fn, mutable, weighted))
 
   def prepare(state, batch):
     check_state(state, "evaluate()", mutable)
@@ -63,7 +69,7 @@ def eval_step(fn: Callable, *, mutable: tuple = ()) -> Callable:
   return evaluate
 
 
-def _evaluate(fn, mutable, state, batch, rng):
+def _evaluate(fn, mutable, weighted, state, batch, rng):
   fn, mutable = state.frontend.evaluation(fn, mutable)
   cfg, layout = state.config, state.layout
   pol = policy(cfg)
@@ -82,6 +88,10 @@ def _evaluate(fn, mutable, state, batch, rng):
     diff = call.differentiated()
     layerwise = call.opted_in(diff, batch, dev_rng, fields)
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)
+    if weighted:
+      total, weight = (jax.lax.psum(x, batch_ax)
+                       for x in outputs.sum_and_weight(out))
+      return total / weight
     out = outputs.check_per_example(out, outputs.batch_size(batch),
                                     "evaluation")
     return grads.per_device(out, batch_ax, scalar)
@@ -93,6 +103,6 @@ def _evaluate(fn, mutable, state, batch, rng):
   args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())
   in_specs = (chunks, P(), P(), P(batch_ax)) + ((P(),) if with_rng else ())
   out = jax.shard_map(local, mesh=state.mesh, in_specs=in_specs,
-                      out_specs=P(batch_ax), check_vma=False,
-                      **manual_axes(cfg))(*args)
-  return grads.taken_once(out, scalar)
+                      out_specs=P() if weighted else P(batch_ax),
+                      check_vma=False, **manual_axes(cfg))(*args)
+  return out if weighted else grads.taken_once(out, scalar)

@@ -41,10 +41,17 @@ from zerojax.state import chunk_spec, state_shardings
 
 
 
-def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
+def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
+                      weighted: bool = False):
   """Reduced gradient chunks (sharded, or replicated under ALL_REDUCE), the
-  mean loss, the aux values and the new values of the `mutable` fields;
-  fills `modes` with how each chunk is gathered (`gather_modes`)."""
+  loss, the aux values, the new values of the `mutable` fields and the
+  global batch's weight (None unless `weighted`); fills `modes` with how
+  each chunk is gathered (`gather_modes`).
+
+  The loss and its gradient are the mean of the devices' and micro-batches'
+  losses, or with `weighted` (`loss_fn` returns `(sum, weight)`) the whole
+  global batch's Σ sum / Σ weight: the summed gradients of the sums are
+  divided by the weight all-reduced over the batch axes."""
   cfg, layout, mesh = state.config, state.layout, state.mesh
   pol = policy(cfg)
   ax = cfg.axis_name
@@ -65,7 +72,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
                if with_rng else None)
     params_in, slotted = secondary_partition(state, params_in, host)
     forward = ModelCall(loss_fn, has_aux, mutable, state, pol, params_in, rest,
-                       scale, slotted, with_rng)
+                       scale, slotted, with_rng, weighted)
     diff = forward.differentiated()
     k = cfg.accum_steps
     first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
@@ -74,7 +81,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
     grads, loss, aux, fields = _accumulate(
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
         diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
-        batch_ax)
+        batch_ax, jnp.sum if weighted else jnp.mean)
     quant = collectives.Wire.of(cfg).grads
     rows = [collectives.Wire.of(cfg, c).model for c in layout.chunks]
     if pol.reduction is Reduction.SCATTER_PER_STEP:
@@ -88,21 +95,28 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes):
                     for g, m in zip(grads, rows))
     elif cfg.replica_axis is not None:   # once per step, all chunks together
       grads = collectives.all_reduce(grads, cfg.replica_axis, quant, rows)
-    n = state.num_batch_shards
-    grads = tuple(g / (n * cfg.accum_steps) for g in grads)
-    loss = collectives.all_mean(loss, batch_ax)
-    return grads, loss, per_device(aux, batch_ax, scalar), fields
+    if weighted:
+      total, weight = (jax.lax.psum(x, batch_ax) for x in loss)
+      grads = tuple(g / weight.astype(g.dtype) for g in grads)
+      loss = total / weight
+    else:
+      n, weight = state.num_batch_shards, jnp.zeros((), jnp.float32)
+      grads = tuple(g / (n * cfg.accum_steps) for g in grads)
+      loss = collectives.all_mean(loss, batch_ax)
+    return grads, loss, per_device(aux, batch_ax, scalar), fields, weight
 
   fields = {name: state.extras[name] for name in mutable}
   args = (params_in, state.rest, fields, batch, scale) + (
       (rng,) if with_rng else ())
   in_specs = ((split if pol.forward is Forward.GATHERED else replicated),
               P(), P(), P(batch_ax), P()) + ((P(),) if with_rng else ())
-  out_specs = (split if pol.grads_sharded else replicated, P(), P(batch_ax), P())
-  grads, loss, aux, fields = jax.shard_map(
+  out_specs = (split if pol.grads_sharded else replicated, P(), P(batch_ax), P(),
+               P())
+  grads, loss, aux, fields, weight = jax.shard_map(
       local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
       check_vma=False, **manual_axes(cfg))(*args)
-  return grads, loss, taken_once(aux, scalar), fields
+  return (grads, loss, taken_once(aux, scalar), fields,
+          weight if weighted else None)
 
 
 def forward_params(state) -> tuple:
@@ -180,8 +194,9 @@ class ModelCall:
   (`differentiated()`, `__call__`), and the model's opt-in (`opted_in`)."""
 
   def __init__(self, loss_fn, has_aux, mutable, state, pol, params_in, rest,
-               scale, host, with_rng):
+               scale, host, with_rng, weighted=False):
     self.loss_fn, self.has_aux, self.pol = loss_fn, has_aux, pol
+    self.weighted = weighted
     self.mutable = mutable
     self.cfg, self.layout = state.config, state.layout
     self.params_in, self.rest, self.scale = params_in, rest, scale
@@ -243,14 +258,18 @@ class ModelCall:
 
   def __call__(self, diff, micro_batch, micro_rng, fields,
                layerwise=frozenset(), called=None):
-    """`(loss * scale, (loss, aux, updates))` of one micro-batch."""
+    """`(loss * scale, (loss, aux, updates))` of one micro-batch; weighted,
+    `(sum * scale, ((sum, weight), aux, updates))`."""
     out = self.outputs(diff, micro_batch, micro_rng, fields, layerwise, called)
     if self.mutable:
       out, updates = outputs.updates(out, self.has_aux, fields)
     else:
       updates = {}
     loss, aux = outputs.loss_and_aux(out, self.has_aux,
-                                     outputs.batch_size(micro_batch))
+                                     outputs.batch_size(micro_batch),
+                                     self.weighted)
+    if self.weighted:
+      return loss[0] * self.scale, (loss, aux, updates)
     loss = jnp.asarray(loss, jnp.float32)
     return loss * self.scale, (loss, aux, updates)
 
@@ -359,11 +378,12 @@ def _live_eqn_inputs(eqn, outs: list) -> list:
 
 
 def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
-                axis_name):
-  """`(summed gradients in reduce_dtype, mean loss, aux, fields)` over `k`
+                axis_name, combine=jnp.mean):
+  """`(summed gradients in reduce_dtype, loss, aux, fields)` over `k`
   micro-batches of this device's batch, in sequence: each reads the mutable
-  `fields` the previous one wrote (`_agreed`). Per-example aux values in
-  batch order, scalars averaged."""
+  `fields` the previous one wrote (`_agreed`). The micro-batches' losses
+  are put together by `combine` (a weighted loss's sums and weights are
+  added); per-example aux values in batch order, scalars averaged."""
   to_reduce = lambda g: tuple(x.astype(reduce_dtype) for x in g)
   if k == 1:
     grads, (loss, aux, updates) = grad_fn(diff, batch, dev_rng, fields)
@@ -386,7 +406,8 @@ def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
   aux = jax.tree_util.tree_map(
       lambda a: jnp.reshape(a, (-1,) + a.shape[2:]) if a.ndim > 1
       else jnp.mean(a, axis=0), auxes)
-  return grads, jnp.mean(losses), aux, fields
+  return (grads, jax.tree_util.tree_map(lambda x: combine(x, axis=0), losses),
+          aux, fields)
 
 
 def _agreed(fields, updates, axis_name) -> dict:

@@ -17,18 +17,25 @@ def batch_size(batch) -> int:
   return np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
 
 
-def loss_and_aux(out, has_aux: bool, batch_size: int) -> tuple:
+def loss_and_aux(out, has_aux: bool, batch_size: int,
+                 weighted: bool = False) -> tuple:
   """`(loss, aux)` of what the user's loss function returned, checked: a
-  floating scalar loss; aux values that are scalars or per-example arrays
-  (leading axis `batch_size`, this device's micro-batch)."""
+  floating scalar loss, or with `weighted` a pair `(sum, weight)` of
+  scalars, returned as float32; aux values that are scalars or per-example
+  arrays (leading axis `batch_size`, this device's micro-batch)."""
   if has_aux:
     loss, aux = split_aux(out)
+  elif weighted:
+    loss, aux = out, {}
   else:
     if isinstance(out, (tuple, list)):
       raise TypeError(
           f"loss_fn returned {_describe(out)}, not a scalar loss; if it returns "
           "(loss, aux), build the step with train_step(loss_fn, has_aux=True).")
     loss, aux = out, {}
+  if weighted:
+    _check_names(aux, METRICS + ("weight",))
+    return sum_and_weight(loss), check_per_example(aux, batch_size, "aux")
   dtype = jnp.result_type(loss) if hasattr(loss, "dtype") or isinstance(
       loss, (int, float)) else None
   if dtype is None or np.shape(loss) != () or not jnp.issubdtype(dtype, jnp.floating):
@@ -36,14 +43,33 @@ def loss_and_aux(out, has_aux: bool, batch_size: int) -> tuple:
         f"loss_fn must return a floating scalar loss; it returned "
         f"{_describe(loss)}. Reduce it to a scalar (e.g. .mean()) and keep it "
         "floating: an integer loss has no gradient.")
+  _check_names(aux, METRICS)
+  return loss, check_per_example(aux, batch_size, "aux")
+
+
+def _check_names(aux, metrics: tuple) -> None:
   if isinstance(aux, dict):
-    taken = sorted(set(map(str, aux)) & set(METRICS))
+    taken = sorted(set(map(str, aux)) & set(metrics))
     if taken:
       raise ValueError(
           f"aux key(s) {taken} would overwrite the step's own metric(s) of "
-          f"that name (the step reports {', '.join(METRICS)}); rename them "
+          f"that name (the step reports {', '.join(metrics)}); rename them "
           "in loss_fn's aux dict.")
-  return loss, check_per_example(aux, batch_size, "aux")
+
+
+def sum_and_weight(out) -> tuple:
+  """A weighted loss's `(sum, weight)`, float32, else a TypeError."""
+  if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(
+      np.shape(x) == () and hasattr(jnp.asarray(x), "dtype") for x in out)):
+    raise TypeError(
+        "weighted=True: the function must return (sum, weight), two "
+        "scalars (e.g. ((token_loss * mask).sum(), mask.sum())), or "
+        f"((sum, weight), aux) with has_aux; it returned {_describe(out)}.")
+  total, weight = (jnp.asarray(x) for x in out)
+  if not jnp.issubdtype(total.dtype, jnp.floating):
+    raise TypeError(f"weighted=True: the sum must be floating (it "
+                    f"has the gradient); got {total.dtype}.")
+  return total.astype(jnp.float32), weight.astype(jnp.float32)
 
 
 def split_aux(out) -> tuple:

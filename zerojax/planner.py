@@ -133,7 +133,7 @@ def offload_ladder(state: ZeroTrainState) -> list:
 
 def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                  budget_bytes: int, *, has_aux: bool = False,
-                 mutable: tuple = (),
+                 mutable: tuple = (), weighted: bool = False,
                  compiler_options: Optional[dict] = None) -> OffloadPlan:
   """The least offload (along `offload_ladder`) whose compiled step needs at
   most `budget_bytes` of device memory per device.
@@ -142,7 +142,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
     state: a `ZeroTrainState`, real or abstract (`zerojax.shard_shape`);
       only its shapes, dtypes, layout, config and mesh are
       read, and its own offload fields are ignored.
-    loss_fn, has_aux, mutable: as for `zerojax.train_step`.
+    loss_fn, has_aux, mutable, weighted: as for `zerojax.train_step`.
     batch: one step's global batch: arrays or `jax.ShapeDtypeStruct`s.
     budget_bytes: device memory per device, in bytes.
     compiler_options: XLA options for the compiles (the same as the run's,
@@ -170,7 +170,8 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                      "finite number of bytes per device.")
   budget = int(budget_bytes)
   batch = jax.eval_shape(lambda b: b, batch)   # shapes only: nothing moved
-  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable)
+  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
+                    weighted=weighted)
   ladder = offload_ladder(state)
   measured = {}
 
@@ -220,7 +221,8 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
 
 
 def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
-                     has_aux: bool, mutable: tuple) -> ZeroTrainState:
+                     has_aux: bool, mutable: tuple,
+                     weighted: bool = False) -> ZeroTrainState:
   """placement="auto" at its first step: `state` moved to the placement
   `plan_offload` chooses for this step's program and the config's
   `device_budget`, its config saying "planned". Raises (the state left as
@@ -229,7 +231,7 @@ def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
   try:
     plan = plan_offload(state, loss_fn, batch,
                         device_budget_bytes(cfg, state.mesh),
-                        has_aux=has_aux, mutable=mutable)
+                        has_aux=has_aux, mutable=mutable, weighted=weighted)
   except ValueError as e:
     raise ValueError(f"placement='auto', device_budget={cfg.device_budget!r}: "
                      f"{e}") from None

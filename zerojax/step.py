@@ -72,8 +72,8 @@ def _clip(grads, norm, max_norm) -> tuple:
                for g in grads)
 
 
-def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
-          rng):
+def _step(loss_fn, has_aux, mutable, weighted, modes, state: ZeroTrainState,
+          batch, rng):
   cfg = state.config
   pol = policy(cfg)
   shardings = state_shardings(state)
@@ -81,16 +81,20 @@ def _step(loss_fn, has_aux, mutable, modes, state: ZeroTrainState, batch,
   # them to the device (one layer at a time for layer chunks), and `_update`
   # moves them along with their optimizer state.
   loss_fn, mutable = state.frontend.loss(loss_fn, has_aux, mutable)
-  grads, loss, aux, fields = grads_and_metrics(loss_fn, has_aux, mutable,
-                                               state, batch, rng, modes)
+  grads, loss, aux, fields, weight = grads_and_metrics(
+      loss_fn, has_aux, mutable, state, batch, rng, modes, weighted)
 
   metrics = {"loss": loss}
   if state.loss_scale is not None:
     grads = tuple(g / state.loss_scale.scale for g in grads)
   # A step with a non-finite gradient is skipped under loss scaling (where it
-  # is expected) or when asked for (`skip_nonfinite`).
-  guard = state.loss_scale is not None or cfg.skip_nonfinite
+  # is expected) or when asked for (`skip_nonfinite`); a weighted step whose
+  # global batch weighs nothing always (its loss is 0/0).
+  guard = state.loss_scale is not None or cfg.skip_nonfinite or weighted
   finite = precision.all_finite(grads) if guard else None
+  if weighted:
+    finite = finite & (weight > 0)
+    metrics["weight"] = weight
   summed = cfg.accum_steps > 1 or state.num_batch_shards > 1
   grad_norm = _global_norm(grads, state.layout, summed)   # padding adds nothing
   metrics["grad_norm"] = grad_norm
@@ -252,13 +256,19 @@ def shard_batch(state, batch, accum_steps: int = 1):
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
-               mutable: tuple = (), donate: bool = True) -> Callable:
+               mutable: tuple = (), donate: bool = True,
+               weighted: bool = False) -> Callable:
   """Builds the jitted ZeRO training step.
 
   Args:
     loss_fn: `loss_fn(params, batch)` or `loss_fn(params, batch, rng)`,
-      written on the full parameter tree and one device's slice of the batch;
-      returns the floating scalar loss, or `(loss, aux)` with `has_aux=True`.
+      written on the full parameter tree and one device's slice of the batch
+      (one micro-batch of it under `accum_steps`); returns the floating
+      scalar loss, or `(loss, aux)` with `has_aux=True`. The step's loss and
+      gradient are the mean of these slices' losses: for a mean over
+      examples with equal slices that is the global batch's mean, but a
+      masked mean (`(l * mask).sum() / mask.sum()`) becomes a mean of the
+      slices' means, which differs when padding is uneven: use `weighted`.
       aux is a pytree (a dict is merged into `metrics`) whose values are
       scalars, averaged over devices and micro-batches, or per-example
       arrays with the micro-batch's leading axis, concatenated in global
@@ -286,6 +296,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       checkpoint. `donate=False` keeps the input state intact whatever
       happens, at the cost of holding the old and the new state at once
       during the step (one more state's bytes per device).
+    weighted: `loss_fn` returns `(sum, weight)` (or `((sum, weight), aux)`),
+      e.g. `((token_loss * mask).sum(), mask.sum())`: the step's loss is
+      Σ sum / Σ weight over the whole global batch (every device, every
+      micro-batch, every replica), its gradient that ratio's, as under
+      `jax.jit` on the whole batch; `metrics["weight"]` is Σ weight. A
+      global batch of weight 0 is a skipped step (`metrics["skipped"]`,
+      nothing changed; its loss NaN).
 
   Returns:
     `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
@@ -305,11 +322,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
-  for name, value in (("has_aux", has_aux), ("donate", donate)):
+  for name, value in (("has_aux", has_aux), ("donate", donate),
+                      ("weighted", weighted)):
     if not isinstance(value, bool):
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
   mutable = check_mutable(mutable, "train_step")
-  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, {}),
+  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
+                                     weighted, {}),
                    donate_argnums=(0,) if donate else ())
 
   programs: dict = {}   # the disk tier's, per state structure
@@ -331,7 +350,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       from zerojax import planner   # it compiles steps: imports this module
       check_state(state, "step()", mutable)
       state = planner.place_as_planned(state, loss_fn, batch,
-                                       has_aux=has_aux, mutable=mutable)
+                                       has_aux=has_aux, mutable=mutable,
+                                       weighted=weighted)
     out = jitted(state, prepare(state, batch), rng)
     if state.config.disk:
       new_state, metrics, inputs = out
@@ -348,8 +368,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     # a trace of its own, filling its own dict: the step's trace is cached
     # after its first call, and a cached trace runs no Python
     modes = {}
-    jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, modes)).trace(
-        state, prepare(state, batch), rng)
+    jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
+                              modes)).trace(state, prepare(state, batch), rng)
     return modes
 
   step.gathering = gathering
