@@ -13,7 +13,7 @@ is internal: importable, but free to change.
 """
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.evaluation import eval_step
-from zerojax import checkpoint, losses, nn
+from zerojax import checkpoint, deepspeed, losses, nn
 from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
 from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
                             memory_report)
@@ -25,6 +25,7 @@ from zerojax.step import train_step
 
 __all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
+           "deepspeed",
            "estimate_memory", "eval_step", "gather_model", "gather_params",
            "losses", "memory_report", "nn", "plan_offload", "shard",
            "shard_shape", "train_step"]

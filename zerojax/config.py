@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax import deepspeed
+
 _FLOAT_DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32,
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -45,6 +47,15 @@ class DynamicLossScale:
     if not (isinstance(self.growth_interval, int) and self.growth_interval > 0):
       raise ValueError(f"DynamicLossScale.growth_interval="
                        f"{self.growth_interval!r} must be a positive int.")
+
+
+def with_loss_scale(fields: dict) -> dict:
+  """`deepspeed.config_fields`' fields, a dynamic loss scale's dict as a
+  `DynamicLossScale`."""
+  scale = fields.get("loss_scale")
+  if isinstance(scale, dict):
+    fields = {**fields, "loss_scale": DynamicLossScale(**scale)}
+  return fields
 
 
 def _as_dtype(name: str, value: Any):
@@ -425,6 +436,17 @@ class ZeroConfig:
         raise TypeError("frozen must be a callable params -> tree of bools, "
                         "or a tree of Python bools matching the parameters.")
       set_("frozen", _FrozenMask(tuple(bool(x) for x in leaves), treedef))
+
+  @classmethod
+  def from_deepspeed(cls, config, **overrides) -> "ZeroConfig":
+    """The configuration a DeepSpeed JSON (a dict or a path) describes, for
+    `zerojax.shard(state, config=cfg)`; `overrides` are further fields.
+    Every key is mapped, accepted without effect for a stated reason, or
+    refused naming it (`zerojax.deepspeed`, `docs/deepspeed.md`). The
+    `optimizer` and `scheduler` sections are
+    `zerojax.deepspeed.optimizer(config)`'s."""
+    fields = deepspeed.config_fields(config, world_size=jax.device_count())
+    return cls(**{**with_loss_scale(fields), **overrides})
 
   def _check_model_axis(self) -> None:
     """Tensor parallelism's axis: a name of its own, and not (yet) the disk

@@ -61,8 +61,9 @@ def eval_step(fn: Callable, *, mutable: tuple = (),
     return shard_batch(state, batch)
 
   def evaluate(state, batch, rng=None):
+    batch = prepare(state, batch)
     check_signature(fn, rng is not None, mutable, "evaluate()")
-    return jitted(state, prepare(state, batch), rng)
+    return jitted(state, batch, rng)
 
   evaluate.lower = lambda state, batch, rng=None: jitted.lower(
       state, prepare(state, batch), rng)

@@ -28,7 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import (disk_tier, frontend, meshes, offload, optim, optstate,
                      precision, reshard, tensor_parallel)
-from zerojax.config import FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes
+from zerojax import deepspeed
+from zerojax.config import (FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes,
+                            with_loss_scale)
 from zerojax.chunking import named_units, repeated_blocks
 from zerojax.layout import ChunkLayout
 from zerojax.policy import policy
@@ -185,8 +187,36 @@ def _trainable(config: ZeroConfig, params) -> list:
   return [not bool(f) for f in frozen]
 
 
-def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
-          tx: Optional[optax.GradientTransformation] = None, optimizer=None,
+def _front_door(stage, config, strategy, fields: dict) -> tuple:
+  """`(stage, config fields)` of `shard`'s arguments: a whole `config=`
+  (e.g. `ZeroConfig.from_deepspeed`) or a Lightning `strategy=` name, the
+  other fields on top of it; stage 3 when nothing says otherwise."""
+  if config is not None and strategy is not None:
+    raise TypeError("pass config= or strategy=, not both.")
+  if config is not None:
+    if not isinstance(config, ZeroConfig):
+      raise TypeError(f"config={config!r} must be a ZeroConfig (e.g. "
+                      "ZeroConfig.from_deepspeed(ds_config)).")
+    base = {f: getattr(config, f) for f in FIELDS}
+  elif strategy is not None:
+    if not isinstance(strategy, str):
+      raise TypeError(f"strategy={strategy!r} must be a Lightning strategy "
+                      f"name: {', '.join(deepspeed.STRATEGIES)}.")
+    base = with_loss_scale(deepspeed.config_fields(deepspeed.strategy(
+        strategy)))
+  else:
+    return (3 if stage is None else stage), fields
+  chosen = base.pop("stage")
+  if stage is not None and stage != chosen:
+    source = "config" if config is not None else "strategy"
+    raise ValueError(f"stage={stage!r} contradicts the {source}'s stage "
+                     f"{chosen}; pass one of them.")
+  return chosen, {**base, **fields}
+
+
+def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
+          *, tx: Optional[optax.GradientTransformation] = None, optimizer=None,
+          config: Optional[ZeroConfig] = None, strategy: Optional[str] = None,
           **config_fields) -> ZeroTrainState:
   """Turns a Flax `TrainState`, or an NNX model, into a ZeRO `ZeroTrainState`.
 
@@ -195,13 +225,18 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
       are kept as they are; its optimizer state, trained or fresh, is kept),
       or a `flax.nnx.Module` (its `nnx.Param` variables are trained, every
       other variable is kept and updated by the step: `zerojax.frontend`).
-    stage: ZeRO stage 0-3 (see `ZeroConfig`).
+    stage: ZeRO stage 0-3 (see `ZeroConfig`); default 3, or the stage of
+      `config` / `strategy`.
     mesh: device mesh; None puts every device on one axis named "data".
     tx: for an NNX model, the optax optimizer (fresh state)...
     optimizer: ...or an `nnx.Optimizer(model, tx, wrt=nnx.Param)`, whose
       state and step count are kept.
+    config: a whole `ZeroConfig`, e.g. `ZeroConfig.from_deepspeed(ds)`.
+    strategy: or a Lightning DeepSpeed strategy name
+      (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`).
     **config_fields: further `ZeroConfig` fields (`compute_dtype`,
-      `accum_steps`, `clip_norm`, `chunk_size`, `frozen`, `stacked`, ...).
+      `accum_steps`, `clip_norm`, `chunk_size`, `frozen`, `stacked`, ...),
+      over `config`'s or `strategy`'s.
 
   Returns:
     The sharded state; the input state (or model) is left untouched.
@@ -210,6 +245,7 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
     >>> state = zerojax.shard(state, stage=3, compute_dtype="bf16")
     >>> state = zerojax.shard(nnx_model, stage=3, tx=optax.adamw(1e-3))
   """
+  stage, config_fields = _front_door(stage, config, strategy, config_fields)
   state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)
@@ -220,15 +256,19 @@ def shard(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
   return disk_tier.spill(placed)
 
 
-def shard_shape(state: Any, stage: int = 3, mesh: Optional[Mesh] = None, *,
+def shard_shape(state: Any, stage: Optional[int] = None,
+                mesh: Optional[Mesh] = None, *,
                 tx: Optional[optax.GradientTransformation] = None,
-                optimizer=None, **config_fields) -> ZeroTrainState:
+                optimizer=None, config: Optional[ZeroConfig] = None,
+                strategy: Optional[str] = None,
+                **config_fields) -> ZeroTrainState:
   """What `shard` returns, as `jax.ShapeDtypeStruct`s carrying their
   shardings and memory kinds: nothing is allocated or moved. For planning
   and ahead-of-time compiles (`zerojax.plan_offload`, `step.lower`); `state`
   may itself hold `ShapeDtypeStruct`s (`jax.eval_shape` of the init), or be
   an NNX model (`nnx.eval_shape` of its constructor). Arguments as for
   `shard`."""
+  stage, config_fields = _front_door(stage, config, strategy, config_fields)
   state = _from_front_end(state, tx, optimizer, config_fields)
   config, mesh, extras, static_extras = _check_train_state(
       state, stage, mesh, config_fields)

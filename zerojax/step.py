@@ -344,11 +344,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
+    check_state(state, "step()", mutable)
     check_signature(loss_fn, rng is not None, mutable, "step()")
-    if getattr(state, "config", None) is not None and (
-        state.config.placement == "auto"):
+    if state.config.placement == "auto":
       from zerojax import planner   # it compiles steps: imports this module
-      check_state(state, "step()", mutable)
       state = planner.place_as_planned(state, loss_fn, batch,
                                        has_aux=has_aux, mutable=mutable,
                                        weighted=weighted)
