@@ -236,3 +236,10 @@ def test_weighted_loss_block_trains_on_the_token_mean(quick_start):
   want = (l * batch["mask"]).sum() / batch["mask"].sum()
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
   assert float(metrics["weight"]) == batch["mask"].sum()
+
+
+def test_deepspeed_block_converts_and_shards(quick_start):
+  ns = _run(_block("ds = {\"zero_optimization\""), model=quick_start["model"],
+            params=quick_start["params"])
+  assert ns["state"].config.stage == 2 and ns["state"].config.offload_optimizer
+  assert ns["lightning"].config.stage == 3

@@ -20,6 +20,8 @@ from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
     non_empty, params_shapes, saved_list, shape_signature)
+from zerojax.checkpoint._partial import (differs, host_params, params_part,
+                                         restore_into, saved_params)
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, saved_steps, verify)
 from zerojax.checkpoint._save import wait
@@ -119,6 +121,14 @@ def _check_opt_state(saved: dict, want: dict) -> None:
                      describe_mismatch(saved, want, "").split("\n", 1)[1])
 
 
+def _check_like_tree(like) -> None:
+  if not (hasattr(like, "params") and hasattr(like, "tx")) or isinstance(
+      like, ZeroTrainState):
+    raise TypeError("restoring into another parameter tree needs like= a "
+                    "TrainState (or an NNX model with tx=) holding the new "
+                    f"leaves' values, got {type(like).__name__}.")
+
+
 def _check_dtypes(saved: dict, abstract, cast: bool) -> None:
   """`saved`: {leaf name: dtype name} at save. A leaf whose dtype `like`
   changes is refused, naming it, unless the caller asked (`cast`)."""
@@ -133,16 +143,18 @@ def _check_dtypes(saved: dict, abstract, cast: bool) -> None:
         "(a narrower dtype loses precision; nothing was restored).")
 
 
-def restore(directory: str, *, like: Any, step: Optional[int] = None,
+def restore(directory: Any, *, like: Any, step: Optional[int] = None,
             mesh: Optional[Mesh] = None, stage: Optional[int] = None,
-            tx: Any = None, cast: bool = False,
+            tx: Any = None, cast: bool = False, partial: bool = False,
             **config_fields) -> ZeroTrainState:
   """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
   differ from those at save time (any device count, any stage).
 
   Args:
-    directory: a directory written by `save`, or a plain orbax checkpoint of
-      a flax TrainState (`StandardCheckpointer().save(path, train_state)`).
+    directory: a directory written by `save`, a plain orbax checkpoint of a
+      flax TrainState (`StandardCheckpointer().save(path, train_state)`) or
+      of a parameter tree, or a parameter tree in memory (`export_params`'
+      output).
     like: a ZeroTrainState or TrainState supplying `tx`, `apply_fn` and the
       parameter structure (functions are not stored), or an `nnx.Module`
       (with `tx=`) of the saved model's structure. A ZeroTrainState also
@@ -155,6 +167,12 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
     tx: the optax optimizer, when `like` is an NNX model.
     cast: convert saved parameters to the dtypes of `like`'s where they
       differ; without it such a `like` is refused, naming the leaves.
+    partial: where `like` (a TrainState or NNX model) has another
+      parameter tree than the saved one, e.g. LoRA adapters added to a
+      pretrained model: the leaves both have are restored, `like`'s others
+      keep its values (listed once), and the saved leaves `like` lacks are
+      an error unless `partial=True`. The optimizer state and step are then
+      `like`'s (`_partial`).
     **config_fields: further ZeroConfig overrides. An explicit `frozen=`
       replaces the saved one (`frozen=None` trains every leaf): leaves
       unfrozen start with zero optimizer statistics, and the chunks are
@@ -166,7 +184,29 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   elif tx is not None:
     raise TypeError("restore(tx=...) is for like= an NNX model; a "
                     f"{type(like).__name__} carries its own tx.")
+  for name, flag in (("cast", cast), ("partial", partial)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"restore({name}={flag!r}): {name} is True or False.")
+  if not isinstance(directory, (str, os.PathLike)):   # a tree in memory
+    _check_like_tree(like)
+    values = {k: np.asarray(x) for k, x in
+              by_path(params_part(directory)).items()}
+    return restore_into(values, like, partial=partial, cast=cast,
+                        source="the parameter tree", stage=stage, mesh=mesh,
+                        **config_fields)
   path, meta, step, saved = open_step(directory, step)
+  if not isinstance(like, ZeroTrainState) and (
+      (meta is None and "opt_state" not in saved) or differs(
+          saved_params(meta, saved),
+          jax.eval_shape(lambda p: p, tensor_parallel.unboxed(like.params)))):
+    _check_like_tree(like)
+    values = host_params(meta, restore_to_host(
+        path, saved, meta and meta.get("checksums")))
+    if stage is None and meta is not None:
+      stage = config_from_json(meta["config"]).get("stage")
+    return restore_into(values, like, partial=partial, cast=cast,
+                        source=f"checkpoint {path}", stage=stage, mesh=mesh,
+                        **config_fields)
   if isinstance(like, ZeroTrainState):
     fields = {f.name: getattr(like.config, f.name)
               for f in dataclasses.fields(like.config)}
@@ -212,8 +252,6 @@ def restore(directory: str, *, like: Any, step: Optional[int] = None,
   dims = _model_dims(like, boxed, meta, config, mesh)
   target = dict(like=like, abstract=abstract, static_extras=static_extras,
                 config=config, mesh=mesh, model_dims=dims)
-  if not isinstance(cast, bool):
-    raise TypeError(f"restore(cast={cast!r}): cast is True or False.")
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
     _check_dtypes({"/".join(i["names"]): i["dtype"]
                    for i in meta["layout"]["leaves"]}, abstract, cast)
