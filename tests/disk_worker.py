@@ -6,6 +6,9 @@ devices.
   update, once the first shard of statistics is written back, sends itself
   SIGKILL: the live files then mix step 2 and step 1.
   `tests/test_disk_tier.py` restores CKPT_DIR.
+`python disk_worker.py exit LIVE_DIR`: trains two steps with its statistics
+  in LIVE_DIR, named relative to the working directory, which it leaves
+  between the steps, and exits normally.
 `python disk_worker.py rss LIVE_DIR`: steps `problem(width=1024)` (four
   chunks of 1M elements, 8 MiB of adam statistics each) and prints, as
   JSON, the largest RSS increase during the disk update of its third step
@@ -63,6 +66,19 @@ def kill(live: str, ckpt: str) -> None:
   raise SystemExit("not killed")
 
 
+def exit_normally(live: str) -> None:
+  import zerojax
+  state, loss_fn, batches, fields = problem()
+  os.chdir(os.path.dirname(live))
+  state = zerojax.shard(state, offload_optimizer="disk",
+                        offload_dir=os.path.basename(live), **fields)
+  step = zerojax.train_step(loss_fn)
+  state, _ = step(state, batches[0])
+  os.chdir("/")   # the directory was resolved once, at shard
+  state, _ = step(state, batches[1])
+  print(sorted(os.listdir(live)))
+
+
 def rss(live: str) -> None:
   import json
   import threading
@@ -113,4 +129,4 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = (os.environ.get("ZEROJAX_TEST_FAST_FLAGS", "")  # conftest
                              + " --xla_force_host_platform_device_count=8").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  {"kill": kill, "rss": rss}[sys.argv[1]](*sys.argv[2:])
+  {"kill": kill, "rss": rss, "exit": exit_normally}[sys.argv[1]](*sys.argv[2:])

@@ -220,6 +220,32 @@ def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
                          _params(reference))
 
 
+@pytest.mark.slow
+def test_a_normal_exit_leaves_no_files_and_a_chdir_loses_nothing(tmp_path):
+  live = tmp_path / "live"
+  live.mkdir()
+  done = subprocess.run([sys.executable, WORKER, "exit", str(live)],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert ".bin" in done.stdout   # the files were there while it ran
+  assert "disk tier keeps optimizer state in " + str(live) in done.stderr
+  assert sorted(os.listdir(live)) == []
+
+
+def test_an_ended_processes_files_are_removed_by_the_next_run(tmp_path,
+                                                              caplog):
+  dead = 2 ** 22 + 12345   # above any pid this machine hands out
+  (tmp_path / f"p{dead}x0123456789-c0-s0.bin").write_bytes(b"0" * 2048)
+  (tmp_path / "notes.txt").write_text("kept")
+  with caplog.at_level("WARNING", logger="zerojax"):
+    state = _tiny_disk(tmp_path)
+  assert "removed 1 disk-tier file(s)" in caplog.text
+  names = sorted(os.listdir(tmp_path))
+  assert "notes.txt" in names and not any(f"p{dead}x" in n for n in names)
+  assert all(n.startswith(f"p{os.getpid()}x") for n in names
+             if n.endswith(".bin")) and int(state.step) == 0
+
+
 def _tiny_disk(tmp_path, **fields):
   plain, _, _, base = disk_worker.problem()
   return zerojax.shard(plain, offload_optimizer="disk", **{

@@ -5,6 +5,7 @@ Imports nothing else from the package (see docs/design.md, "Modules").
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -484,9 +485,13 @@ class ZeroConfig:
       raise ValueError(f"offload_dir={self.offload_dir!r} is read by "
                        "offload_optimizer='disk' only; set that too, or drop "
                        "offload_dir.")
-    if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+    if self.offload_dir is not None and not isinstance(self.offload_dir,
+                                                       (str, os.PathLike)):
       raise TypeError(f"offload_dir={self.offload_dir!r} must be a directory "
                       "path (a str).")
+    if self.offload_dir is not None:   # resolved once: a later chdir is safe
+      object.__setattr__(self, "offload_dir",
+                         os.path.abspath(os.fspath(self.offload_dir)))
     if self.sub_group_size is not None:
       if (isinstance(self.sub_group_size, bool) or
           not isinstance(self.sub_group_size, (int, np.integer))):

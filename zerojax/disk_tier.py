@@ -29,7 +29,9 @@ and `checkpoint.restore` writes fresh files. Never imports `step`.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
 import os
 import uuid
 from typing import Any, Optional
@@ -40,7 +42,9 @@ import numpy as np
 from zerojax import disk, offload, optstate
 from zerojax.policy import policy
 
+_log = logging.getLogger("zerojax")
 _FILES: dict = {}   # absolute directory -> its ChunkFiles (one thread pool)
+_PREFIXES: dict = {}   # absolute directory -> this process's file prefixes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +212,7 @@ def spill(state) -> Any:
   target = None if abstract_state else files(cfg)
   flat, treedef = full_leaves(state.opt_state)
   owners = optstate.owners(state.layout, abstract(state.opt_state)).chunk
-  prefix = uuid.uuid4().hex[:12]
+  prefix = _new_prefix(cfg.offload_dir if target is not None else None)
   to_disk = [(f"s{j}", c) for j, c in enumerate(owners)] + (
       [("master", c) for c in range(len(state.master))]
       if master_on_disk(cfg) else [])
@@ -235,6 +239,81 @@ def spill(state) -> Any:
   return state.replace(
       opt_state=jax.tree_util.tree_unflatten(treedef, out[:len(flat)]),
       master=tuple(out[len(flat):]))
+
+
+# ---- the files' lifetime -------------------------------------------------------
+# A state's files are named `<prefix>-c<chunk>-<what>.bin`, the prefix
+# `p<pid>x<random>`: scratch of this process, removed at its normal exit
+# (`_remove_at_exit`); a prefix whose process is gone is an earlier run's
+# leftover, removed by the next run that spills into the directory.
+
+def _new_prefix(directory: Optional[str]) -> str:
+  prefix = f"p{os.getpid()}x{uuid.uuid4().hex[:10]}"
+  if directory is None:   # an abstract state: nothing is written
+    return prefix
+  if not _PREFIXES:
+    atexit.register(_remove_at_exit)
+  if directory not in _PREFIXES:
+    _PREFIXES[directory] = set()
+    _remove_leftovers(directory)
+    _log.warning("zerojax: the disk tier keeps optimizer state in %s (files "
+                 "p%d*.bin), removed when this process exits normally.",
+                 directory, os.getpid())
+  _PREFIXES[directory].add(prefix)
+  return prefix
+
+
+def _owner(name: str) -> Optional[int]:
+  """The pid in a disk-tier file's name, None for another file."""
+  head = name.split("-", 1)[0]
+  if not (name.endswith(".bin") and head.startswith("p") and "x" in head):
+    return None
+  pid = head[1:].split("x", 1)[0]
+  return int(pid) if pid.isascii() and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:   # another user's live process
+    return True
+  return True
+
+
+def _remove_leftovers(directory: str) -> None:
+  """Removes the files of disk tiers whose process is gone (a crash, a
+  kill), saying how much."""
+  gone = [n for n in os.listdir(directory)
+          if (pid := _owner(n)) is not None and pid != os.getpid()
+          and not _alive(pid)]
+  freed = 0
+  for name in gone:
+    path = os.path.join(directory, name)
+    try:
+      freed += os.path.getsize(path)
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+  if gone:
+    _log.warning("zerojax: removed %d disk-tier file(s) (%.1f MiB) that "
+                 "ended processes left in %s.", len(gone), freed / 2 ** 20,
+                 directory)
+
+
+def _remove_at_exit() -> None:
+  for directory, prefixes in _PREFIXES.items():
+    try:
+      names = os.listdir(directory)
+    except OSError:
+      continue
+    for name in names:
+      if name.split("-", 1)[0] in prefixes:
+        try:
+          os.unlink(os.path.join(directory, name))
+        except OSError:
+          pass
 
 
 def mapped(state, tree) -> Any:
