@@ -382,3 +382,33 @@ def test_skip_nonfinite_skips_the_step_in_float32(stage):
     np.testing.assert_array_equal(a, np.asarray(b))
   state, m = step(state, batches[1])
   assert not bool(m["skipped"]) and int(state.step) == 2
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bfloat16_stored_parameters_follow_the_stated_policy(stage):
+  """Parameters stored in bfloat16 (no fp32 master asked for): the forward
+  runs in compute_dtype on the widened values, gradients are reduced in
+  reduce_dtype (float32), and optax updates the bfloat16 parameters with
+  those float32 gradients, the new values rounded to bfloat16 (`train_step`'s
+  docstring). Against plain optax doing exactly that on one device: the same
+  loss, and parameters within one bfloat16 ulp (the order of float32 sums
+  can move a rounding)."""
+  model, params, loss_fn, batches = make_problem("mlp")
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  tx = optax.adam(1e-2)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=stage)
+  state, m = zerojax.train_step(loss_fn)(state, batches[0])
+  loss, g = jax.value_and_grad(lambda q: loss_fn(q, batches[0]))(
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params))
+  updates, _ = tx.update(g, tx.init(params), params)
+  want = optax.apply_updates(params, updates)
+
+  def within_one_ulp(got, ref):
+    assert got.dtype == jnp.bfloat16
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
+    assert np.all(np.abs(got - ref) <= ulp)
+
+  np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-6)
+  jax.tree_util.tree_map(within_one_ulp, zerojax.gather_params(state), want)

@@ -296,6 +296,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       checkpoint. `donate=False` keeps the input state intact whatever
       happens, at the cost of holding the old and the new state at once
       during the step (one more state's bytes per device).
+    Parameters stored in a 16-bit dtype with no float32 master (bfloat16
+      params, the default compute_dtype) are widened for the forward,
+      their gradients reduced in `reduce_dtype`, and optax updates the
+      16-bit parameters with those gradients, rounding the new values to
+      the parameters' dtype: within one ulp of plain optax doing the same.
+      For a float32 master, keep the params in float32 and set
+      `compute_dtype`.
     weighted: `loss_fn` returns `(sum, weight)` (or `((sum, weight), aux)`),
       e.g. `((token_loss * mask).sum(), mask.sum())`: the step's loss is
       Σ sum / Σ weight over the whole global batch (every device, every
