@@ -105,3 +105,29 @@ def test_write_on_host_lowered_for_another_platform_is_a_named_custom_call():
   calls = [l for l in text.splitlines() if compat.ANALYSIS_TARGET in l]
   assert len(calls) == 1 and "has_side_effect = true" in calls[0]
   assert "tensor<64xf32>" in calls[0]
+
+
+@pytest.mark.parametrize("started,platform,plugin,flags,platforms,want", [
+    (False, None, True, "", "", "set"),            # a GPU machine, first import
+    (False, None, True, "--xla_foo=1", "cuda", "set"),
+    (False, None, True, "", "cpu", None),          # asked for CPU only
+    (False, None, False, "", "", None),            # no GPU plugin: CPU or TPU
+    (True, "gpu", True, "", "", "warn"),           # jax started a GPU first
+    (True, "cpu", False, "", "", None),
+    (True, "gpu", True, compat.with_gpu_flags(""), "", None),   # already set
+])
+def test_gpu_flags_at_import_set_warn_or_nothing(started, platform, plugin,
+                                                 flags, platforms, want):
+  assert compat.gpu_flags_action(started, platform, plugin, flags,
+                                 platforms) == want
+
+
+@pytest.mark.slow
+def test_importing_zerojax_on_cpu_leaves_xla_flags_alone():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  out = subprocess.run(
+      [sys.executable, "-c", "import os, zerojax; print(os.environ['XLA_FLAGS'])"],
+      capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == env["XLA_FLAGS"]

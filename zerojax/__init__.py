@@ -11,7 +11,9 @@ modules `checkpoint`, `losses` and `nn`, and `compat.with_gpu_flags`, are
 public too. Everything else (the chunk layout, the policy, collectives)
 is internal: importable, but free to change.
 """
-from zerojax.config import DynamicLossScale, ZeroConfig
+from zerojax import compat as _compat
+_compat.gpu_flags_at_import()   # before anything here could start jax
+from zerojax.config import DynamicLossScale, ZeroConfig  # noqa: E402
 from zerojax.evaluation import eval_step
 from zerojax import checkpoint, deepspeed, losses, nn
 from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
