@@ -1,7 +1,9 @@
-"""The README's Python blocks run as written (so they cannot rot), each in
-a namespace holding the small objects it names (`model`, `loader`, ...)."""
+"""The Python blocks of the README and the guides in docs/ run as written
+(so they cannot rot), each in a namespace holding the small objects it
+names (`model`, `loader`, ...)."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 from typing import Any
@@ -19,18 +21,30 @@ from models import NnxMLP, ResNet, Transformer, lm_batches
 # starts processes (or runs for minutes): the full suite's, not the fast tier's
 pytestmark = pytest.mark.slow
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+README = os.path.join(ROOT, "README.md")
+DOCS = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
 def _blocks() -> list:
-  text = open(README).read()
+  text = "\n".join(open(path).read() for path in DOCS)
   return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 def _block(starting: str) -> str:
   found = [b for b in _blocks() if b.lstrip().startswith(starting)]
-  assert len(found) == 1, f"README has {len(found)} blocks starting {starting!r}"
+  assert len(found) == 1, (f"README and docs have {len(found)} blocks "
+                           f"starting {starting!r}")
   return found[0]
+
+
+def test_every_python_block_is_run_by_a_test():
+  """Each block's first line is named by some test in this file."""
+  source = open(__file__).read()
+  untested = [b.splitlines()[0] for b in _blocks()
+              if not any(line.strip() and line.strip()[:20] in source
+                         for line in b.splitlines()[:1])]
+  assert not untested, untested
 
 
 def _run(code: str, **names) -> dict:
@@ -239,7 +253,27 @@ def test_weighted_loss_block_trains_on_the_token_mean(quick_start):
 
 
 def test_deepspeed_block_converts_and_shards(quick_start):
-  ns = _run(_block("ds = {\"zero_optimization\""), model=quick_start["model"],
+  ns = _run(_block('ds = {"zero_optimization"'), model=quick_start["model"],
             params=quick_start["params"])
   assert ns["state"].config.stage == 2 and ns["state"].config.offload_optimizer
   assert ns["lightning"].config.stage == 3
+
+
+def test_stage_3_blocks_of_the_guide_find_and_gather_the_blocks():
+  from models import Block
+  example = np.ones((2, 8, 32), np.float32)
+  ns = _run(_block("class Model(nn.Module):"), Block=Block, n_layers=4,
+            example=example, tx=optax.sgd(0.1))
+  layout = ns["state"].layout
+  assert {c.stack for c in layout.chunks} >= {f"blocks_{i}" for i in range(4)}
+  ns = _run(_block("Layer = zerojax.nn.layerwise(Block)"), Block=Block,
+            n_layers=3)
+  model = ns["Scanned"]()
+  params = model.init(jax.random.key(0), example)["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
+      stacked=("blocks",))
+  step = zerojax.train_step(lambda p, b: (model.apply({"params": p}, b["x"])
+                                          ** 2).mean())
+  _, metrics = step(state, {"x": np.ones((8, 8, 32), np.float32)})
+  assert np.isfinite(float(metrics["loss"]))

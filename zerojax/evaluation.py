@@ -62,7 +62,8 @@ def eval_step(fn: Callable, *, mutable: tuple = (),
 
   def evaluate(state, batch, rng=None):
     batch = prepare(state, batch)
-    check_signature(fn, rng is not None, mutable, "evaluate()")
+    check_signature(fn, rng is not None, state.frontend.keywords(mutable),
+                    "evaluate()")
     return jitted(state, batch, rng)
 
   evaluate.lower = lambda state, batch, rng=None: jitted.lower(

@@ -42,6 +42,10 @@ class Linen:
   def loss(self, fn: Callable, has_aux: bool, mutable: tuple) -> tuple:
     return fn, mutable
 
+  def keywords(self, mutable: tuple) -> tuple:
+    """The fields the user's function takes by keyword."""
+    return mutable
+
   def evaluation(self, fn: Callable, mutable: tuple) -> tuple:
     return fn, mutable
 
@@ -126,6 +130,10 @@ class Nnx:
         jax.tree_util.tree_leaves(rest), jax.tree_util.tree_leaves(keep_keys),
         self.keys)]
     return nnx.to_pure_dict(self.rest_def.unflatten(leaves))
+
+  def keywords(self, mutable: tuple) -> tuple:
+    """None: `fn(model, batch[, rng])`, the model holding its state."""
+    return ()
 
   def loss(self, fn: Callable, has_aux: bool, mutable: tuple) -> tuple:
     """`fn(model, batch[, rng])` as a linen-style loss over the parameter

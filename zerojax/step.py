@@ -352,7 +352,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
   def step(state, batch, rng=None):
     check_state(state, "step()", mutable)
-    check_signature(loss_fn, rng is not None, mutable, "step()")
+    check_signature(loss_fn, rng is not None,
+                    state.frontend.keywords(mutable), "step()")
     if state.config.placement == "auto":
       from zerojax import planner   # it compiles steps: imports this module
       state = planner.place_as_planned(state, loss_fn, batch,
