@@ -26,7 +26,9 @@ def test_arrays_come_back_bit_for_bit(tmp_path, monkeypatch, dtype):
   # a shorter rewrite leaves no stale tail behind
   files.write("a", x[:1]).result()
   assert os.path.getsize(files.path("a")) == x[:1].nbytes
-  with pytest.raises(OSError, match="expected; restore from the last"):
+  with pytest.raises(OSError, match=r"reading .*a\.bin failed: the file is "
+                     r"shorter than the [\d,]+ bytes expected.*restore from "
+                     r"the last checkpoint"):
     files.read("a", x.shape, x.dtype).result()
   files.close()
 
@@ -86,15 +88,16 @@ def test_a_failed_write_is_raised_not_dropped(tmp_path, monkeypatch):
       raise OSError(errno.ENOSPC, "No space left on device")
     return real(fd, data[:1000], offset)
   monkeypatch.setattr(disk.os, "pwrite", full)
-  with pytest.raises(OSError, match=r"no space left writing .*a\.bin "
-                     r"\(2,000 of 40,000 bytes written\); free space"):
+  with pytest.raises(OSError, match=r"disk tier: writing .*a\.bin failed: "
+                     r"No space left on device \(2,000 of 40,000 bytes "
+                     r"written\); free space .*restore from the last"):
     files.write("a", np.zeros(10_000, np.float32)).result()
   # in a stream too: raised after the writes in flight
   for i in range(3):
     monkeypatch.setattr(disk.os, "pwrite", real)
     files.write(f"s{i}", np.zeros(10, np.float32)).result()
   monkeypatch.setattr(disk.os, "pwrite", full)
-  with pytest.raises(OSError, match="no space left"):
+  with pytest.raises(OSError, match="No space left"):
     files.stream(range(3), lambda i: disk.read_many(
                      files, [f"s{i}"], [(10,)], [np.float32]),
                  lambda i, x: np.zeros(10_000, np.float32),

@@ -246,6 +246,37 @@ def test_an_ended_processes_files_are_removed_by_the_next_run(tmp_path,
              if n.endswith(".bin")) and int(state.step) == 0
 
 
+def test_a_removed_file_is_named_before_the_state_is_donated(tmp_path):
+  (tmp_path / "live").mkdir()
+  state = _tiny_disk(tmp_path / "live")
+  _, loss_fn, batches, _ = disk_worker.problem()
+  step = zerojax.train_step(loss_fn)
+  state, _ = step(state, batches[0])
+  victim = sorted((tmp_path / "live").glob("*-s*.bin"))[0]
+  victim.unlink()
+  with pytest.raises(FileNotFoundError, match=rf"file .*{victim.name} is gone "
+                     r".*Restore from the last checkpoint \(this state was "
+                     r"not donated\)"):
+    step(state, batches[1])
+  assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(
+      state.master) if isinstance(x, jax.Array))
+
+
+def test_a_statistics_file_changed_behind_the_tiers_back_is_found(tmp_path):
+  state = _tiny_disk(tmp_path)
+  _, loss_fn, batches, _ = disk_worker.problem()
+  step = zerojax.train_step(loss_fn)
+  state, _ = step(state, batches[0])   # every file now written by the tier
+  victim = sorted(tmp_path.glob("*-s*.bin"))[0]
+  victim.write_bytes(np.full(victim.stat().st_size // 4, np.nan,
+                             np.float32).tobytes())
+  with pytest.raises(OSError, match=rf"disk tier: reading .*{victim.name} "
+                     r"failed: bytes .* changed since the tier wrote them "
+                     r"\(their checksum differs\).*restore from the last "
+                     r"checkpoint"):
+    step(state, batches[1])
+
+
 def _tiny_disk(tmp_path, **fields):
   plain, _, _, base = disk_worker.problem()
   return zerojax.shard(plain, offload_optimizer="disk", **{
@@ -283,13 +314,13 @@ def test_a_full_disk_is_an_error_never_a_partial_tier(tmp_path, monkeypatch):
     return write(fd, data, offset)
 
   monkeypatch.setattr(disk.os, "pwrite", pwrite)
-  with pytest.raises(OSError, match="no space left .*restore from the last"):
+  with pytest.raises(OSError, match="No space left .*restore from the last"):
     _tiny_disk(tmp_path)
   assert list(tmp_path.iterdir()) == []
   full_at["writes"] = 6   # six files (the directory is probed once)
   state = _tiny_disk(tmp_path)
   _, loss_fn, batches, _ = disk_worker.problem()
-  with pytest.raises(OSError, match="no space left"):
+  with pytest.raises(OSError, match="No space left"):
     zerojax.train_step(loss_fn)(state, batches[0])
 
 

@@ -12,9 +12,14 @@ the page cache), and a raw file needs no metadata of its own: the layout
 already says every chunk's shape and dtype.
 
 Files are scratch: what they hold is rebuilt from a checkpoint on restore,
-so nothing is fsynced. A failed write (a full disk, a read-only mount) is
-raised by the stream or by `wait`, never dropped: the caller then has no
-consistent live state and must restore from its last checkpoint.
+so nothing is fsynced. A failed write or read (a full disk, a read-only
+mount, a file removed or made unreadable, a file-size limit) is raised by
+the stream or by `wait` as one `OSError` naming the file, the cause and
+the remedy (`_failed`), never dropped: the caller then has no consistent
+live state and must restore from its last checkpoint. Every piece written
+keeps the sum of its 32-bit words; a read of the same piece checks its
+length and that sum, so a file changed behind the tier's back (a stray
+write, a NaN-filled file) is found rather than trained on.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ class ChunkFiles:
 
   def __init__(self, directory: str, threads: int = 4):
     self.directory = check_directory(directory)
+    self._sums: dict = {}   # (path, offset, length) -> sum of its words
     self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="zerojax-disk")
     # a read that waits for earlier writes waits here, not in the pool
     self._chain = cf.ThreadPoolExecutor(1, thread_name_prefix="zerojax-disk-next")
@@ -94,45 +100,50 @@ class ChunkFiles:
     return [(offset, data[r * row:(r + 1) * row]) for r, offset in enumerate(at)]
 
   def _write(self, path: str, data: memoryview, at) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    done = 0
     try:
-      done = 0
-      for start, segment in self._segments(data, at):
-        offset = 0
-        while offset < len(segment):
-          try:
-            offset += os.pwrite(fd, segment[offset:offset + PIECE],
-                                start + offset)
-          except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-              raise OSError(e.errno, f"no space left writing {path} ("
-                            f"{done + offset:,} of {len(data):,} bytes "
-                            "written); free space or choose another "
-                            "offload_dir, then restore from the last "
-                            "checkpoint") from None
-            raise
-        done += len(segment)
-      if at is None:
-        os.ftruncate(fd, len(data))
-    finally:
-      os.close(fd)
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+      try:
+        for start, segment in self._segments(data, at):
+          self._sums.pop((path, start, len(segment)), None)
+          offset = 0
+          while offset < len(segment):
+            wrote = os.pwrite(fd, segment[offset:offset + PIECE],
+                              start + offset)
+            offset += wrote
+            done += wrote
+          self._sums[path, start, len(segment)] = _word_sum(segment)
+        if at is None:
+          os.ftruncate(fd, len(data))
+      finally:
+        os.close(fd)
+    except OSError as e:
+      raise _failed("writing", path, e, f"{done:,} of {len(data):,} bytes "
+                    "written") from None
 
   def _read(self, path: str, out: np.ndarray, at) -> np.ndarray:
     data = memoryview(out.view(np.uint8).reshape(-1))
-    fd = os.open(path, os.O_RDONLY)
     try:
-      for start, segment in self._segments(data, at):
-        offset = 0
-        while offset < len(segment):
-          got = os.preadv(fd, [segment[offset:offset + PIECE]], start + offset)
-          if got == 0:
-            raise OSError(errno.EIO, f"{path} is shorter than the "
-                          f"{len(data):,} bytes expected; restore from the "
-                          "last checkpoint (the disk tier's files are "
-                          "scratch)")
-          offset += got
-    finally:
-      os.close(fd)
+      fd = os.open(path, os.O_RDONLY)
+      try:
+        for start, segment in self._segments(data, at):
+          offset = 0
+          while offset < len(segment):
+            got = os.preadv(fd, [segment[offset:offset + PIECE]],
+                            start + offset)
+            if got == 0:
+              raise OSError(errno.EIO, f"the file is shorter than the "
+                            f"{len(data):,} bytes expected")
+            offset += got
+          want = self._sums.get((path, start, len(segment)))
+          if want is not None and _word_sum(segment) != want:
+            raise OSError(errno.EIO, f"bytes {start:,} to "
+                          f"{start + len(segment):,} changed since the tier "
+                          "wrote them (their checksum differs)")
+      finally:
+        os.close(fd)
+    except OSError as e:
+      raise _failed("reading", path, e) from None
     return out
 
   def stream(self, items: Iterable, read: Callable, update: Callable,
@@ -185,6 +196,36 @@ class ChunkFiles:
   def close(self) -> None:
     self._chain.shutdown(wait=True)
     self._pool.shutdown(wait=True)
+
+
+def _word_sum(data: memoryview) -> int:
+  """The sum of `data`'s 32-bit words (its tail bytes widened), mod 2**32:
+  a cheap checksum, as the checkpoints' (`checkpoint._integrity`)."""
+  raw = np.frombuffer(data, np.uint8)
+  whole = len(raw) // 4 * 4
+  total = int(np.sum(raw[:whole].view(np.uint32), dtype=np.uint64))
+  return (total + int(np.sum(raw[whole:], dtype=np.uint64))) % 2 ** 32
+
+
+def _failed(doing: str, path: str, error: OSError, detail: str = "") -> OSError:
+  """One error for a failed file operation of the tier: the file, the
+  cause, the remedy."""
+  cause = error.strerror or str(error)
+  if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    remedy = "free space or choose another offload_dir"
+  elif error.errno == errno.EFBIG:
+    remedy = "the process's file-size limit (ulimit -f) is too small"
+  elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    remedy = "make offload_dir writable again"
+  elif error.errno == errno.ENOENT:
+    remedy = "the file or offload_dir was removed while training"
+  else:
+    remedy = "check offload_dir's disk"
+  return OSError(error.errno,
+                 f"disk tier: {doing} {path} failed: {cause}"
+                 f"{' (' + detail + ')' if detail else ''}; {remedy}. The "
+                 "training state is no longer consistent: restore from the "
+                 "last checkpoint", path)
 
 
 def shard_offsets(shape: Sequence[int], itemsize: int, start: int,

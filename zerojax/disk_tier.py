@@ -371,6 +371,24 @@ def _grad_paths(state) -> list:
           for c in sorted(disk_chunks(state.layout, state.config))]
 
 
+def check_files(state) -> None:
+  """Before a step donates `state`: its directory still writable and every
+  file of its statistics still there; else an error naming them, with the
+  state intact (a failure during the step is `disk._failed`'s)."""
+  target = files(state.config)
+  if not os.access(target.directory, os.W_OK | os.X_OK):
+    raise PermissionError(
+        f"offload_dir {target.directory} is not writable any more; make it "
+        "writable again (the state is intact: nothing was donated).")
+  missing = [target.path(x.key) for x in _on_disk(state)
+             if not os.path.exists(target.path(x.key))]
+  if missing:
+    raise FileNotFoundError(
+        f"the disk tier's file {missing[0]} is gone ({len(missing)} of "
+        f"{len(_on_disk(state))} missing): the optimizer state cannot be read. "
+        "Restore from the last checkpoint (this state was not donated).")
+
+
 def disk_bytes(state) -> int:
   """Bytes in the disk tier's files: statistics and master shards."""
   return sum(x.nbytes for x in _on_disk(state))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import disk_stream, offload, precision
+from zerojax import disk_stream, disk_tier, offload, precision
 from zerojax import nn as zero_nn
 from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
@@ -348,7 +348,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
           "state (offload_optimizer='disk') has its statistics rewritten in "
           "their files by every step; use donate=True (the default), and "
           "checkpoint.save to keep a state to go back to.")
-    return shard_batch(state, batch, state.config.accum_steps)
+    batch = shard_batch(state, batch, state.config.accum_steps)
+    if state.config.disk:
+      disk_tier.check_files(state)
+    return batch
 
   def step(state, batch, rng=None):
     check_state(state, "step()", mutable)
