@@ -195,7 +195,8 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
                         source="the parameter tree", stage=stage, mesh=mesh,
                         **config_fields)
   path, meta, step, saved = open_step(directory, step)
-  if not isinstance(like, ZeroTrainState) and (
+  if (hasattr(like, "params") and hasattr(like, "tx")
+      and not isinstance(like, ZeroTrainState)) and (
       (meta is None and "opt_state" not in saved) or differs(
           saved_params(meta, saved),
           jax.eval_shape(lambda p: p, tensor_parallel.unboxed(like.params)))):
