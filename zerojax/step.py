@@ -348,10 +348,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
           "state (offload_optimizer='disk') has its statistics rewritten in "
           "their files by every step; use donate=True (the default), and "
           "checkpoint.save to keep a state to go back to.")
-    batch = shard_batch(state, batch, state.config.accum_steps)
-    if state.config.disk:
-      disk_tier.check_files(state)
-    return batch
+    return shard_batch(state, batch, state.config.accum_steps)
 
   def step(state, batch, rng=None):
     check_state(state, "step()", mutable)
@@ -362,7 +359,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       state = planner.place_as_planned(state, loss_fn, batch,
                                        has_aux=has_aux, mutable=mutable,
                                        weighted=weighted)
-    out = jitted(state, prepare(state, batch), rng)
+    batch = prepare(state, batch)
+    if state.config.disk:   # a running step only: `lower` needs no files
+      disk_tier.check_files(state)
+    out = jitted(state, batch, rng)
     if state.config.disk:
       new_state, metrics, inputs = out
       return disk_stream.run(new_state, inputs, programs), metrics
