@@ -71,6 +71,13 @@ MODELS = {
     # on one device each leaf is its own chunk unless a chunk size is given:
     # packed as on N devices, for the comparison
     "zero-3-packed": ("zero-3", {}, {"chunk_size": 2 ** 24}),
+    # the blocks as a Python loop with no opt-in, as a user writes them:
+    # stage 3 finds and gathers each block itself, keeping its activations
+    # (the default) or recomputing the block (`remat="full"`, what the
+    # opt-in does)
+    "zero-3-as-written": ("zero-3", {"scan": False, "opt_in": False}, {}),
+    "zero-3-as-written-remat": ("zero-3", {"scan": False, "opt_in": False},
+                                {"remat": "full"}),
 }
 VARIANTS = ("zero-0", "zero-1", "zero-2", "zero-3", "plain-dp",
             "gspmd-fsdp") + tuple(MODELS)

@@ -104,21 +104,19 @@ def test_unrolled_stage3_footprint_is_bounded_like_scanned_layers():
   assert_blocks_bounded(c4, c16, s4, "blocks_0", 256)
 
 
-def test_tie_is_a_barrier_on_gpus_and_bits_on_cpu():
-  """`nn.tie` lowered for CUDA is an optimization barrier (free; XLA's GPU
-  backend keeps it through scheduling), for CPU the bit identity (XLA's
-  CPU backend drops barriers): the same values either way."""
+def test_tie_is_the_bit_identity_on_every_platform():
+  """`nn.tie` is `x & (x | t)` on the bits, lowered for CPU and for CUDA
+  alike (an optimization barrier is dropped by XLA's CPU backend and, on a
+  GPU, cost time and memory: docs/decisions.md), and gives `x`'s values."""
   from zerojax.nn import tie
   f = jax.jit(lambda x, a: tie(x, a) * 2)
   x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
   a = jnp.float32(-1.5)
   np.testing.assert_array_equal(f(x, a), x * 2)
-  lowered = {p: f.trace(x, a).lower(lowering_platforms=(p,)).as_text()
-             for p in ("cuda", "cpu")}
-  assert "optimization_barrier" in lowered["cuda"]
-  assert "stablehlo.and" not in lowered["cuda"]
-  assert "stablehlo.and" in lowered["cpu"]
-  assert "optimization_barrier" not in lowered["cpu"]
+  for platform in ("cuda", "cpu"):
+    lowered = f.trace(x, a).lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.and" in lowered and "stablehlo.or" in lowered
+    assert "optimization_barrier" not in lowered
   mask = jnp.array([True, False])
   np.testing.assert_array_equal(jax.jit(tie)(mask, a), mask)
 

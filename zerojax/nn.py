@@ -143,21 +143,15 @@ def slot_key(c: int) -> str:
 def tie(x, after):
   """`x`, bit for bit, computed from `after` too: XLA can then neither run
   what reads the result before `after` exists, nor merge it with the same
-  computation on `x` elsewhere. On a GPU or TPU that is an optimization
-  barrier over `x` and a scalar of `after`, which those backends keep
-  through scheduling, and which costs nothing. XLA's CPU backend drops
-  barriers before scheduling, so there the tie is `x & (x | t)` on the
-  bits, `x` for every `t`, which no XLA simplification knows: a pass over
-  `x` unless XLA fuses it into what reads `x` (on a GPU these passes, over
-  the activations an unrolled block's policy saved, took 3.6 ms of a
-  98.5 ms step). Differentiates as the identity in `x`.
+  computation on `x` elsewhere. It is `x & (x | t)` on the bits, `x` for
+  every `t`, which no XLA simplification knows, on every backend: XLA's
+  CPU backend drops optimization barriers before scheduling, and on a GPU
+  a barrier over the saved activations cost more time and memory than
+  these bit passes, which XLA fuses into a value's producers or readers
+  (docs/decisions.md, "the bit tie"). Differentiates as the identity in
+  `x`.
   """
-  return jax.lax.platform_dependent(x, jnp.ravel(after)[0], cpu=_bit_tie,
-                                    default=_barrier_tie)
-
-
-def _barrier_tie(x, t):
-  return jax.lax.optimization_barrier((x, t))[0]
+  return _bit_tie(x, jnp.ravel(after)[0])
 
 
 def _bit_tie(x, t):
