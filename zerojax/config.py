@@ -249,13 +249,16 @@ class ZeroConfig:
       one gather per chunk), except blocks wrapped in `layerwise`.
     remat: stage 3, what the backward pass of a linen block gathered per
       call (`reshard_after_forward`, without `layerwise` in the model) keeps:
-      "none" (the default, ZeRO-3's and FSDP2's) keeps its activations and
-      gathers its parameters again, the FLOPs of plain data parallelism;
+      "none" (the default, ZeRO-3's and FSDP2's) keeps its activations
+      (`zerojax.nn.keep_activations`: all but elementwise results, which
+      the backward computes again in its fused kernels) and gathers its
+      parameters again, the matmul FLOPs of plain data parallelism;
       "dots" keeps the matmul outputs
       (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and
       recomputes the rest; "full" keeps the block's input and recomputes
-      the block (activation checkpointing, `layerwise`'s default). "dots"
-      and "full" are what `layerwise(Block, policy=...)` does, bit for bit.
+      the block (activation checkpointing, `layerwise`'s default). Each is
+      what `layerwise(Block, policy=...)` does with that policy, bit for
+      bit.
     skip_nonfinite: skip a step whose gradient has an inf or NaN (parameters,
       optimizer state and step count stay as they were) in any precision;
       `metrics["skipped"]` says which steps were. Always on under loss

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
-from zerojax import collectives, regather
+from zerojax import collectives
 from zerojax.offload import HOST_SPACE
 from zerojax.policy import policy
 
@@ -277,15 +277,12 @@ def _chunk_keys(params) -> dict:
 
 def _gather_layer(variables: Any, regather: bool = False) -> Any:
   """The layer's parameters, gathered (`_full_layer`) and cut into leaves.
-  With `regather` (a block whose remat has a policy), each layer chunk's
-  leaves come out of one `_gathered_leaves` call, which `_regathering`
-  policies never save: whatever else the policy keeps, the backward
-  gathers the layer again (ZeRO-3's and FSDP2's way) instead of keeping
-  every layer's. Only scanned layers: on an unrolled block (its own
-  `custom_vjp`, `Layerwise.__call__`) this measured more memory and six
-  more all-gathers than keeping the gathered block (a 6-block test LM,
-  `everything_saveable`: 26.2 against 22.4 MiB temp), so a policy that
-  saves everything keeps an unrolled block's gathered parameters."""
+  With `regather` (a block whose remat has a policy), each chunk's leaves
+  come out of one `_gathered_leaves` call, which `_regathering` policies
+  never save: whatever else the policy keeps, the backward gathers the
+  layer or block again (ZeRO-3's and FSDP2's way) instead of keeping every
+  one gathered from the forward pass on (docs/decisions.md, "stage 3
+  keeps activations, not gathered blocks")."""
   params = variables.get("params", {})
   keys = _chunk_keys(params)
   if not keys:
@@ -299,8 +296,7 @@ def _gather_layer(variables: Any, regather: bool = False) -> Any:
   for c, key in keys.items():
     args = params[key], params.get(slot_key(c)), _AFTER.get()
     # (a layer kept in host memory, `slot`, comes over as before)
-    if (regather and policy(config).gathers_params and layout.chunks[c].layers
-        and args[1] is None):
+    if regather and policy(config).gathers_params and args[1] is None:
       layout.place_layer_leaves(c, _gathered_leaves(layout, config, c)(*args),
                                 tree)
     else:
@@ -759,26 +755,51 @@ def _on_zeros(module, method: str, args: tuple, kwargs: dict):
           module, *args, **kwargs)
 
 
-# `ZeroConfig.remat`: the `jax.checkpoint_policies` policy of each choice
-# that rematerialises (its gathered parameters never saved: `_regathering`)
-_POLICIES = {"dots": "dots_with_no_batch_dims_saveable", "full": None}
+# Primitives whose results `keep_activations` does not keep: elementwise
+# arithmetic and layout changes, which XLA fuses into the kernels that read
+# them (recomputing them costs no pass of their own)
+_RECOMPUTED = frozenset({
+    "abs", "add", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp",
+    "concatenate", "conj", "convert_element_type", "copy", "cos",
+    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expand_dims",
+    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite",
+    "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "nextafter", "not", "or", "pad", "pow", "real", "reduce_precision", "rem",
+    "reshape", "rev", "round", "rsqrt", "select_n", "sign", "sin", "slice",
+    "split", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan",
+    "tanh", "transpose", "xor"})
+
+
+def keep_activations(prim, *_, **__) -> bool:
+  """The remat policy of `ZeroConfig.remat="none"` (activations kept): every
+  result is saved for the backward pass but those of elementwise and layout
+  primitives (`_RECOMPUTED`), which the backward computes again inside its
+  own fused kernels. So the block's matmul, reduction and attention outputs
+  are kept and none of its FLOPs are spent twice, while neither a cast,
+  transpose or broadcast of the gathered parameters (a copy of the block,
+  which `everything_saveable` keeps) nor a chain of elementwise results
+  that XLA would fuse away is held from the forward pass to the backward."""
+  return prim.name not in _RECOMPUTED
+
+
+# `ZeroConfig.remat`: the remat policy of each choice (None: nothing saved
+# but the block's input); the gathered parameters are never saved
+# (`_regathering`)
+_POLICIES = {"none": keep_activations,
+             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+             "full": None}
 
 
 def _auto_call(module, method: str, args: tuple, kwargs: dict,
                stacked: bool):
   """`module.method(*args, **kwargs)` of a block that holds chunk shards,
-  as `ZeroConfig.remat` says: "none", its activations kept and its
-  parameters gathered again for the backward pass (`_kept_call`); else
-  as the same method of `layerwise(type(module), policy=...)` would run:
-  gathered (`_gather_layer`), rematerialised, and for an unrolled block
-  tied and chained (`_unit_call`). Other public methods are gathered
+  as the same method of `layerwise(type(module), policy=...)` would run
+  with `ZeroConfig.remat`'s policy (`_POLICIES`): gathered
+  (`_gather_layer`), rematerialised under that policy, and for an unrolled
+  block tied and chained (`_unit_call`). Other public methods are gathered
   only."""
   arguments = _Arguments(args, kwargs)
-  choice = _ACTIVE.get().config.remat
-  if method == "__call__" and choice == "none":
-    return _kept_call(module, arguments)
-  name = _POLICIES.get(choice)
-  policy = None if name is None else getattr(jax.checkpoint_policies, name)
+  policy = _POLICIES[_ACTIVE.get().config.remat]
   mapped = nn.map_variables(
       _bypassing(method), "params",
       trans_in_fn=functools.partial(_gather_layer,
@@ -791,52 +812,6 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
   if stacked:
     return rematted()(module, *arguments.arrays)
   return _unit_call(module, arguments, rematted(prevent_cse=False))
-
-
-def _kept_call(module, arguments: _Arguments):
-  """A block's call whose backward keeps its activations and gathers its
-  parameters again (`regather.kept_call`): the block as a pure function of
-  its gathered parameters and the call's arrays (an unbound clone's
-  `apply`, its other collections and RNG streams closed over; nothing in
-  it intercepted), its gathers tied as `_unit_call`'s are (to the block's
-  input; the re-gather to the output's cotangent). Prefetch does not
-  chain these calls."""
-  variables = dict(module.variables)
-  shards = dict(variables.pop("params"))
-  unbound = module.clone(parent=None)
-  scope_rngs = getattr(module.scope, "rngs", {}) or {}
-  rngs = {name: module.make_rng(name) for name in scope_rngs}
-
-  def block(params, *arrays):
-    token = _OPTED.set(True)
-    try:
-      return arguments.call(
-          lambda _, *args, **kwargs: unbound.apply(
-              {"params": params, **variables}, *args, rngs=rngs, **kwargs),
-          None, arrays)
-    finally:
-      _OPTED.reset(token)
-
-  context = _ACTIVE.get()   # (the backward pass is traced after `active`)
-
-  def gather(shards, after):
-    tokens = _ACTIVE.set(context), _AFTER.set(after)
-    try:
-      return _gather_layer({"params": shards})["params"]
-    finally:
-      _AFTER.reset(tokens[1])
-      _ACTIVE.reset(tokens[0])
-
-  token = _token(arguments.arrays)
-  token = (jnp.zeros((), jnp.float32) if token is None
-           else jax.lax.stop_gradient(token))
-  host = {k for k, v in shards.items()
-          if _memory_spaces((v,)) == [HOST_SPACE]}
-  return regather.kept_call(
-      block, gather, shards, arguments.arrays, token,
-      lambda saved: collectives.held_apart(saved, context.config.axis_name),
-      lambda cts: {k: jax.device_put(g, HOST_SPACE) if k in host else g
-                   for k, g in cts.items()})
 
 
 def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
