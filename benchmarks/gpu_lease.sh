@@ -38,10 +38,11 @@ print(json.dumps(dict(device_kind=jax.devices()[0].device_kind,
 jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, \
 jax.devices())"
 } >>"$OUT/log.txt" 2>&1
-for v in ${VARIANTS:-zero-3 zero-3-unrolled-save-all plain-dp-unrolled \
-         plain-dp-remat zero-3-save-dots zero-3-save-all plain-dp gspmd-fsdp \
-         zero-3-packed zero-3-loss-block zero-3-blocked-embed zero-0 zero-1 \
-         zero-2 zero-3-unrolled zero-3-unrolled-no-prefetch}; do
+for v in ${VARIANTS:-zero-3-as-written plain-dp-unrolled zero-3 \
+         zero-3-unrolled-save-all zero-3-as-written-remat plain-dp-remat \
+         zero-3-save-dots zero-3-save-all plain-dp gspmd-fsdp zero-3-packed \
+         zero-3-loss-block zero-3-blocked-embed zero-0 zero-1 zero-2 \
+         zero-3-unrolled zero-3-unrolled-no-prefetch}; do
   left=$((deadline - SECONDS))
   limit=$((left < ${PER_VARIANT:-150} ? left : ${PER_VARIANT:-150}))
   if [ "$limit" -lt 30 ]; then

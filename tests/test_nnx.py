@@ -613,27 +613,30 @@ def test_nnx_scanned_block_takes_flags_and_keywords_as_unwrapped():
          _params(zerojax.gather_model(runs[False][0])), "float32")
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("scan", [False, True], ids=["listed", "scanned"])
 def test_nnx_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
-    scan, caplog):
+    scan, remat):
   """No `layerwise` in the model: the step's rebuilt model (never the
   user's) gathers each block in an `nnx.List`, or each layer of an
-  `nnx.scan` stack, as the opt-in does, bit for bit; and says once that
-  NNX blocks recompute (remat='none' is linen's only)."""
-  zerojax.nn._SAID.clear()   # (said once a process)
+  `nnx.scan` stack, as the opt-in with `remat`'s policy does, bit for bit
+  (the default: `layerwise(Block, policy=zerojax.nn.keep_activations)`;
+  "full": the opt-in's own remat)."""
   make = nnx_scanned if scan else nnx_listed
   batches = [{"x": np.full((16, 32), i + 1.0, np.float32),
               "y": np.zeros((16, 4), np.float32)} for i in range(3)]
   loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  policy = ({} if remat == "full"
+            else {"policy": zerojax.nn.keep_activations})
   runs = {}
   for wrap in (False, True):
-    block = zerojax.nn.layerwise(NnxResidualBlock) if wrap else NnxResidualBlock
+    block = (zerojax.nn.layerwise(NnxResidualBlock, **policy) if wrap
+             else NnxResidualBlock)
     model = make(block)(nnx.Rngs(0))
-    state = zerojax.shard(model, stage=3, tx=TX,
+    state = zerojax.shard(model, stage=3, tx=TX, remat=remat,
                           stacked=("blocks",) if scan else ())
     step = zerojax.train_step(loss_fn)
-    with caplog.at_level("WARNING", logger="zerojax"):
-      modes = step.gathering(state, batches[0])
+    modes = step.gathering(state, batches[0])
     runs[wrap] = modes, _trained(step, state, batches)
     assert type(model.blocks if scan else model.blocks[0]) is block
   assert runs[False][0] == runs[True][0]
@@ -643,9 +646,6 @@ def test_nnx_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
   jax.tree_util.tree_map(np.testing.assert_array_equal,
                          _params(zerojax.gather_model(runs[False][1][0])),
                          _params(zerojax.gather_model(runs[True][1][0])))
-  said = [r.getMessage() for r in caplog.records]
-  assert sum("NNX blocks gathered per call (NnxResidualBlock) recompute" in m
-             and "remat='none' is linen's only" in m for m in said) == 1
 
 
 def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):
@@ -660,8 +660,8 @@ def test_nnx_entry_points_refuse_what_does_not_apply(tmp_path):
   state, _ = zerojax.train_step(loss_fn)(state, batches[0])
   with pytest.raises(TypeError, match="loss_fn must return \\(loss, aux\\)"):
     zerojax.train_step(loss_fn, has_aux=True)(state, batches[0])
-  # the NNX layerwise wrapper takes remat= only
-  with pytest.raises(TypeError, match="NNX blocks take remat= only"):
+  # the NNX layerwise wrapper takes remat= and policy= only
+  with pytest.raises(TypeError, match="NNX blocks take remat= and policy= only"):
     zerojax.nn.layerwise(NnxResidualBlock, prevent_cse=False)
   # restore(tx=) is for NNX models; a TrainState carries its own
   zerojax.checkpoint.save(tmp_path, state, wait=True)

@@ -244,7 +244,7 @@ class ZeroConfig:
       chunks (a repeated block, a layer of a scanned stack, a `per_use`
       module) is gathered when it is called, dropped after, and gathered
       again in its backward pass, found by the step without an opt-in in
-      the model (NNX blocks with `remat="full"` whatever `remat` says). False
+      the model (linen and NNX alike). False
       holds every chunk gathered for the whole step (GSPMD FSDP's memory,
       one gather per chunk), except blocks wrapped in `layerwise`.
     remat: stage 3, what the backward pass of a linen block gathered per

@@ -355,25 +355,23 @@ def _full_layer(layout, config, c: int, value, slot, after=None):
 def gather_per_call(module) -> None:
   """An NNX block that owns chunks, in the model a step rebuilt for its
   trace (never the user's object): made an instance of
-  `layerwise(type(module))`, so that it gathers per call as the opt-in
-  does (with its remat: NNX blocks recompute, whatever
-  `ZeroConfig.remat` says, and the step says so once). Blocks that gather
-  themselves are left as they are."""
+  `layerwise(type(module), policy=...)` with `ZeroConfig.remat`'s policy
+  (`_POLICIES`), so that it gathers per call as the opt-in does. Blocks
+  that gather themselves are left as they are."""
   context = _ACTIVE.get()
   cls = type(module)
   if (context is None or not context.auto
       or getattr(cls, GATHERS_ITSELF, False)):
     return
-  if context.config.remat != "full":
-    say_once(f"zerojax: NNX blocks gathered per call ({cls.__name__}) "
-             "recompute their forward in the backward pass (remat='full'): "
-             f"remat={context.config.remat!r} is linen's only for now.")
   module.__class__ = _nnx_auto(cls)
 
 
 @functools.lru_cache(maxsize=None)
 def _nnx_auto(cls: type) -> type:
-  return _nnx_layerwise(cls, True)
+  return _nnx_layerwise(cls, True, _FROM_CONFIG)
+
+
+_FROM_CONFIG = object()   # `_nnx_layerwise`'s policy: `ZeroConfig.remat`'s
 
 
 def active_layout():
@@ -393,7 +391,7 @@ class Shard(nnx.Variable):
   hands each layer its row, which the layerwise block gathers."""
 
 
-def _nnx_layerwise(block: type, remat: bool) -> type:
+def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
   """`layerwise` for an `nnx.Module` block class: scanned with `nnx.scan`
   over a stack made with `nnx.vmap` and listed in `ZeroConfig.stacked`, or
   one of repeated blocks (an `nnx.List` of them, or attributes
@@ -404,17 +402,25 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
   cut into a clone of the block holding its parameters, and the method runs
   on the clone (its other variables written back). `nnx.remat` re-gathers
   a layer in the backward; a repeated block's call is a `custom_vjp` with
-  ties, as a linen block's (`_nnx_unit`)."""
+  ties, as a linen block's (`_nnx_unit`). `saveable`: the remat's policy
+  (None: nothing saved but the block's input; `_FROM_CONFIG`:
+  `ZeroConfig.remat`'s), its gathered parameters never saved
+  (`_regathering`)."""
 
-  def run(method, module, *args, **kwargs):
+  def run(method, regather, module, *args, **kwargs):
     layout, config = active_layout()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     values = nnx.to_pure_dict(params)
     for c, name in _chunk_keys(vars(module)).items():
       slot = getattr(module, slot_key(c), None)
-      full = _full_layer(layout, config, c, getattr(module, name)[...],
-                         None if slot is None else slot[...], _AFTER.get())
-      _write(values, layout.layer_tree(c, full))
+      args_ = (getattr(module, name)[...], None if slot is None else slot[...],
+               _AFTER.get())
+      if regather and policy(config).gathers_params and slot is None:
+        tree = layout.place_layer_leaves(
+            c, _gathered_leaves(layout, config, c)(*args_))
+      else:
+        tree = layout.layer_tree(c, _full_layer(layout, config, c, *args_))
+      _write(values, tree)
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
     out = method(clone, *args, **kwargs)
@@ -434,18 +440,21 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
       chunks = _chunk_keys(vars(self))
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
-      runs = functools.partial(run, method)
+      policy_ = (_POLICIES[context.config.remat]
+                 if saveable is _FROM_CONFIG else saveable)
+      runs = functools.partial(run, method, remat and policy_ is not None)
       if not remat:
         return runs(self, *args, **kwargs)
+      kept = {} if policy_ is None else {"policy": _regathering(policy_)}
       # `nnx.remat` and the unit's `custom_vjp` trace what they are given
       # (arrays, and NNX objects, whose changes are written back); flags
       # are closed over
       arguments = _Arguments(args, kwargs, objects=True)
       if not any(context[0].chunks[c].layers for c in chunks):
-        return _nnx_unit(self, stack, runs, arguments)   # a block, per call
+        return _nnx_unit(self, stack, runs, arguments, kept)   # per call
       return nnx.remat(lambda module, arrays, objects: arguments.call(
-          runs, module, arrays, objects))(self, arguments.arrays,
-                                          arguments.objects)
+          runs, module, arrays, objects), **kept)(self, arguments.arrays,
+                                                  arguments.objects)
     return call
 
   methods = {"__call__": gathering(block.__call__),
@@ -458,13 +467,15 @@ def _nnx_layerwise(block: type, remat: bool) -> type:
   return Layerwise
 
 
-def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
+def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
+              kept: dict):
   """One call of a repeated NNX block (or a `per_use` module; at `path`)
   inside a stage-3 step: `run` as a pure function of the block's shards, its other state
   and the call's arrays, rematerialised, in a `custom_vjp` whose gathers
   are tied as a linen block's (see the module docstring; with prefetch,
-  chained to the previous block of the same list). Its other variables'
-  new values are written back; no gradient flows through them."""
+  chained to the previous block of the same list; `kept`: the remat's
+  `policy`, if any). Its other variables' new values are written back; no
+  gradient flows through them."""
   chain = _ACTIVE.get()[3]
   graphdef, shards, own = nnx.split(module, Shard, ...)
   # the NNX objects the call is given: their state is threaded as the
@@ -485,7 +496,8 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments):
     return out, (nnx.state(clone, nnx.Not(Shard)),
                  tuple(nnx.state(o) for o in given))
 
-  rematted = jax.checkpoint(call, prevent_cse=False)   # ties keep it apart
+  rematted = jax.checkpoint(call, prevent_cse=False,   # ties keep it apart
+                            **kept)
 
   def gathered(fn, values):
     """`fn` with the block's gathers waiting for `values[-1]`, and the
@@ -832,20 +844,21 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
     **remat_kwargs: passed to `nn.remat` (e.g. `prevent_cse`, `policy`).
       An unrolled block's calls inside a stage-3 step always rematerialise
       with `prevent_cse=False`: ties keep them apart instead (see `unit`).
-      At stage 3 a `policy` never keeps a scanned layer's gathered
-      parameters (`_regathering`): `everything_saveable` keeps the
-      activations and gathers each layer again. On unrolled blocks it
-      keeps the gathered parameters too; there use a policy that names what
-      it saves (README, "What the backward keeps").
+      At stage 3 a `policy` never keeps a layer's or block's gathered
+      parameters (`_regathering`): the backward gathers it again. A policy
+      that saves what it derives from them (`everything_saveable` keeps
+      their casts and transposes) keeps copies of them all the same;
+      `keep_activations` keeps the activations and none of those. NNX
+      blocks take `policy` (and `remat`) only.
 
   Returns:
     A module class with the block's constructor and call signature.
   """
   if isinstance(block, type) and issubclass(block, nnx.Module):
-    if remat_kwargs:
+    if set(remat_kwargs) - {"policy"}:
       raise TypeError(f"layerwise(NNX block, {sorted(remat_kwargs)}): NNX "
-                      "blocks take remat= only.")
-    return _nnx_layerwise(block, remat)
+                      "blocks take remat= and policy= only.")
+    return _nnx_layerwise(block, remat, remat_kwargs.get("policy"))
   # every public method gathers (a tied `nn.Embed`'s `attend` too); only
   # `__call__` is rematerialised and tied
   regather = remat and "policy" in remat_kwargs
