@@ -330,18 +330,6 @@ def mapped(state, tree) -> Any:
       tree, is_leaf=is_on_disk)
 
 
-def loaded_master(state) -> tuple:
-  """The master chunks with those on disk read into their shardings (for
-  `gather_params` and exports, which build the whole tree anyway)."""
-  if not any(is_on_disk(x) for x in state.master):
-    return state.master
-  from zerojax.state import state_shardings   # it imports this module
-  where = state_shardings(state.replace(master=abstract(state.master))).master
-  return tuple(jax.device_put(np.asarray(m), s) if is_on_disk(x) else x
-               for x, m, s in zip(state.master, mapped(state, state.master),
-                                  where))
-
-
 def _on_disk(state) -> list:
   """The state's `OnDisk`s: statistics and master shards."""
   return [x for x in jax.tree_util.tree_leaves(

@@ -12,10 +12,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import disk_tier, frontend, reshard
+from zerojax import frontend, reshard
 from zerojax.config import shard_axes
 from zerojax.layout import ChunkLayout
-from zerojax.state import ZeroTrainState, check_live
+from zerojax.state import ZeroTrainState, check_live, loaded_master
 
 
 def gather_params(state: ZeroTrainState, dtype: Any = None, *,
@@ -39,7 +39,7 @@ def gather_params(state: ZeroTrainState, dtype: Any = None, *,
                      "on the mesh) or 'host' (numpy arrays).")
   check_live(state, "gather_params()")
   dtype = None if dtype is None else jnp.dtype(dtype)
-  master = disk_tier.loaded_master(state)
+  master = loaded_master(state)
   if to == "host":
     tree = reshard.to_tree(state.layout, master, state.rest,
                            shard_axes(state.config))

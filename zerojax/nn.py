@@ -932,8 +932,11 @@ def layerwise(block: type, *, remat: bool = True, **remat_kwargs) -> type:
   return Layerwise
 
 
-# defined in its own module (it reads the helpers above), public here
-from zerojax import embed as _embed  # noqa: E402
-
-BlockedEmbed = _embed.BlockedEmbed
-NnxBlockedEmbed = _embed.NnxBlockedEmbed
+def __getattr__(name: str):
+  """`BlockedEmbed` and `NnxBlockedEmbed`: public here, defined in
+  `zerojax.embed`, which is built on this module's gathers (so imported
+  when first asked for, not by this module)."""
+  if name in ("BlockedEmbed", "NnxBlockedEmbed"):
+    from zerojax import embed
+    return getattr(embed, name)
+  raise AttributeError(f"module 'zerojax.nn' has no attribute {name!r}")

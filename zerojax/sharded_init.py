@@ -112,14 +112,13 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
     {"peak": bytes, "programs": the footprint dict of every program, in the
     order `create` runs them}.
   """
-  from zerojax.memory import compiled_footprint
   chunks, rest_program, assemble = _create_programs(
       init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
   held, peak, prints = 0, 0, []
 
   def run(program, *args):
     nonlocal peak
-    fp = compiled_footprint(program.lower(*args).compile())
+    fp = memory.compiled_footprint(program.lower(*args).compile())
     peak = max(peak, held + fp["footprint"])
     prints.append(fp)
     return jax.eval_shape(program, *args)

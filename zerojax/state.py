@@ -533,6 +533,19 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
 
 
 # ---- reading -------------------------------------------------------------------
+def loaded_master(state) -> tuple:
+  """The master chunks with those on disk read into their shardings (for
+  `gather_params` and exports, which build the whole tree anyway)."""
+  if not any(disk_tier.is_on_disk(x) for x in state.master):
+    return state.master
+  where = state_shardings(
+      state.replace(master=disk_tier.abstract(state.master))).master
+  return tuple(jax.device_put(np.asarray(m), s) if disk_tier.is_on_disk(x)
+               else x for x, m, s in zip(
+                   state.master, disk_tier.mapped(state, state.master),
+                   where))
+
+
 def check_live(state: ZeroTrainState, caller: str) -> None:
   """Raises a ValueError if any array of `state` was donated or deleted.
 

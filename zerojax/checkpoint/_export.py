@@ -6,14 +6,14 @@ from typing import Any, Optional
 
 import jax
 
-from zerojax import disk_tier, reshard
+from zerojax import reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
 from zerojax.checkpoint._restore import open_step, restore_to_host
 from zerojax.config import shard_axes
 from zerojax.gathered import to_host
-from zerojax.state import ZeroTrainState, check_live
+from zerojax.state import ZeroTrainState, check_live, loaded_master
 
 
 def export_params(directory_or_state: Any, *, step: Optional[int] = None,
@@ -41,7 +41,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   chunk."""
   layout, axis = state.layout, shard_axes(state.config)
   abstract = params_shapes(layout)
-  params = reshard.to_tree(layout, disk_tier.loaded_master(state),
+  params = reshard.to_tree(layout, loaded_master(state),
                            state.rest, axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)

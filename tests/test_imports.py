@@ -1,0 +1,97 @@
+"""The package's imports run one way: read from the source (no module is
+imported), the module-level imports between zerojax's modules form no
+circle, and an import deferred into a function (the usual way to break a
+circle) is one of those listed here, each with its reason."""
+import ast
+import pathlib
+
+import zerojax
+
+ROOT = pathlib.Path(zerojax.__file__).parent
+
+# (importer, imported): deferred, with the reason
+DEFERRED = {
+    # `placement="auto"` plans at a step's first call, and the planner
+    # compiles steps (`train_step`) to plan
+    ("zerojax.step", "zerojax.planner"),
+    # `zerojax.nn.BlockedEmbed` is public in nn and defined in embed, which
+    # is built on nn's gathers (a module `__getattr__`)
+    ("zerojax.nn", "zerojax.embed"),
+}
+
+
+def _modules() -> dict:
+  """Module name -> its source path."""
+  out = {}
+  for path in ROOT.rglob("*.py"):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  return out
+
+
+def _imported(node, modules: dict) -> set:
+  """The zerojax modules an import statement names."""
+  if isinstance(node, ast.Import):
+    return {a.name for a in node.names if a.name in modules}
+  if not isinstance(node, ast.ImportFrom) or not node.module:
+    return set()
+  if node.module not in modules:
+    return set()
+  names = {f"{node.module}.{a.name}" for a in node.names}
+  return {n for n in names if n in modules} or {node.module}
+
+
+def _edges() -> tuple:
+  """(module-level edges, deferred edges) between zerojax's modules; a
+  package's own `__init__` importing its submodules is left out."""
+  modules = _modules()
+  top, deferred = set(), set()
+  for name, path in modules.items():
+    tree = ast.parse(path.read_text())
+    at_top = set(tree.body)
+    for node in ast.walk(tree):
+      for other in _imported(node, modules):
+        if other == name or (path.name == "__init__.py"
+                             and other.startswith(name + ".")):
+          continue
+        if other in {"zerojax"}:   # the package's public names
+          continue
+        (top if node in at_top else deferred).add((name, other))
+  return top, deferred
+
+
+def test_module_level_imports_form_no_circle():
+  top, _ = _edges()
+  graph = {}
+  for a, b in top:
+    graph.setdefault(a, set()).add(b)
+  state = {}
+
+  def visit(node, path):
+    if state.get(node) == "done":
+      return
+    assert state.get(node) != "open", " -> ".join(path + [node])
+    state[node] = "open"
+    for nxt in sorted(graph.get(node, ())):
+      visit(nxt, path + [node])
+    state[node] = "done"
+
+  for node in sorted(graph):
+    visit(node, [])
+
+
+def test_deferred_imports_are_the_listed_ones():
+  top, deferred = _edges()
+  assert deferred == DEFERRED
+  # each would close a circle at module level: that is why it is deferred
+  for a, b in deferred:
+    reach, todo = set(), [b]
+    while todo:
+      node = todo.pop()
+      for x, y in top:
+        if x == node and y not in reach:
+          reach.add(y)
+          todo.append(y)
+    assert a in reach, (a, b)
