@@ -20,6 +20,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax import disk_tier
+from zerojax.state import loaded_master
 import disk_worker
 from models import (OFFLOADED_UPDATE_CASES,
                     make_problem, reference_run, zero_run)
@@ -55,7 +56,7 @@ def _check_against_host_tier(disk, host):
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  for g, w in zip(disk_tier.loaded_master(disk), host.master):
+  for g, w in zip(loaded_master(disk), host.master):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2 ** -22,
                                atol=2 * np.spacing(np.float32(1e-2)))
 
@@ -95,7 +96,7 @@ def test_the_disk_tier_matches_the_host_tier(stage, fields, tmp_path):
   np.testing.assert_array_equal(disk_losses, host_losses)
   if stage == 3 and half:   # the copy the next step gathers: the new master's
     assert len(disk.compute) == len(disk.master)
-    for x, m in zip(disk.compute, disk_tier.loaded_master(disk)):
+    for x, m in zip(disk.compute, loaded_master(disk)):
       if x is None:
         assert not disk_tier.is_on_disk(m)
         continue
@@ -431,7 +432,7 @@ def test_stage_3_bf16_create_and_eval_read_the_sharded_compute_copy(tmp_path):
       jax.random.key(0), apply_fn=model.apply, tx=TX, stage=3,
       offload_dir=str(tmp_path / "b"), **fields)
   assert all(map(disk_tier.is_on_disk, made.master))
-  for x, m, s in zip(made.compute, disk_tier.loaded_master(made),
+  for x, m, s in zip(made.compute, loaded_master(made),
                      shard.compute):
     assert x.sharding == s.sharding and x.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(x),

@@ -75,6 +75,47 @@ def test_gather_params_to_host_is_numpy_and_equal():
     zerojax.gather_params(z, to="cpu")
 
 
+def test_host_parameters_reach_each_device_as_its_part_only(monkeypatch):
+  """Stage 3 from numpy parameters (as a pretrained loader returns them)
+  and from device arrays: the same state, bit for bit. Leaves this process
+  holds whole are packed on the host and each device is sent its own shard
+  (`reshard._host_packed`): no packing program is compiled for a split
+  chunk. The programs that pack leaves held across processes constrain
+  each leaf to its split (`reshard.leaf_spec`), so jax sends even a host
+  leaf to them in parts: their compiled argument bytes per device are each
+  leaf's part (whole only where no axis divides by the device count)."""
+  from zerojax import reshard
+  state, _, _ = _state("transformer", tx=optax.sgd(0.1))
+  host = jax.tree_util.tree_map(np.asarray, state.params)
+  programs = []
+  real = reshard.pack_programs
+  monkeypatch.setattr(reshard, "pack_programs", lambda *a, **k: (
+      programs.append(a[1]), real(*a, **k))[1])
+  z = zerojax.shard(state.replace(params=host), stage=3, chunk_size=4096)
+  on_device = zerojax.shard(state, stage=3, chunk_size=4096)
+  assert programs == [] and len(z.master) > 1
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(z), state.params)
+  for a, b in zip(z.master, on_device.master):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(a, b)
+  layout = z.layout
+  leaves = dict(enumerate(layout.treedef.flatten_up_to(host)))
+  split = 0
+  for c, chunk in enumerate(layout.chunks):
+    start, fills = real(layout, c, z.master[c].sharding, "data")
+    shard = start({})
+    for group, fill in fills:
+      source = {i: leaves[i] for i in group}
+      got = fill.lower(source, shard).compile().memory_analysis(
+          ).argument_size_in_bytes - shard.addressable_shards[0].data.nbytes
+      parts = [x.nbytes // 8 if any(d % 8 == 0 for d in x.shape) else x.nbytes
+               for x in source.values()]
+      split += sum(x.nbytes for x in source.values()) - sum(parts)
+      assert got <= sum(parts), (c, group, got, parts)
+  assert split > 0   # (some leaves were split)
+
+
 def test_gather_params_traces_once_per_state_structure(monkeypatch):
   traced = []
   merge = zerojax.layout.ChunkLayout.merge

@@ -189,6 +189,11 @@ def chunk_from_leaves(layout: ChunkLayout, c: int, leaves: Mapping[int, Any],
   the two forms of the state are then never both whole in memory)."""
   dtype = np.dtype(layout.chunks[c].dtype if dtype is None else dtype)
   device = sharding.with_memory_kind("device")
+  members = [leaves[i] for i in layout.chunks[c].leaves]
+  if (not packs_whole(layout, c, device, axis_name)
+      and all(_on_this_host(x) for x in members)):
+    return _placed(_host_packed(layout, c, leaves, device, dtype, release),
+                   sharding)
   start, fills = pack_programs(layout, c, device, axis_name, dtype)
   if not fills:
     out = start({i: _on_device(leaves[i]) for i in layout.chunks[c].leaves})
@@ -199,6 +204,28 @@ def chunk_from_leaves(layout: ChunkLayout, c: int, leaves: Mapping[int, Any],
       out = _settled(fill({i: _on_device(leaves[i]) for i in group}, out))
       _delete([leaves[i] for i in group] if release else [])
   return _placed(out, sharding)
+
+
+def _on_this_host(x) -> bool:
+  """Whether this process can read all of `x` (a host array, or a device
+  array whose every shard is this process's)."""
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _host_packed(layout, c: int, leaves: Mapping[int, Any],
+                 sharding: NamedSharding, dtype, release: bool) -> jax.Array:
+  """Chunk `c`, split over the devices, packed on the host
+  (`pack_chunk(xp=numpy)`) from leaves this process holds whole, and each
+  device sent its own shard: no program to compile (a packing program per
+  group of leaves took most of `shard`'s time, and XLA's compile time grew
+  faster than the leaf count), and no device receives more than its
+  shard."""
+  members = layout.chunks[c].leaves
+  host = layout.pack_chunk(c, {i: np.asarray(leaves[i]) for i in members},
+                           dtype, xp=np)
+  _delete([leaves[i] for i in members] if release else [])
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda index: host[index])
 
 
 def _settled(out):
