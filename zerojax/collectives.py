@@ -217,19 +217,6 @@ def _own_buffers(cut, full, axis_name):
   return jax.lax.platform_dependent(full, cpu=on_cpu, default=elsewhere)
 
 
-def held_apart(values: tuple, axis_name) -> tuple:
-  """`values`, each computed into a buffer of its own before any is read,
-  as `_own_buffers` does its parts (a conditional on CPU, a barrier
-  elsewhere): XLA can then not fold their producers into what reads them
-  later, which would keep those producers' inputs alive until then."""
-  def on_cpu(values):
-    return jax.lax.cond(jax.lax.axis_index(axis_name) >= 0, lambda v: v,
-                        lambda v: tuple(jnp.zeros_like(x) for x in v), values)
-
-  return jax.lax.platform_dependent(values, cpu=on_cpu,
-                                    default=jax.lax.optimization_barrier)
-
-
 def _leaves_fwd(layout, c, shard, axis_name, wire):
   # The residual is an empty array: it only carries the shard's dtype.
   return (gather_leaves(layout, c, shard, axis_name, wire),
