@@ -294,14 +294,22 @@ def _gather_layer(variables: Any, regather: bool = False) -> Any:
   layout, config = context[:2]
   tree = {}
   for c, key in keys.items():
-    args = params[key], params.get(slot_key(c)), _AFTER.get()
-    # (a layer kept in host memory, `slot`, comes over as before)
-    if regather and policy(config).gathers_params and args[1] is None:
-      layout.place_layer_leaves(c, _gathered_leaves(layout, config, c)(*args),
-                                tree)
-    else:
-      layout.layer_tree(c, _full_layer(layout, config, c, *args), tree)
+    _layer_tree(layout, config, c, params[key], params.get(slot_key(c)),
+                regather, tree)
   return {**variables, "params": tree}
+
+
+def _layer_tree(layout, config, c: int, value, slot, regather: bool,
+                tree: Optional[dict] = None) -> dict:
+  """Chunk `c`'s leaves of this layer or block, gathered (`_full_layer`,
+  waiting for `_AFTER`) into `tree`; with `regather`, out of one
+  `_gathered_leaves` call, which `_regathering` policies never save (a
+  layer kept in host memory, `slot`, comes over as before)."""
+  args = value, slot, _AFTER.get()
+  if regather and policy(config).gathers_params and slot is None:
+    return layout.place_layer_leaves(
+        c, _gathered_leaves(layout, config, c)(*args), tree)
+  return layout.layer_tree(c, _full_layer(layout, config, c, *args), tree)
 
 
 _GATHERED = "_zerojax_gathered_leaves"   # the function `_regathering` knows
@@ -413,14 +421,9 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
     values = nnx.to_pure_dict(params)
     for c, name in _chunk_keys(vars(module)).items():
       slot = getattr(module, slot_key(c), None)
-      args_ = (getattr(module, name)[...], None if slot is None else slot[...],
-               _AFTER.get())
-      if regather and policy(config).gathers_params and slot is None:
-        tree = layout.place_layer_leaves(
-            c, _gathered_leaves(layout, config, c)(*args_))
-      else:
-        tree = layout.layer_tree(c, _full_layer(layout, config, c, *args_))
-      _write(values, tree)
+      _write(values, _layer_tree(layout, config, c, getattr(module, name)[...],
+                                 None if slot is None else slot[...],
+                                 regather))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
     out = method(clone, *args, **kwargs)
@@ -440,12 +443,12 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
       chunks = _chunk_keys(vars(self))
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
-      policy_ = (_POLICIES[context.config.remat]
-                 if saveable is _FROM_CONFIG else saveable)
-      runs = functools.partial(run, method, remat and policy_ is not None)
+      chosen = (_POLICIES[context.config.remat]
+                if saveable is _FROM_CONFIG else saveable)
+      runs = functools.partial(run, method, remat and chosen is not None)
       if not remat:
         return runs(self, *args, **kwargs)
-      kept = {} if policy_ is None else {"policy": _regathering(policy_)}
+      kept = {} if chosen is None else {"policy": _regathering(chosen)}
       # `nnx.remat` and the unit's `custom_vjp` trace what they are given
       # (arrays, and NNX objects, whose changes are written back); flags
       # are closed over
