@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -255,6 +255,39 @@ class GPTConfig:
   # jax.nn.dot_product_attention's cuDNN flash attention (half precision on
   # an NVIDIA GPU; the fp32 init traces XLA's)
   attention: str = "einsum"
+  lora_rank: int = 0   # > 0: LoRA adapters beside the attention and MLP kernels
+
+
+class LoRADense(nn.Module):
+  """`nn.Dense` (its `kernel` and `bias`, so a pretrained checkpoint fits)
+  plus a low-rank update `x @ lora_a @ lora_b` (LoRA, Hu et al. 2021);
+  `lora_b` starts at zero, so the model starts as the pretrained one."""
+  features: int
+  rank: int
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    kernel = self.param("kernel", self.kernel_init, (d, self.features))
+    bias = self.param("bias", self.bias_init, (self.features,))
+    a = self.param("lora_a", nn.initializers.normal(1 / math.sqrt(d)),
+                   (d, self.rank))
+    b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
+    x, kernel, bias, a, b = nn.dtypes.promote_dtype(x, kernel, bias, a, b)
+    return x @ kernel + bias + (x @ a) @ b
+
+
+def _dense(cfg: "GPTConfig", features: int, kernel_init, bias_init=None,
+           name: str = None):
+  """The block's dense layer: `nn.Dense`, or with `cfg.lora_rank` a
+  `LoRADense` holding the same `kernel` and `bias`."""
+  bias_init = bias_init or nn.initializers.zeros
+  if cfg.lora_rank:
+    return LoRADense(features, cfg.lora_rank, kernel_init, bias_init, name=name)
+  return nn.Dense(features, kernel_init=kernel_init, bias_init=bias_init,
+                  name=name)
 
 
 def _split(init, cfg: GPTConfig, spec: tuple):
@@ -280,9 +313,8 @@ class CausalSelfAttention(nn.Module):
     # dtype=None everywhere: compute in the dtype of the parameters handed in.
     # columns head-major (each head's q, k, v side by side), so a column
     # split over "model" gives each device whole heads
-    qkv = nn.Dense(3 * d, kernel_init=_split(_normal(0.02), cfg, (None, "model")),
-                   bias_init=_split(nn.initializers.zeros, cfg, ("model",)),
-                   name="qkv")(x)
+    qkv = _dense(cfg, 3 * d, _split(_normal(0.02), cfg, (None, "model")),
+                 _split(nn.initializers.zeros, cfg, ("model",)), name="qkv")(x)
     q, k, v = jnp.split(qkv.reshape(b, t, h, 3 * (d // h)), 3, axis=3)
     if cfg.attention == "cudnn":
       half = q.dtype in (jnp.bfloat16, jnp.float16)
@@ -296,8 +328,8 @@ class CausalSelfAttention(nn.Module):
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
       y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
     # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
-    return nn.Dense(d, kernel_init=_split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
-                                          cfg, ("model", None)), name="proj")(y)
+    return _dense(cfg, d, _split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
+                                 cfg, ("model", None)), name="proj")(y)
 
 
 class MLP(nn.Module):
@@ -306,12 +338,11 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     d, cfg = x.shape[-1], self.cfg
-    x = nn.Dense(4 * d, kernel_init=_split(_normal(0.02), cfg, (None, "model")),
-                 bias_init=_split(nn.initializers.zeros, cfg, ("model",)),
-                 name="fc")(x)
+    x = _dense(cfg, 4 * d, _split(_normal(0.02), cfg, (None, "model")),
+               _split(nn.initializers.zeros, cfg, ("model",)), name="fc")(x)
     x = nn.gelu(x, approximate=True)
-    return nn.Dense(d, kernel_init=_split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
-                                          cfg, ("model", None)), name="proj")(x)
+    return _dense(cfg, d, _split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
+                                 cfg, ("model", None)), name="proj")(x)
 
 
 class Block(nn.Module):

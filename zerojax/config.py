@@ -79,7 +79,9 @@ def _as_dtype(name: str, value: Any):
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax.quantize.MODES
 UPDATE_PLACES = ("device", "host")   # ZeroConfig.update_on
 DISK = "disk"   # ZeroConfig.offload_optimizer's disk tier
-PLACEMENTS = ("manual", "auto", "planned")   # "planned": auto, after planning
+# "planned": auto, after planning; "plan": shard(stage="auto") before its
+# first step, which chooses the whole configuration (`zerojax.plan`)
+PLACEMENTS = ("manual", "auto", "planned", "plan")
 OFFLOAD_FIELDS = ("offload_optimizer", "offload_params", "offload_fraction")
 
 
@@ -156,7 +158,16 @@ class ZeroConfig:
       compute gets `DynamicLossScale()` when left None.
     frozen: parameters the optimizer must not touch: a callable
       `params -> tree of bools` or such a tree (True = frozen). Frozen and
-      non-floating leaves stay outside the chunks, replicated.
+      non-floating leaves stay outside the chunks; frozen floating leaves
+      are stored once in the compute dtype (no master, gradient or
+      optimizer state), split over the data axis at stage 3 and gathered
+      per block (`zerojax.frozen`).
+    frozen_dtype: None stores frozen weights in the compute dtype; "int8"
+      stores frozen matrices (two dims or more per layer) block-quantized,
+      int8 values with a float32 scale per `quantize_block` elements of
+      their last dim, dequantized to the compute dtype after the gather
+      (QLoRA-style memory under ZeRO sharding); vectors stay in the compute
+      dtype. Needs `frozen`.
     offload_optimizer: keep the fp32 master shards and the optimizer state
       in `pinned_host` memory between steps (ZeRO-Offload); stages 1-3.
       The step updates offloaded chunks one at a time; `tx` must allow it
@@ -200,7 +211,9 @@ class ZeroConfig:
       there; until then everything offloadable is on host. The planned
       state says "planned"; a checkpoint of it restores as "auto" (planned
       again, for the new cluster). The offload fields are the planner's to
-      set: giving them beside "auto" is an error. Stages 1-3.
+      set: giving them beside "auto" is an error. Stages 1-3. "plan" is
+      `shard(stage="auto")`'s: the first step chooses the stage, remat and
+      offload too (`zerojax.plan`) and lays the state out again.
     device_budget: with placement="auto", the device memory per device the
       step may use: bytes (an int, or a float above 1), or a fraction in
       (0, 1] of what the device reports (`memory_stats()["bytes_limit"]`;
@@ -282,6 +295,7 @@ class ZeroConfig:
   accum_steps: int = 1
   loss_scale: Union[None, float, DynamicLossScale] = None
   frozen: Union[None, Callable, Any] = None
+  frozen_dtype: Optional[str] = None
   stacked: Sequence[str] = ()
   per_use: Sequence[str] = ()
   offload_optimizer: Union[bool, str] = False
@@ -401,10 +415,12 @@ class ZeroConfig:
     if budget is not None and not (np.isfinite(budget) and budget > 0):
       raise ValueError(f"device_budget={budget!r} must be positive: bytes, or "
                        "a fraction of device memory in (0, 1].")
-    if self.placement == "auto" and budget is None:
-      raise ValueError("placement='auto' plans for a device memory budget; "
-                       "give device_budget= (bytes, or a fraction in (0, 1] "
-                       "of the device's memory).")
+    if self.placement in ("auto", "plan") and budget is None:
+      what = ("stage='auto' chooses the configuration"
+              if self.placement == "plan" else "placement='auto' plans")
+      raise ValueError(f"{what} for a device memory budget; give "
+                       "device_budget= (bytes, or a fraction in (0, 1] of the "
+                       "device's memory).")
     if self.placement == "manual" and budget is not None:
       raise ValueError(f"device_budget={budget!r} is read by placement='auto' "
                        "only; set placement='auto' too, or drop it.")
@@ -433,6 +449,15 @@ class ZeroConfig:
     if self.hpz and self.stage == 0:
       raise ValueError("hpz=True needs stage >= 1 (stage 0 keeps everything "
                        "replicated); use stage=1, 2 or 3.")
+    if self.frozen_dtype not in (None, "int8"):
+      raise ValueError(f"frozen_dtype={self.frozen_dtype!r}: use None (the "
+                       "compute dtype) or 'int8' (frozen matrices "
+                       "block-quantized).")
+    if self.frozen_dtype is not None and self.frozen is None:
+      raise ValueError(f"frozen_dtype={self.frozen_dtype!r} sets how frozen "
+                       "weights are stored, but nothing is frozen: pass "
+                       "frozen=... (a callable params -> tree of bools), or "
+                       "drop frozen_dtype.")
     if self.frozen is not None and not callable(self.frozen):
       # A tree of bools is hashed as part of the static state: freeze it.
       leaves, treedef = jax.tree_util.tree_flatten(self.frozen)

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import grads, outputs
+from zerojax import frozen, grads, outputs
 from zerojax.config import batch_axes, manual_axes, shard_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
@@ -103,7 +103,8 @@ def _evaluate(fn, mutable, weighted, state, batch, rng):
                  else P() for c in layout.chunks)
   fields = {name: state.extras[name] for name in mutable}
   args = (params_in, state.rest, fields, batch) + ((rng,) if with_rng else ())
-  in_specs = (chunks, P(), P(), P(batch_ax)) + ((P(),) if with_rng else ())
+  in_specs = (chunks, frozen.specs(layout, cfg, state.mesh), P(),
+              P(batch_ax)) + ((P(),) if with_rng else ())
   out = jax.shard_map(local, mesh=state.mesh, in_specs=in_specs,
                       out_specs=P() if weighted else P(batch_ax),
                       check_vma=False, **manual_axes(cfg))(*args)

@@ -82,7 +82,9 @@ class Nnx:
     flat = traverse_util.flatten_dict(params)
     shards = {path: x for path, x in flat.items()
               if str(path[-1]).startswith((zero_nn.CHUNK_KEY,
-                                           zero_nn.SLOT_KEY))}
+                                           zero_nn.SLOT_KEY,
+                                           zero_nn.FROZEN_KEY,
+                                           zero_nn.SCALE_KEY))}
     model = nnx.merge(self.graphdef,
                       self.params_def.unflatten(self._param_leaves(flat, shards)),
                       self.rest_def.unflatten(leaves))
@@ -93,15 +95,19 @@ class Nnx:
     """The parameter leaves in order; a leaf of a stack gathered per layer
     or of a block gathered per call (`zerojax.nn.layerwise`) is an empty
     placeholder (`[layers, 0]`, or `[0]`), its values being in the chunk
-    shards."""
+    (or frozen weight's) shards; the block's leaves kept whole (outside the
+    chunks, not split) are themselves."""
     owners = {tuple(map(str, path[:-1])): x.shape[:-1] + (0,)
-              for path, x in shards.items()}
+              for path, x in shards.items()
+              if not str(path[-1]).startswith((zero_nn.FROZEN_KEY,
+                                               zero_nn.SCALE_KEY))}
     out = []
     for path in self.param_paths:
       names = tuple(map(str, path))
       empty = next((shape for prefix, shape in owners.items()
                     if names[:len(prefix)] == prefix), None)
-      out.append(flat[path] if empty is None else jnp.zeros(empty))
+      out.append(flat[path] if empty is None or path in flat
+                 else jnp.zeros(empty))
     return out
 
   def _mark_stacks(self, model, shards: dict) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import frontend, reshard
+from zerojax import frontend, frozen, reshard
 from zerojax.config import shard_axes
 from zerojax.layout import ChunkLayout
 from zerojax.state import ZeroTrainState, check_live, loaded_master
@@ -41,7 +41,8 @@ def gather_params(state: ZeroTrainState, dtype: Any = None, *,
   dtype = None if dtype is None else jnp.dtype(dtype)
   master = loaded_master(state)
   if to == "host":
-    tree = reshard.to_tree(state.layout, master, state.rest,
+    tree = reshard.to_tree(state.layout, master,
+                           frozen.restored(state.layout, state.rest),
                            shard_axes(state.config))
     return jax.tree_util.tree_map(lambda x: _cast(to_host(x), dtype), tree)
   return _gather_program(state.layout, state.mesh, dtype)(master, state.rest)
@@ -82,7 +83,7 @@ def _gather_program(layout: ChunkLayout, mesh: Mesh, dtype) -> Callable:
   jitted closure per call would trace and compile on every call)."""
 
   def merge(master, rest):
-    tree = layout.merge(master, rest)
+    tree = layout.merge(master, frozen.restored(layout, rest))
     if dtype is None:
       return tree
     return jax.tree_util.tree_map(lambda x: _cast(x, dtype), tree)

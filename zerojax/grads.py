@@ -33,7 +33,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from zerojax import collectives, offload, outputs
+from zerojax import collectives, frozen, offload, outputs
 from zerojax import nn as zero_nn
 from zerojax.config import batch_axes, manual_axes, prefetches, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
@@ -109,7 +109,8 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
   args = (params_in, state.rest, fields, batch, scale) + (
       (rng,) if with_rng else ())
   in_specs = ((split if pol.forward is Forward.GATHERED else replicated),
-              P(), P(), P(batch_ax), P()) + ((P(),) if with_rng else ())
+              frozen.specs(layout, cfg, mesh), P(), P(batch_ax), P()) + (
+                  (P(),) if with_rng else ())
   out_specs = (split if pol.grads_sharded else replicated, P(), P(batch_ax), P(),
                P())
   grads, loss, aux, fields, weight = jax.shard_map(
@@ -200,6 +201,9 @@ class ModelCall:
     self.mutable = mutable
     self.cfg, self.layout = state.config, state.layout
     self.params_in, self.rest, self.scale = params_in, rest, scale
+    # per leaf outside the chunks, the dim a frozen weight's shard is split
+    # on (`zerojax.frozen`), or None: held whole
+    self.split = frozen.split_dims(state.layout, state.config, state.mesh)
     self.host, self.with_rng = host, with_rng
     # a slot holds the gradient of a shard that is not differentiated
     self.slot_dtypes = [np.dtype(m.dtype) for m in state.master]
@@ -293,8 +297,19 @@ class ModelCall:
                 for c, (p, slot) in enumerate(zip(self.params_in, diff))]
     else:
       chunks = [p.astype(cfg.compute_dtype) for p in diff]
+    blocks = {layout.stack_prefix(c) for c in layerwise}
+    # frozen weights under a block gathered per call go to the block as
+    # shards; the others are gathered for the step
+    in_block = {j for j, (i, dim) in enumerate(zip(layout.rest_indices,
+                                                   self.split))
+                if dim is not None and any(
+                    layout.leaves[i].names[:len(b)] == b for b in blocks)}
+    rest = tuple(x if j in in_block else
+                 frozen.read(x, layout.leaves[i], cfg, dim, ax)
+                 for j, (i, x, dim) in enumerate(zip(
+                     layout.rest_indices, self.rest, self.split)))
     if not layerwise:
-      return layout.merge(chunks, self.rest, dtype=None, leaves=leaves)
+      return layout.merge(chunks, rest, dtype=None, leaves=leaves)
     own = {}   # per wrapped chunk, what its block reads (`nn._full_layer`)
     for c in layerwise:
       if not self.pol.gathers_params:   # the replicated chunk, and the slot
@@ -303,7 +318,8 @@ class ModelCall:
         own[c] = (self.params_in[c], diff[c])
       else:   # the shards, differentiated
         own[c] = (diff[c], None)
-    return _with_layer_params(layout, chunks, leaves, self.rest, own)
+    return _with_layer_params(layout, chunks, leaves, rest, own,
+                              {layout.rest_indices[j] for j in in_block})
 
 
 def _read_outside(traced, chunks: set) -> frozenset:
@@ -493,16 +509,21 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
         "not wrapped: Block = zerojax.nn.layerwise(Block)).")
 
 
-def _with_layer_params(layout, chunks, leaves, rest, own: dict):
+def _with_layer_params(layout, chunks, leaves, rest, own: dict,
+                       in_block: set = frozenset()):
   """The parameter tree with each wrapped layer-stacked chunk `c` left
   under its stack as `own[c]`: `(value, slot)`, the value (`[layers, ...]`:
   shards, or the replicated chunk) under `zero_nn.chunk_key(c)` and a
   gradient slot, if any, under `zero_nn.slot_key(c)` (see
-  `zerojax.nn.layerwise`)."""
+  `zerojax.nn.layerwise`); and each frozen weight of such a block (leaf
+  indices `in_block`, their shards in `rest`) under
+  `zero_nn.frozen_key(i)` (an int8 matrix's absmax under
+  `zero_nn.scale_key(i)`), beside its block's chunks."""
   tree = layout.merge(chunks, rest, dtype=None, skip=frozenset(own),
                       leaves=leaves)
   skipped = {layout.leaves[i].names for c in own
              for i in layout.chunks[c].leaves}
+  skipped |= {layout.leaves[i].names for i in in_block}
   every = traverse_util.flatten_dict(tree)
   # the tree's own keys (an NNX list's indices are ints; names are strings)
   keys = {tuple(map(str, k)): k for k in every}
@@ -513,4 +534,14 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict):
     flat[prefix + (zero_nn.chunk_key(c),)] = value
     if slot is not None:
       flat[prefix + (zero_nn.slot_key(c),)] = slot
+  prefixes = {layout.stack_prefix(c): keys[layout.leaves[
+      layout.chunks[c].leaves[0]].names][:len(layout.stack_prefix(c))]
+              for c in own}
+  for i in in_block:
+    names = layout.leaves[i].names
+    prefix = next(p for b, p in prefixes.items() if names[:len(b)] == b)
+    shard = every[keys[names]]
+    if isinstance(shard, tuple):   # an int8 matrix: values and absmax
+      shard, flat[prefix + (zero_nn.scale_key(i),)] = shard
+    flat[prefix + (zero_nn.frozen_key(i),)] = shard
   return traverse_util.unflatten_dict(flat)

@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import disk_tier, offload, quantize
+from zerojax import disk_tier, frozen, offload, quantize
 from zerojax.state import ZeroTrainState, check_live
 
-CATEGORIES = ("master parameters", "compute parameters", "optimizer state",
-              "loss scale", "other")
+CATEGORIES = ("master parameters", "compute parameters", "frozen weights",
+              "optimizer state", "loss scale", "other")
 
 
 def _kind(x) -> str:
@@ -70,7 +70,8 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
                     compute_dtype: Any = jnp.float32, accum_steps: int = 1,
                     optimizer_bytes_per_param: int = 8,
                     hpz_group: Optional[int] = None,
-                    split_params: int = 0, model_shards: int = 1) -> dict:
+                    split_params: int = 0, model_shards: int = 1,
+                    frozen_bytes: int = 0) -> dict:
   """Predicted bytes per device, allocating nothing (DeepSpeed's
   `estimate_zero3_model_states_mem_needs`).
 
@@ -89,10 +90,13 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
       model splits over its model axis; a device holds 1/`model_shards`
       of what the table gives for them (each model device keeps its rows).
     model_shards: M, the devices of the model axis.
+    frozen_bytes: the frozen weights' bytes as stored (`zerojax.frozen`:
+      in the compute dtype, or int8 blocks), split over the data axis (D
+      under hpZ) at stage 3, whole below.
 
   Returns:
     dict with `persistent` (zerojax, per device), its parts (`master`,
-    `compute`, `optimizer`), `accumulator` (transient, 0 without
+    `compute`, `frozen`, `optimizer`), `accumulator` (transient, 0 without
     accumulation), `secondary` (hpZ at stage 3: the secondary partition,
     transient; else 0) and `paper` (the ZeRO paper's mixed-precision
     figure).
@@ -124,10 +128,13 @@ def estimate_memory(num_params: int, *, stage: int, num_devices: int,
   accumulator = 0.0 if accum_steps == 1 else 4 * psi / (group if stage >= 2 else 1)
   secondary = (np.dtype(compute_dtype).itemsize * psi / group
                if hpz_group is not None and stage == 3 else 0.0)
+  frozen = frozen_bytes / (float(hpz_group or num_devices) if stage == 3
+                           else 1)
   paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
            3: 16 * psi / n}[stage]
-  return {"persistent": int(master + compute + opt), "master": int(master),
-          "compute": int(compute), "optimizer": int(opt),
+  return {"persistent": int(master + compute + frozen + opt),
+          "master": int(master), "compute": int(compute),
+          "frozen": int(frozen), "optimizer": int(opt),
           "accumulator": int(accumulator), "secondary": int(secondary),
           "paper": int(paper)}
 
@@ -222,8 +229,13 @@ def memory_report(state) -> MemoryReport:
       "master parameters": state.master,
       "compute parameters": state.compute,
       "optimizer state": state.opt_state,
+      "frozen weights": [x for i, x in zip(state.layout.rest_indices,
+                                           state.rest)
+                         if frozen.is_weight(state.layout.leaves[i])],
       "loss scale": state.loss_scale,
-      "other": (state.step, state.rest, state.extras),
+      "other": (state.step, state.extras,
+                [x for i, x in zip(state.layout.rest_indices, state.rest)
+                 if not frozen.is_weight(state.layout.leaves[i])]),
   }
   measured = {}
   for cat, tree in parts.items():
@@ -248,7 +260,11 @@ def memory_report(state) -> MemoryReport:
                              accum_steps=cfg.accum_steps,
                              optimizer_bytes_per_param=opt_bytes,
                              hpz_group=state.num_shards if cfg.hpz else None,
-                             split_params=split, model_shards=model)
+                             split_params=split, model_shards=model,
+                             frozen_bytes=sum(
+                                 x.size * np.dtype(x.dtype).itemsize
+                                 for x in jax.tree_util.tree_leaves(
+                                     parts["frozen weights"])))
   return MemoryReport(cfg.stage, state.num_state_shards, psi,
                       np.dtype(cfg.compute_dtype).name, cfg.accum_steps,
                       measured, estimate, quantized_wire(state),

@@ -55,12 +55,14 @@ import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
-from zerojax import collectives
+from zerojax import collectives, frozen
 from zerojax.offload import HOST_SPACE
 from zerojax.policy import policy
 
 CHUNK_KEY = "__zerojax_chunk_"
 SLOT_KEY = "__zerojax_slot_"   # a gradient slot (offload_params; stage 2)
+FROZEN_KEY = "__zerojax_frozen_"   # a frozen weight's shard (`zerojax.frozen`)
+SCALE_KEY = "__zerojax_scale_"     # an int8 frozen matrix's absmax shard
 _ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
 # the array a unit's forward gather waits for (its block's input)
 _AFTER = contextvars.ContextVar("zerojax_after", default=None)
@@ -137,6 +139,16 @@ def chunk_key(c: int) -> str:
 
 def slot_key(c: int) -> str:
   return f"{SLOT_KEY}{c}"
+
+
+def frozen_key(i: int) -> str:
+  """The key of leaf `i`'s shard, a frozen weight a block gathers itself."""
+  return f"{FROZEN_KEY}{i}"
+
+
+def scale_key(i: int) -> str:
+  """The key of the absmax shard of leaf `i`, an int8 frozen matrix."""
+  return f"{SCALE_KEY}{i}"
 
 
 @jax.custom_jvp
@@ -269,10 +281,50 @@ def _memory_spaces(tree) -> list:
           for x in jax.tree_util.tree_leaves(tree)]
 
 
-def _chunk_keys(params) -> dict:
-  """`{chunk index: key}` of the chunk shards a block's params hold."""
-  return {int(str(k)[len(CHUNK_KEY):]): k for k in params
-          if str(k).startswith(CHUNK_KEY)}
+def _chunk_keys(params, prefix: str = CHUNK_KEY) -> dict:
+  """`{chunk index: key}` of the chunk shards a block's params hold (with
+  `prefix=FROZEN_KEY`, `{leaf index: key}` of its frozen weights' shards)."""
+  return {int(str(k)[len(prefix):]): k for k in params
+          if str(k).startswith(prefix)}
+
+
+def _without_keys(params) -> dict:
+  """A copy of a block's nested parameter dicts without the entries a step
+  put there (chunk shards, gradient slots, frozen weights' shards)."""
+  return {k: _without_keys(v) if hasattr(v, "items") else v
+          for k, v in params.items()
+          if not str(k).startswith((CHUNK_KEY, SLOT_KEY, FROZEN_KEY,
+                                    SCALE_KEY))}
+
+
+def _block_tree(layout, config, params, regather: bool) -> dict:
+  """A block's parameter tree (paths relative to the block) from what it
+  holds inside a step, `params` (`{key: array}`): each chunk's shard of
+  this layer or block gathered (`_layer_tree`) and each frozen weight's
+  (`zerojax.frozen.gather`), over the leaves it holds as they are (those
+  outside the chunks that stay whole)."""
+  tree = _without_keys(params)
+  keys = _chunk_keys(params)
+  for c, key in keys.items():
+    _layer_tree(layout, config, c, params[key], params.get(slot_key(c)),
+                regather, tree)
+  depth = len(layout.stack_prefix(next(iter(keys))))
+  n, after = jax.lax.axis_size(config.axis_name), _AFTER.get()
+  for i, key in _chunk_keys(params, FROZEN_KEY).items():
+    info, shard = layout.leaves[i], params[key]
+    # inside a scan, a stacked weight's shard is one layer's
+    dim = (frozen.split_dim(info, config, n)
+           - (len(info.shape) - jnp.ndim(shard)))
+    if scale_key(i) in params:   # an int8 matrix: values and absmax
+      shard = (shard, params[scale_key(i)])
+    if after is not None:   # as `_full_layer`'s gathers
+      shard = jax.tree_util.tree_map(lambda x: tie(x, after), shard)
+    node = tree
+    for name in info.names[depth:-1]:
+      node = node.setdefault(name, {})
+    node[info.names[-1]] = frozen.read(shard, info, config, dim,
+                                       config.axis_name)
+  return tree
 
 
 def _gather_layer(variables: Any, regather: bool = False) -> Any:
@@ -292,11 +344,7 @@ def _gather_layer(variables: Any, regather: bool = False) -> Any:
     raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
                        "a zerojax train step.")
   layout, config = context[:2]
-  tree = {}
-  for c, key in keys.items():
-    _layer_tree(layout, config, c, params[key], params.get(slot_key(c)),
-                regather, tree)
-  return {**variables, "params": tree}
+  return {**variables, "params": _block_tree(layout, config, params, regather)}
 
 
 def _layer_tree(layout, config, c: int, value, slot, regather: bool,
@@ -312,7 +360,7 @@ def _layer_tree(layout, config, c: int, value, slot, regather: bool,
   return layout.layer_tree(c, _full_layer(layout, config, c, *args), tree)
 
 
-_GATHERED = "_zerojax_gathered_leaves"   # the function `_regathering` knows
+_GATHERED = frozen.GATHERED   # the function `_regathering` knows
 
 
 def _gathered_leaves(layout, config, c: int):
@@ -419,11 +467,9 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
     layout, config = active_layout()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     values = nnx.to_pure_dict(params)
-    for c, name in _chunk_keys(vars(module)).items():
-      slot = getattr(module, slot_key(c), None)
-      _write(values, _layer_tree(layout, config, c, getattr(module, name)[...],
-                                 None if slot is None else slot[...],
-                                 regather))
+    held = {k: v[...] for k, v in vars(module).items()
+            if k.startswith((CHUNK_KEY, SLOT_KEY, FROZEN_KEY, SCALE_KEY))}
+    _write(values, _block_tree(layout, config, held, regather))
     nnx.replace_by_pure_dict(params, values)
     clone = nnx.merge(graphdef, params, rest)
     out = method(clone, *args, **kwargs)

@@ -48,6 +48,11 @@ def of(mode: Optional[str], block: int) -> Optional[Quantization]:
   return None if mode is None else Quantization(mode, int(block))
 
 
+def level(mode: str) -> int:
+  """The largest quantized magnitude of `mode` ("int8": 127, "int4": 7)."""
+  return _LEVELS[mode]
+
+
 def padded(n: int, q: Quantization) -> int:
   """`n` rounded up to whole blocks (an even count of values for int4)."""
   unit = q.block * (2 if q.mode == "int4" and q.block % 2 else 1)

@@ -29,8 +29,8 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import (disk_tier, frontend, memory, meshes, offload, reshard,
-                     tensor_parallel)
+from zerojax import (disk_tier, frontend, frozen, memory, meshes, offload,
+                     reshard, tensor_parallel)
 from zerojax.config import shard_axes
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, compute_chunks,
@@ -192,10 +192,11 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
     return _ChunkPrograms(start, [fill for _, fill in fills], cast)
 
   def make_rest(rng):
-    """The leaves outside the chunks, and the extras (NNX's other
-    variables), replicated."""
+    """The leaves outside the chunks (frozen weights as `zerojax.frozen`
+    stores them), and the extras (NNX's other variables), replicated."""
     leaves = leaves_of(rng)
-    return (tuple(leaves[i] for i in layout.rest_indices),
+    return (frozen.stored(layout, config,
+                          [leaves[i] for i in layout.rest_indices]),
             extras_fn(rng) if extras_fn else {})
 
   def assemble(master, compute, rest_and_extras):
@@ -225,7 +226,8 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
                                     out_shardings=shardings))]
   else:
     chunks = [chunk_programs(c) for c in range(len(layout.chunks))]
-  rest_program = jax.jit(make_rest, out_shardings=rep)
+  rest_program = jax.jit(make_rest, out_shardings=(
+      frozen.shardings(layout, config, mesh), rep))
   shapes = [pair for make in chunks for pair in jax.eval_shape(make, rng)]
   args = (tuple(m for m, _ in shapes),
           _compute(shapes),

@@ -26,8 +26,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import (disk_tier, frontend, meshes, offload, optim, optstate,
-                     precision, reshard, tensor_parallel)
+from zerojax import (disk_tier, frontend, frozen, meshes, offload, optim,
+                     optstate, precision, reshard, tensor_parallel)
 from zerojax import deepspeed
 from zerojax.config import (FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes,
                             with_loss_scale)
@@ -48,7 +48,9 @@ class ZeroTrainState(struct.PyTreeNode):
       compute); at stage 3 under the disk tier with 16-bit compute, per
       chunk its sharded compute-dtype copy in host memory (disk chunks) or
       None; else `()`.
-    rest: leaves kept outside the chunks (frozen, non-floating), replicated.
+    rest: leaves kept outside the chunks: frozen weights in the compute
+      dtype, split over the data axis at stage 3 (`zerojax.frozen`), and
+      non-floating leaves, replicated.
     opt_state: the optax state over the chunk views (`ChunkLayout.views`),
       each chunk's statistics kept in the chunk's shape (`optstate.stored`;
       the step shows them to `tx` in view shape).
@@ -167,7 +169,7 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
       step=rep,
       master=tuple(master_rule(c, x) for c, x in enumerate(state.master)),
       compute=tuple(compute_rule(c, x) for c, x in enumerate(state.compute)),
-      rest=tuple(rep for _ in state.rest),
+      rest=frozen.shardings(layout, cfg, mesh),
       opt_state=jax.tree_util.tree_unflatten(opt_def, opt_where),
       loss_scale=jax.tree_util.tree_map(lambda x: rep, state.loss_scale),
       extras=jax.tree_util.tree_map(lambda x: rep, state.extras))
@@ -204,6 +206,12 @@ def _front_door(stage, config, strategy, fields: dict) -> tuple:
                       f"name: {', '.join(deepspeed.STRATEGIES)}.")
     base = with_loss_scale(deepspeed.config_fields(deepspeed.strategy(
         strategy)))
+  elif isinstance(stage, str) and stage == "auto":
+    if "placement" in fields:
+      raise ValueError(f"stage='auto' chooses the placement too; drop "
+                       f"placement={fields['placement']!r}.")
+    # laid out at stage 3 until the first step chooses (`zerojax.plan`)
+    return 3, {**fields, "placement": "plan"}
   else:
     return (3 if stage is None else stage), fields
   chosen = base.pop("stage")
@@ -226,7 +234,10 @@ def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
       or a `flax.nnx.Module` (its `nnx.Param` variables are trained, every
       other variable is kept and updated by the step: `zerojax.frontend`).
     stage: ZeRO stage 0-3 (see `ZeroConfig`); default 3, or the stage of
-      `config` / `strategy`.
+      `config` / `strategy`; or "auto" with `device_budget=`: the first
+      `train_step` call chooses the stage, remat and offload for its
+      program (`zerojax.plan`), lays the state out so and says so once;
+      until then the state is at stage 3, everything offloadable on host.
     mesh: device mesh; None puts every device on one axis named "data".
     tx: for an NNX model, the optax optimizer (fresh state)...
     optimizer: ...or an `nnx.Optimizer(model, tx, wrt=nnx.Param)`, whose
@@ -327,7 +338,7 @@ def config_and_mesh(stage, mesh, config_fields) -> tuple:
   config = ZeroConfig(stage=stage, **config_fields)
   mesh = meshes.auto_mesh(mesh if mesh is not None
                           else meshes.default_mesh(config.axis_name))
-  if config.placement == "auto":
+  if config.placement in ("auto", "plan"):
     config = _most_offload(config, mesh, config_fields)
   for field in ("axis_name", "replica_axis", "model_axis"):
     name = getattr(config, field)
@@ -344,7 +355,12 @@ def _most_offload(config: ZeroConfig, mesh, config_fields) -> ZeroConfig:
   """placement="auto" before its first step: everything offloadable on host
   (the planner's last rung), so that the state fits before the plan; the
   device budget's fraction checked against what the devices report."""
-  given = [f for f in OFFLOAD_FIELDS if f in config_fields]
+  chosen = OFFLOAD_FIELDS + (("remat", "quantize_weights", "quantize_grads")
+                            if config.placement == "plan" else ())
+  given = [f for f in chosen if f in config_fields]
+  if given and config.placement == "plan":
+    raise ValueError(f"stage='auto' chooses {', '.join(given)} itself (the "
+                     "plan's choice); drop them, or give a stage.")
   if given:
     raise ValueError(f"placement='auto' sets {', '.join(given)} itself (the "
                      "planner's choice); drop them, or use placement='manual'.")
@@ -464,6 +480,7 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
                        mesh.size)
   def build(params, step, extras):
     master, rest = layout.split(params)
+    rest = frozen.stored(layout, config, rest)
     compute = compute_copy(master, compute_chunks(layout, config),
                            lambda c, m: m.astype(config.compute_dtype))
     return fresh_state(master, compute, rest, step=step, extras=extras,
@@ -526,7 +543,7 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
       step=reshard.copy(jnp.asarray(step, jnp.int32), where.step),
       master=master,
       compute=cast_compute(master, where.compute, config),
-      rest=put(rest, where.rest),
+      rest=frozen.place(layout, config, rest, where.rest),
       opt_state=opt,
       loss_scale=put(precision.init(config.loss_scale), where.loss_scale),
       extras=put(extras, where.extras))

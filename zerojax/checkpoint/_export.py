@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import jax
 
-from zerojax import reshard
+from zerojax import frozen, reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
@@ -42,7 +42,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   layout, axis = state.layout, shard_axes(state.config)
   abstract = params_shapes(layout)
   params = reshard.to_tree(layout, loaded_master(state),
-                           state.rest, axis)
+                           frozen.restored(layout, state.rest), axis)
   opt_state = reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)
   out = {"step": state.step, "params": params, "opt_state": opt_state}

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import disk_tier, optstate
+from zerojax import disk_tier, frozen, optstate
 from zerojax.config import DynamicLossScale, ZeroConfig
 from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
 from zerojax.state import ZeroTrainState
@@ -156,6 +156,14 @@ def saved_list(x) -> list:
   return list(x)
 
 
+def saved_rest(x) -> list:
+  """A saved `rest` as the state holds it: each entry an array, or an int8
+  frozen matrix's pair `(values, absmax)` (`zerojax.frozen`), which orbax
+  may read back as a list or a dict."""
+  return [tuple(saved_list(e)) if isinstance(e, (list, tuple, dict)) else e
+          for e in saved_list(x)]
+
+
 def nest_by_names(by_names: dict) -> Any:
   """{names: leaf} as nested dicts; a dict keyed 0..n-1 becomes a list."""
   root: dict = {}
@@ -186,7 +194,7 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   is dropped once its leaves are emitted, so that with an `emit` that
   copies, the two forms are never both whole in memory."""
   master = [np.asarray(x) for x in saved_list(loaded.pop("master", []))]
-  rest = iter(saved_list(loaded.pop("rest", [])))
+  rest = iter(saved_rest(loaded.pop("rest", [])))
 
   def leaf(x, i):   # a saved statistic may be in view shape (zerojax-2)
     return layout.host_leaf(
@@ -194,8 +202,9 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
 
   params = {}
   for i, info in enumerate(layout.leaves):
-    if info.chunk < 0:
-      params[info.names] = emit(np.asarray(next(rest)))
+    if info.chunk < 0:   # in its own dtype (`zerojax.frozen.restored`)
+      entry = jax.tree_util.tree_map(np.asarray, next(rest))
+      params[info.names] = emit(frozen.leaf(entry, info, np))
   for c, chunk in enumerate(layout.chunks):
     for i in chunk.leaves:
       params[layout.leaves[i].names] = emit(leaf(master[c], i))

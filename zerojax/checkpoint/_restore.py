@@ -19,7 +19,7 @@ from zerojax import (disk_tier, frontend, meshes, optstate, precision,
 from zerojax.checkpoint._format import (
     CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
-    non_empty, params_shapes, saved_list, shape_signature)
+    non_empty, params_shapes, saved_list, saved_rest, shape_signature)
 from zerojax.checkpoint._partial import (differs, host_params, params_part,
                                          restore_into, saved_params)
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
@@ -343,8 +343,12 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
                                        config=config, mesh=mesh,
                                        labels=layout_saved.labels,
                                        model_dims=model_dims)
-    loaded = (_read_chunks(path, saved, shapes, where, mesh, sums)
-              if layout_json(layout) == saved_layout and not in_views
+    # the same chunks, and the leaves outside them stored alike (frozen
+    # weights in the same dtype, or int8 pairs): read as they are
+    same = (layout_json(layout) == saved_layout and not in_views
+            and _stored_form(saved.get("rest", [])) == _stored_form(
+                shapes.rest))
+    loaded = (_read_chunks(path, saved, shapes, where, mesh, sums) if same
               else None)
     labels = probed.result()   # raises if like.tx cannot run on chunks
   finally:
@@ -358,12 +362,18 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
   state = shapes.replace(
       step=loaded["step"], master=master,
       compute=cast_compute(master, where.compute, config),
-      rest=tuple(saved_list(loaded.get("rest", []))),
+      rest=tuple(saved_rest(loaded.get("rest", []))),
       opt_state=loaded["opt_state"],
       loss_scale=jax.tree_util.tree_map(
           reshard.copy, precision.init(config.loss_scale), where.loss_scale),
       extras=loaded.get("extras", {}))
   return _loss_scale(state, loaded)
+
+
+def _stored_form(rest) -> list:
+  """(shape, dtype) of each array of a state's `rest` (or its metadata)."""
+  return [(tuple(x.shape), np.dtype(x.dtype).name)
+          for x in jax.tree_util.tree_leaves(rest)]
 
 
 def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
@@ -376,7 +386,8 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
   opt = by_path(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
   target = {"step": sds(shapes.step, where.step),
             "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
-            "rest": [sds(x, s) for x, s in zip(shapes.rest, where.rest)],
+            "rest": [jax.tree_util.tree_map(sds, x, s)
+                     for x, s in zip(shapes.rest, where.rest)],
             "opt_state": jax.tree_util.tree_map_with_path(
                 lambda p, _: opt["/".join(path_names(p))], saved["opt_state"])}
   target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
