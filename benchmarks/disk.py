@@ -52,7 +52,7 @@ from zerojax import disk_tier
 from zerojax import disk_stream
 from benchmarks import memory, speed
 from benchmarks import variants as V
-from benchmarks.hlo import host_moves, host_writes
+from zerojax.hlo import host_moves, host_writes
 from benchmarks.user_models import CONFIGS
 
 CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from benchmarks import memory, models, speed
 from benchmarks import variants as V
-from benchmarks.hlo import host_computations, host_moves
+from zerojax.hlo import host_computations, host_moves
 
 VARIANT = "zero-3"
 OFFLOAD = {"offload_optimizer": True}

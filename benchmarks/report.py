@@ -182,7 +182,7 @@ def _comm_md(r: dict, mode: str) -> list:
   s = r["setup"]
   lines = [f"### Communication per step ({s['config']}: Ψ = "
            f"{s['num_params']:,}, fp32, {s['devices']} devices)", "",
-           "Counted in the optimized HLO (`benchmarks/hlo.py`); bytes per "
+           "Counted in the optimized HLO (`zerojax/hlo.py`); bytes per "
            "device: all-gather = gathered output, reduce-scatter = input, "
            "all-reduce = operand. Ops in loop bodies (the scanned layers) "
            "count once per iteration.", "",

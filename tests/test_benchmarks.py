@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from benchmarks import hlo
+from zerojax import hlo
 # starts processes (or runs for minutes): the full suite's, not the fast tier's
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from benchmarks.hlo import host_computations, host_moves
+from zerojax.hlo import host_computations, host_moves
 from models import (OFFLOADED_UPDATE_CASES, ScannedLM,
                     assert_matches_reference, lm_batches, lm_loss_fn,
                     make_problem, reference_run, zero_run)

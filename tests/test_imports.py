@@ -14,6 +14,9 @@ DEFERRED = {
     # `placement="auto"` plans at a step's first call, and the planner
     # compiles steps (`train_step`) to plan
     ("zerojax.step", "zerojax.planner"),
+    # `shard(stage="auto")` chooses at a step's first call, and `plan`
+    # compiles steps to choose
+    ("zerojax.step", "zerojax.autoconfig"),
     # `zerojax.nn.BlockedEmbed` is public in nn and defined in embed, which
     # is built on nn's gathers (a module `__getattr__`)
     ("zerojax.nn", "zerojax.embed"),

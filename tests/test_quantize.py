@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from benchmarks.hlo import count_collectives
+from zerojax.hlo import count_collectives
 from models import make_problem
 from zerojax import quantize
 from zerojax.quantize import Quantization

@@ -17,7 +17,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from benchmarks.hlo import count_collectives
+from zerojax.hlo import count_collectives
 from models import (TPTransformer, assert_matches_reference, lm_batches,
                     lm_loss_fn, reference_run)
 

@@ -20,15 +20,17 @@ from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
 from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
                             memory_report)
 from zerojax.planner import OffloadPlan, plan_offload
+from zerojax.autoconfig import Plan, plan
 from zerojax.sharded_init import create
 from zerojax.gathered import gather_model, gather_params
 from zerojax.state import ZeroTrainState, shard, shard_shape
 from zerojax.step import train_step
 
-__all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "ZeroConfig",
+__all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "Plan",
+           "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
            "deepspeed",
            "estimate_memory", "eval_step", "gather_model", "gather_params",
-           "losses", "memory_report", "nn", "plan_offload", "shard",
+           "losses", "memory_report", "nn", "plan", "plan_offload", "shard",
            "shard_shape", "train_step"]
 __version__ = "0.1.0"

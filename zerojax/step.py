@@ -359,6 +359,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       state = planner.place_as_planned(state, loss_fn, batch,
                                        has_aux=has_aux, mutable=mutable,
                                        weighted=weighted)
+    elif state.config.placement == "plan":
+      from zerojax import autoconfig   # it compiles steps too
+      state = autoconfig.place_as_chosen(state, loss_fn, batch,
+                                         has_aux=has_aux, mutable=mutable,
+                                         weighted=weighted)
     batch = prepare(state, batch)
     if state.config.disk:   # a running step only: `lower` needs no files
       disk_tier.check_files(state)

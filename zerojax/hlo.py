@@ -1,4 +1,5 @@
-"""Collectives of a compiled XLA program, counted from its optimized HLO text.
+"""Collectives of a compiled XLA program, counted from its optimized HLO text
+(`zerojax.plan`'s communication model, and the benchmarks' tables).
 
     report = count_collectives(jax.jit(f).lower(*args).compile())
     report.summary()   # {"all-gather": {"ops", "count", "bytes", ...}, ...}

@@ -1,0 +1,183 @@
+"""`zerojax.plan`: the configuration chosen from a device budget, compiled
+abstractly; three budgets on a transformer with blocks (one where stage 2
+fits, one where only stage 3 does, one where stage 3 needs offload), a
+budget nothing fits, bad input."""
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax
+from models import Transformer, lm_batches, lm_loss_fn
+
+
+@functools.lru_cache(maxsize=None)
+def _problem():
+  model = Transformer(vocab=64, width=64, layers=4, seq=16)
+  batch = lm_batches(model.vocab, batch=16, seq=model.seq, steps=1)[0]
+  params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  return plain, lm_loss_fn(model), batch
+
+
+@functools.lru_cache(maxsize=None)
+def _everything():
+  """The plan under a budget everything fits: every stage's figures."""
+  plain, loss_fn, batch = _problem()
+  return zerojax.plan(plain, loss_fn, batch, device_budget=2 ** 40)
+
+
+def _by_stage(plan) -> dict:
+  return {c.fields["stage"]: c for c in plan.candidates
+          if len(c.fields) == 1}
+
+
+def _chosen_step_fits(plan, budget):
+  """The chosen configuration, set by hand, compiles to at most `budget`
+  device bytes per device, and trains bit for bit as the plan's."""
+  plain, loss_fn, batch = _problem()
+  by_hand = zerojax.shard(plain, **plan.config_fields)
+  compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
+  assert zerojax.compiled_footprint(compiled)["device"] <= budget
+  planned = zerojax.shard(plain, **dict(plan.config_fields))
+  step = zerojax.train_step(loss_fn)
+  a, ma = step(by_hand, batch)
+  b, mb = step(planned, batch)
+  assert float(ma["loss"]) == float(mb["loss"])
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(a), zerojax.gather_params(b))
+
+
+def test_every_stage_is_measured_and_memory_falls_with_the_stage():
+  plan = _everything()
+  stages = _by_stage(plan)
+  assert set(stages) == {0, 1, 2, 3}
+  assert stages[3].device_bytes < stages[1].device_bytes < stages[0].device_bytes
+  assert all(c.flops > 0 and c.modelled_s > 0 for c in plan.candidates)
+  assert stages[0].wire_bytes > 0 and stages[3].wire_bytes > stages[1].wire_bytes
+  # everything fits: the fastest modelled, ties to the simpler
+  fastest = min(c.modelled_s for c in plan.candidates)
+  assert plan.chosen.modelled_s <= 1.02 * fastest
+  assert "chosen" in str(plan)
+
+
+@pytest.mark.slow
+def test_a_budget_only_stage3_meets_gets_stage3():
+  stages = _by_stage(_everything())
+  budget = (stages[3].device_bytes + min(stages[1].device_bytes,
+                                         stages[2].device_bytes)) // 2
+  plain, loss_fn, batch = _problem()
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget)
+  assert plan.chosen.fields["stage"] == 3 and plan.chosen.fits
+  _chosen_step_fits(plan, budget)
+
+
+@pytest.mark.slow
+def test_a_budget_stage2_meets_gets_a_stage_at_most_2():
+  stages = _by_stage(_everything())
+  budget = (stages[2].device_bytes + stages[0].device_bytes) // 2
+  assert stages[2].device_bytes <= budget < stages[0].device_bytes
+  plain, loss_fn, batch = _problem()
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget)
+  assert plan.chosen.fields["stage"] in (1, 2, 3) and plan.chosen.fits
+  _chosen_step_fits(plan, budget)
+
+
+@pytest.mark.slow
+def test_a_budget_below_stage3_recomputes_or_offloads():
+  """Below stage 3's footprint with activations kept: more recompute
+  first, then (on this CPU backend, with pinned_host memory) offload."""
+  stages = _by_stage(_everything())
+  plain, loss_fn, batch = _problem()
+  budget = stages[3].device_bytes - 1
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget)
+  fields = plan.chosen.fields
+  assert fields["stage"] == 3 and (fields.get("remat", "none") != "none"
+                                   or fields.get("offload_optimizer"))
+  _chosen_step_fits(plan, budget)
+
+
+def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
+  plain, loss_fn, batch = _problem()
+  with pytest.raises(ValueError, match=r"no configuration fits "
+                     r"device_budget=1,000\. The least is stage 3.*bytes "
+                     r"over the device budget"):
+    zerojax.plan(plain, loss_fn, batch, device_budget=1000)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"device_budget": 0}, ValueError, "must be a positive"),
+    ({"device_budget": "8GB"}, TypeError, "must be a number of bytes"),
+    ({"device_budget": 2 ** 30, "stage": 2}, ValueError,
+     r"chooses \['stage'\] itself"),
+])
+def test_bad_plan_input(kwargs, error, match):
+  plain, loss_fn, batch = _problem()
+  with pytest.raises(error, match=match):
+    zerojax.plan(plain, loss_fn, batch, **kwargs)
+
+
+@pytest.mark.slow
+def test_stage_auto_chooses_at_the_first_step_and_trains_as_chosen_by_hand():
+  """`shard(stage="auto", device_budget=B)`: the first step plans for its
+  own program, lays the state out as chosen (parameters and optimizer state
+  carried over) and trains bit for bit as that configuration set by hand."""
+  stages = _by_stage(_everything())
+  budget = (stages[3].device_bytes + min(stages[1].device_bytes,
+                                         stages[2].device_bytes)) // 2
+  plain, loss_fn, batch = _problem()
+  step = zerojax.train_step(loss_fn)
+  auto = zerojax.shard(plain, stage="auto", device_budget=budget)
+  assert auto.config.placement == "plan"
+  auto, m_auto = step(auto, batch)
+  assert auto.config.placement == "manual" and auto.config.stage == 3
+  fields = {f: getattr(auto.config, f) for f in ("remat", "offload_optimizer",
+                                                 "offload_params")}
+  by_hand, m_hand = step(zerojax.shard(plain, stage=3, **fields), batch)
+  assert float(m_auto["loss"]) == float(m_hand["loss"])
+  auto, _ = step(auto, batch)
+  by_hand, _ = step(by_hand, batch)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(auto),
+                         zerojax.gather_params(by_hand))
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({}, "stage='auto' chooses the configuration for a device memory budget"),
+    ({"device_budget": 2 ** 30, "remat": "full"},
+     "stage='auto' chooses remat itself"),
+    ({"device_budget": 2 ** 30, "placement": "auto"},
+     "stage='auto' chooses the placement too"),
+])
+def test_stage_auto_refuses_what_it_chooses(fields, match):
+  plain, _, _ = _problem()
+  with pytest.raises(ValueError, match=re.escape(match)):
+    zerojax.shard(plain, stage="auto", **fields)
+
+
+@pytest.mark.slow
+def test_a_budget_below_stage3_on_the_device_offloads():
+  """An MLP whose optimizer state outweighs its activations (the offload
+  planner's test problem: five chunks): below stage 3's device bytes the
+  plan takes the least host offload that fits (this CPU backend has
+  pinned_host memory)."""
+  from models import make_problem
+  model, params, loss_fn, batches = make_problem("mlp", steps=1)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  every = zerojax.plan(plain, loss_fn, batches[0], device_budget=2 ** 40,
+                       chunk_size=64)
+  budget = _by_stage(every)[3].device_bytes - 1
+  plan = zerojax.plan(plain, loss_fn, batches[0], device_budget=budget,
+                      chunk_size=64)
+  fields = plan.chosen.fields
+  assert fields["stage"] == 3 and fields["offload_optimizer"]
+  assert plan.chosen.host_bytes > 0 and plan.chosen.device_bytes <= budget
+  by_hand = zerojax.shard(plain, chunk_size=64, **fields)
+  compiled = zerojax.train_step(loss_fn).lower(by_hand, batches[0]).compile()
+  assert zerojax.compiled_footprint(compiled)["device"] <= budget

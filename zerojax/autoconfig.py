@@ -1,0 +1,365 @@
+"""`zerojax.plan`: the ZeRO configuration chosen from memory budgets at
+compile time, nothing allocated and no step run.
+
+Each candidate's step is compiled from an abstract state (`shard_shape`)
+and read three ways:
+
+  memory          device and host bytes per device (`compiled_footprint`,
+                  as `plan_offload` reads them);
+  communication   the compiled collectives (`zerojax.hlo`), ring wire
+                  bytes per device per step over the devices' interconnect;
+                  host memory: the host-resident state read and written
+                  once a step (2 x host bytes over PCIe, a model);
+  FLOPs           XLA's `cost_analysis()` of the program (one device's).
+
+The modelled step time is `FLOPs / peak + wire bytes / interconnect +
+PCIe bytes / PCIe`, with the figures of the device kind (`DEVICE_FIGURES`,
+overridable with `figures=`): no overlap assumed, so it ranks candidates
+rather than predicts a step.
+
+Candidates, pruned where memory only falls and time only grows: stages 0,
+1, 2 and 3 without offload; at stage 3, when that misses the budget, the
+remat policies "dots" then "full" (more recompute, fewer activations),
+stopping at the first that fits; when none fits, the least host offload
+that fits along stage 3's offload ladder (`plan_offload`, bisected; with
+the least-memory remat). Quantized collectives (qwZ and qgZ, int8) are
+tried only with `allow_quantized=True`: they change the numerics. Among
+the candidates that fit, the fastest modelled; within 2% the simpler (no
+offload before offload, a lower stage, less recompute).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from zerojax import frozen, hlo, reshard
+from zerojax.config import shard_axes
+from zerojax.memory import compiled_footprint
+from zerojax.planner import offload_ladder, plan_offload
+from zerojax.state import (ZeroTrainState, device_budget_bytes, loaded_master,
+                           place, plan_state, shard_shape)
+from zerojax.step import train_step
+
+_log = logging.getLogger("zerojax")
+
+# Per device kind (a substring of `device.device_kind`): dense peak FLOP/s
+# in 16-bit and 32-bit compute, interconnect and PCIe bytes/s one way
+# (vendor datasheets: H100 / H200 SXM NVLink 4 at 450 GB/s a direction,
+# PCIe 5 x16 at about 55 GB/s; A100 NVLink 3 at 300, PCIe 4 at 25). "cpu"
+# is this project's simulated devices on a 2-core machine, measured
+# roughly: only ratios between its candidates mean anything.
+DEVICE_FIGURES = {
+    "H200": {"flops16": 989e12, "flops32": 67e12, "link": 450e9,
+             "pcie": 55e9},
+    "H100": {"flops16": 989e12, "flops32": 67e12, "link": 450e9,
+             "pcie": 55e9},
+    "A100": {"flops16": 312e12, "flops32": 19.5e12, "link": 300e9,
+             "pcie": 25e9},
+    "TPU v5p": {"flops16": 459e12, "flops32": 459e12 / 4, "link": 200e9,
+                "pcie": 25e9},
+    "cpu": {"flops16": 5e9, "flops32": 10e9, "link": 2e9, "pcie": 4e9},
+}
+_CLOSE = 0.02   # modelled times this close are a tie
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One configuration the plan compiled. `fields`: its `ZeroConfig`
+  fields (stage included); bytes per device; `wire_bytes`: collectives'
+  ring bytes per step; `pcie_bytes`: host transfers per step (a model);
+  `flops`: XLA's count; `modelled_s`: the modelled step time."""
+  fields: dict
+  device_bytes: int
+  host_bytes: int
+  wire_bytes: float
+  pcie_bytes: float
+  flops: float
+  modelled_s: float
+  fits: bool
+
+  @property
+  def label(self) -> str:
+    f = self.fields
+    parts = [f"stage {f['stage']}"]
+    if f.get("remat", "none") != "none":
+      parts.append(f"remat={f['remat']}")
+    if f.get("offload_optimizer"):
+      parts.append("offload" + ("" if f.get("offload_fraction", 1.0) == 1.0
+                                else f" {f['offload_fraction']:.2f}"))
+    if f.get("offload_params"):
+      parts.append("params on host")
+    if f.get("quantize_weights"):
+      parts.append("int8 collectives")
+    return ", ".join(parts)
+
+  def _simplicity(self) -> tuple:
+    f = self.fields
+    return (bool(f.get("offload_optimizer")), bool(f.get("quantize_weights")),
+            f["stage"], ("none", "dots", "full").index(f.get("remat", "none")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """`zerojax.plan`'s answer: `zerojax.shard(state, **plan.config_fields)`
+  applies it. `candidates`: every configuration compiled, in the order
+  tried; `chosen`: the one picked; `figures`: the device figures the model
+  used, of `device_kind`."""
+  chosen: Candidate
+  candidates: tuple
+  device_budget: int
+  host_budget: Optional[int]
+  device_kind: str
+  figures: dict
+
+  @property
+  def config_fields(self) -> dict:
+    return dict(self.chosen.fields)
+
+  def __str__(self) -> str:
+    mib = lambda b: f"{b / 2 ** 20:,.1f}"
+    rows = [f"zerojax.plan: {self.chosen.label} (device budget "
+            f"{mib(self.device_budget)} MiB"
+            + ("" if self.host_budget is None else
+               f", host budget {mib(self.host_budget)} MiB")
+            + f"; figures of {self.device_kind!r}: {self.figures})",
+            f"{'candidate':<38} {'device MiB':>10} {'host MiB':>9} "
+            f"{'wire MiB':>9} {'GFLOP':>8} {'model ms':>9}  fits"]
+    for c in self.candidates:
+      mark = "  <- chosen" if c is self.chosen else ""
+      rows.append(f"{c.label:<38} {mib(c.device_bytes):>10} "
+                  f"{mib(c.host_bytes):>9} {mib(c.wire_bytes):>9} "
+                  f"{c.flops / 1e9:>8.2f} {1e3 * c.modelled_s:>9.2f}  "
+                  f"{'yes' if c.fits else 'no'}{mark}")
+    return "\n".join(rows)
+
+
+def figures_for(device_kind: str, figures: Optional[dict] = None) -> tuple:
+  """`(the DEVICE_FIGURES key used, its figures)` for `device_kind`, with
+  `figures` over them; an unknown kind takes H100's, and says so."""
+  key = next((k for k in DEVICE_FIGURES if k.lower() in device_kind.lower()),
+             None)
+  if key is None:
+    _log.warning("zerojax.plan: no figures on record for device kind %r; "
+                 "modelling it as an H100 (pass figures= to set them).",
+                 device_kind)
+    key = "H100"
+  return key, {**DEVICE_FIGURES[key], **(figures or {})}
+
+
+def _budget(value, name: str) -> Optional[int]:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name}={value!r} must be a number of bytes per device.")
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{name}={value!r} must be a positive, finite number "
+                     "of bytes per device.")
+  return int(value)
+
+
+def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
+         host_budget=None, mesh=None, tx=None, has_aux: bool = False,
+         mutable: tuple = (), weighted: bool = False,
+         allow_quantized: bool = False, figures: Optional[dict] = None,
+         **config_fields) -> Plan:
+  """Chooses the ZeRO configuration of `state` for `loss_fn` on `batch`
+  whose compiled step fits `device_budget` (and `host_budget`) bytes per
+  device and is fastest modelled (see the module docstring).
+
+  Args:
+    state: what `zerojax.shard` takes (a Flax `TrainState`, real or
+      `jax.eval_shape`'d, or an NNX model with `tx=`), or a
+      `ZeroTrainState` (real or from `shard_shape`), whose own stage,
+      remat, offload and quantization are the plan's to choose.
+    loss_fn, has_aux, mutable, weighted: as for `zerojax.train_step`.
+    batch: one step's global batch (arrays or `jax.ShapeDtypeStruct`s).
+    device_budget, host_budget: bytes per device (host: pinned host memory
+      per device; None: unbounded).
+    mesh: as for `shard`.
+    allow_quantized: also try int8 quantized collectives (qwZ, qgZ), which
+      change the numerics.
+    figures: `DEVICE_FIGURES` entries to override (`flops16`, `flops32`,
+      `link`, `pcie`).
+    **config_fields: further `ZeroConfig` fields every candidate keeps
+      (`compute_dtype`, `accum_steps`, `frozen`, ...).
+
+  Returns:
+    A `Plan`; `zerojax.shard(state, **plan.config_fields, ...)` applies it.
+
+  Raises:
+    ValueError: nothing fits; the error names the candidate that needs the
+      least device memory, its needs per memory kind and the shortfall.
+  """
+  device = _budget(device_budget, "device_budget")
+  if device is None:
+    raise TypeError("plan() needs device_budget= (bytes per device).")
+  host = _budget(host_budget, "host_budget")
+  if not callable(loss_fn):
+    raise TypeError(f"plan() takes the loss function, got {loss_fn!r}.")
+  taken = {"stage", "remat", "offload_optimizer", "offload_params",
+           "offload_fraction", "quantize_weights", "quantize_grads",
+           "placement", "device_budget"} & set(config_fields)
+  if taken:
+    raise ValueError(f"plan() chooses {sorted(taken)} itself; leave them "
+                     "out (pass the fields every candidate keeps).")
+  batch = jax.eval_shape(lambda b: b, batch)
+  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
+                    weighted=weighted)
+  if not isinstance(state, ZeroTrainState):
+    state = shard_shape(state, 3, mesh, **({} if tx is None else {"tx": tx}),
+                        **config_fields)
+  elif config_fields or tx is not None or mesh is not None:
+    raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
+                    "config from it; pass only the budgets and options.")
+  kind = None
+  tried = []
+
+  def abstract(fields):
+    return _as_configured(state, fields)
+
+  def measure(fields, shapes=None):
+    nonlocal kind
+    shapes = abstract(fields) if shapes is None else shapes
+    compiled = step.lower(shapes, batch).compile()
+    kind = kind or shapes.mesh.devices.flat[0].device_kind
+    cand = _candidate(fields, shapes, compiled, figures_for(kind, figures)[1],
+                      device, host)
+    tried.append(cand)
+    return cand
+
+  # (hpZ shards over the replica axis too: no stage 0)
+  for stage in (1, 2, 3) if state.config.hpz else (0, 1, 2, 3):
+    last = measure({"stage": stage})
+  if not last.fits:   # stage 3 misses: recompute more, then offload
+    for remat in ("dots", "full"):
+      last = measure({"stage": 3, "remat": remat})
+      if last.fits:
+        break
+  if not any(c.fits for c in tried):
+    # the most offload first: when it misses, nothing fits (said below)
+    fields = {"stage": 3, "remat": "full"}
+    most = measure({**fields, **offload_ladder(abstract(fields))[-1]})
+    if most.fits and most.fields != fields:
+      offload = plan_offload(abstract(fields), loss_fn, batch, device,
+                             has_aux=has_aux, mutable=mutable,
+                             weighted=weighted)
+      least = {**fields, **offload.config_fields}
+      if least != most.fields:
+        measure(least)
+  if allow_quantized:
+    best = min((c for c in tried if c.fits and c.fields["stage"] == 3),
+               key=lambda c: c.modelled_s, default=None)
+    if best is not None:
+      measure({**best.fields, "quantize_weights": "int8",
+               "quantize_grads": "int8"})
+  fitting = [c for c in tried if c.fits]
+  if not fitting:
+    least = min(tried, key=lambda c: c.device_bytes)
+    need = (f"{least.device_bytes:,} bytes of device memory"
+            + ("" if host is None else f" and {least.host_bytes:,} of host"))
+    short = least.device_bytes - device
+    raise ValueError(
+        f"zerojax.plan: no configuration fits device_budget={device:,}"
+        + ("" if host is None else f", host_budget={host:,}") +
+        f". The least is {least.label}: {need} per device"
+        + (f", {short:,} bytes over the device budget" if short > 0 else
+           f", over the host budget by {least.host_bytes - host:,} bytes")
+        + ". Raise the budget, use more devices, a smaller batch (or "
+        "accum_steps) or model.")
+  fastest = min(c.modelled_s for c in fitting)
+  chosen = min((c for c in fitting if c.modelled_s <= fastest * (1 + _CLOSE)),
+               key=Candidate._simplicity)
+  key, used = figures_for(kind, figures)
+  return Plan(chosen, tuple(tried), device, host, key, used)
+
+
+# what the plan chooses: reset before each candidate's own fields
+_CHOSEN = {"remat": "none", "offload_optimizer": False, "offload_params": False,
+           "offload_fraction": 1.0, "update_on": None,
+           "quantize_weights": None, "quantize_grads": None,
+           "placement": "manual", "device_budget": None}
+
+
+def _tree_parts(state: ZeroTrainState) -> tuple:
+  """`(params, opt_state shapes, model dims)` of the ordinary TrainState
+  content of `state`, as shapes."""
+  layout = state.layout
+  params = jax.tree_util.tree_unflatten(
+      layout.treedef, [jax.ShapeDtypeStruct(i.shape, i.dtype)
+                       for i in layout.leaves])
+  dims = tuple(i.model_dim for i in layout.leaves)
+  return (params, jax.eval_shape(state.tx.init, params),
+          dims if any(d is not None for d in dims) else None)
+
+
+def _as_configured(state: ZeroTrainState, fields: dict) -> ZeroTrainState:
+  """`state` laid out with `fields` over its config (`_CHOSEN` reset), as
+  `jax.ShapeDtypeStruct`s carrying their shardings."""
+  config = dataclasses.replace(state.config, **{**_CHOSEN, **fields})
+  params, opt_state, dims = _tree_parts(state)
+  _, shapes, where = plan_state(
+      params, opt_state, 0, state.extras, state.static_extras, tx=state.tx,
+      apply_fn=state.apply_fn, config=config, mesh=state.mesh,
+      model_dims=dims)
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      shapes, where)
+
+
+def place_as_chosen(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
+                    has_aux: bool, mutable: tuple,
+                    weighted: bool = False) -> ZeroTrainState:
+  """`shard(stage="auto")` at its first step: `plan` for this step's
+  program and the config's `device_budget`, and `state` laid out again as
+  the plan says (its parameters and optimizer state carried over, one
+  chunk at a time), its config saying "manual"; the choice and the table
+  said once. Raises (the state left as it was) when nothing fits."""
+  cfg = state.config
+  try:
+    chosen = plan(state, loss_fn, batch,
+                  device_budget=device_budget_bytes(cfg, state.mesh),
+                  has_aux=has_aux, mutable=mutable, weighted=weighted)
+  except ValueError as e:
+    raise ValueError(f"stage='auto', device_budget={cfg.device_budget!r}: "
+                     f"{e}") from None
+  _log.warning("zerojax: stage='auto' chose %s.\n%s", chosen.chosen.label,
+               chosen)
+  layout, axes = state.layout, shard_axes(cfg)
+  params = reshard.to_tree(layout, loaded_master(state),
+                           frozen.restored(layout, state.rest), axes)
+  _, opt_shapes, dims = _tree_parts(state)
+  opt_state = reshard.opt_to_tree(layout, state.opt_state, opt_shapes, axes)
+  config = dataclasses.replace(cfg, **{**_CHOSEN, **chosen.config_fields})
+  return place(params, opt_state, state.step, state.extras,
+               state.static_extras, tx=state.tx, apply_fn=state.apply_fn,
+               config=config, mesh=state.mesh, release=True, model_dims=dims)
+
+
+def _candidate(fields, shapes, compiled, figures, device, host) -> Candidate:
+  footprint = compiled_footprint(compiled)
+  host_bytes = sum(
+      int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+      for x in jax.tree_util.tree_leaves(shapes)
+      if isinstance(x, jax.ShapeDtypeStruct)
+      and getattr(x.sharding, "memory_kind", None) == "pinned_host")
+  wire = sum(op.trips * op.wire_bytes
+             for op in hlo.count_collectives(compiled).ops
+             if op.trips is not None)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = float((cost or {}).get("flops", 0.0))
+  half = np.dtype(shapes.config.compute_dtype).itemsize < 4
+  pcie = 2.0 * host_bytes
+  modelled = (flops / figures["flops16" if half else "flops32"]
+              + wire / figures["link"] + pcie / figures["pcie"])
+  fits = footprint["device"] <= device and (host is None or host_bytes <= host)
+  fields = {k: v for k, v in fields.items()
+            if not (k in _CHOSEN and v == _CHOSEN[k])}   # the defaults
+  return Candidate(dict(fields), int(footprint["device"]), int(host_bytes),
+                   float(wire), pcie, flops, modelled, fits)
