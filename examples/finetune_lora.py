@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "examples/gpt2_medium.py (--checkpoint-dir); default: "
                  "pretrain one for --base-steps first, in a temporary "
                  "directory")
-  p.add_argument("--base-steps", type=int, default=60,
+  p.add_argument("--base-steps", type=int, default=30,
                  help="without --base: steps of the pretraining run")
   p.add_argument("--preset", choices=["auto", *gpt2.PRESETS], default="auto",
                  help="the base's preset (default: cpu here, medium on a GPU)")
