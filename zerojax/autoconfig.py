@@ -250,7 +250,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
                              has_aux=has_aux, mutable=mutable,
                              weighted=weighted)
       least = {**fields, **offload.config_fields}
-      if least != most.fields:
+      if _explicit(least) != most.fields:
         measure(least)
   if allow_quantized:
     best = min((c for c in tried if c.fits and c.fields["stage"] == 3),
@@ -341,6 +341,13 @@ def place_as_chosen(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
                config=config, mesh=state.mesh, release=True, model_dims=dims)
 
 
+def _explicit(fields: dict) -> dict:
+  """`fields` without those at `_CHOSEN`'s defaults (how a plan shows
+  them, and passes them to `shard`)."""
+  return {k: v for k, v in fields.items()
+          if not (k in _CHOSEN and v == _CHOSEN[k])}
+
+
 def _candidate(fields, shapes, compiled, figures, device, host) -> Candidate:
   footprint = compiled_footprint(compiled)
   host_bytes = sum(
@@ -359,7 +366,5 @@ def _candidate(fields, shapes, compiled, figures, device, host) -> Candidate:
   modelled = (flops / figures["flops16" if half else "flops32"]
               + wire / figures["link"] + pcie / figures["pcie"])
   fits = footprint["device"] <= device and (host is None or host_bytes <= host)
-  fields = {k: v for k, v in fields.items()
-            if not (k in _CHOSEN and v == _CHOSEN[k])}   # the defaults
-  return Candidate(dict(fields), int(footprint["device"]), int(host_bytes),
+  return Candidate(_explicit(fields), int(footprint["device"]), int(host_bytes),
                    float(wire), pcie, flops, modelled, fits)
