@@ -39,18 +39,11 @@ def _by_stage(plan) -> dict:
 
 def _chosen_step_fits(plan, budget):
   """The chosen configuration, set by hand, compiles to at most `budget`
-  device bytes per device, and trains bit for bit as the plan's."""
+  device bytes per device (what the plan measured abstractly)."""
   plain, loss_fn, batch = _problem()
   by_hand = zerojax.shard(plain, **plan.config_fields)
   compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
   assert zerojax.compiled_footprint(compiled)["device"] <= budget
-  planned = zerojax.shard(plain, **dict(plan.config_fields))
-  step = zerojax.train_step(loss_fn)
-  a, ma = step(by_hand, batch)
-  b, mb = step(planned, batch)
-  assert float(ma["loss"]) == float(mb["loss"])
-  jax.tree_util.tree_map(np.testing.assert_array_equal,
-                         zerojax.gather_params(a), zerojax.gather_params(b))
 
 
 def test_every_stage_is_measured_and_memory_falls_with_the_stage():
@@ -111,6 +104,11 @@ def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
+    ({"device_budget": None}, TypeError, r"plan\(\) needs device_budget="),
+    ({"device_budget": 2 ** 30, "loss_fn": "loss"}, TypeError,
+     r"plan\(\) takes the loss function, got 'loss'"),
+    ({"device_budget": 2 ** 30, "host_budget": -1}, ValueError,
+     r"host_budget=-1 must be a positive"),
     ({"device_budget": 0}, ValueError, "must be a positive"),
     ({"device_budget": "8GB"}, TypeError, "must be a number of bytes"),
     ({"device_budget": 2 ** 30, "stage": 2}, ValueError,
@@ -118,8 +116,18 @@ def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
 ])
 def test_bad_plan_input(kwargs, error, match):
   plain, loss_fn, batch = _problem()
+  loss_fn = kwargs.pop("loss_fn", loss_fn)
   with pytest.raises(error, match=match):
     zerojax.plan(plain, loss_fn, batch, **kwargs)
+
+
+def test_a_sharded_state_is_planned_with_its_own_config():
+  plain, loss_fn, batch = _problem()
+  abstract = zerojax.shard_shape(plain, stage=2)
+  with pytest.raises(TypeError, match="takes its mesh, tx and config from "
+                     "it"):
+    zerojax.plan(abstract, loss_fn, batch, device_budget=2 ** 30,
+                 chunk_size=64)
 
 
 @pytest.mark.slow
