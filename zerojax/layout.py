@@ -455,9 +455,10 @@ class ChunkLayout:
     Args:
       chunks: full (gathered) chunk arrays.
       rest: the leaves kept outside the chunks.
-      dtype: "leaf" restores each leaf's dtype (frozen weights' too); None
-        keeps the chunk's dtype (the compute dtype inside a step); or an
-        explicit dtype for the chunks' leaves.
+      dtype: "leaf" restores each chunk leaf's dtype; None keeps the
+        chunk's dtype (the compute dtype inside a step); or an explicit
+        dtype for the chunks' leaves. `rest` is taken as it is (frozen
+        weights as they are read: `zerojax.frozen.restored`).
       skip: chunk indices whose leaves are left as None.
       leaves: `{chunk index: its leaves}` already cut (in `unpack_chunk`
         order); those chunks' entries of `chunks` are not read.
@@ -476,10 +477,7 @@ class ChunkLayout:
           leaf = leaf.astype(dtype)
         out[i] = leaf
     for i, leaf in zip(self.rest_indices, rest):
-      if (isinstance(dtype, str) and dtype == "leaf" and leaf is not None
-          and np.dtype(leaf.dtype) != self.leaves[i].dtype):
-        leaf = leaf.astype(self.leaves[i].dtype)   # a frozen weight, stored
-      out[i] = leaf                                # in the compute dtype
+      out[i] = leaf
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   # ---- optimizer views ----------------------------------------------------

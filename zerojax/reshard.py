@@ -390,8 +390,7 @@ def to_tree(layout: ChunkLayout, chunks: Sequence[Any], rest: Sequence[Any],
                        leaves_from_chunk(layout, c, x, axis_name)):
       out[i] = leaf
   for i, leaf in zip(layout.rest_indices, rest):
-    # a frozen weight comes back in its own dtype (stored in the compute one)
-    out[i] = copy(leaf).astype(layout.leaves[i].dtype)
+    out[i] = copy(leaf)
   return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
