@@ -41,7 +41,7 @@ import numpy as np
 from zerojax import frozen, hlo, reshard
 from zerojax.config import shard_axes
 from zerojax.memory import compiled_footprint
-from zerojax.planner import offload_ladder, plan_offload
+from zerojax.planner import host_bytes, offload_ladder, plan_offload
 from zerojax.state import (ZeroTrainState, device_budget_bytes, loaded_master,
                            place, plan_state, shard_shape)
 from zerojax.step import train_step
@@ -244,9 +244,10 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
   if not any(c.fits for c in tried):
     # the most offload first: when it misses, nothing fits (said below)
     fields = {"stage": 3, "remat": "full"}
-    most = measure({**fields, **offload_ladder(abstract(fields))[-1]})
+    full = abstract(fields)
+    most = measure({**fields, **offload_ladder(full)[-1]})
     if most.fits and most.fields != fields:
-      offload = plan_offload(abstract(fields), loss_fn, batch, device,
+      offload = plan_offload(full, loss_fn, batch, device,
                              has_aux=has_aux, mutable=mutable,
                              weighted=weighted)
       least = {**fields, **offload.config_fields}
@@ -350,11 +351,7 @@ def _explicit(fields: dict) -> dict:
 
 def _candidate(fields, shapes, compiled, figures, device, host) -> Candidate:
   footprint = compiled_footprint(compiled)
-  host_bytes = sum(
-      int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
-      for x in jax.tree_util.tree_leaves(shapes)
-      if isinstance(x, jax.ShapeDtypeStruct)
-      and getattr(x.sharding, "memory_kind", None) == "pinned_host")
+  held = host_bytes(shapes)
   wire = sum(op.trips * op.wire_bytes
              for op in hlo.count_collectives(compiled).ops
              if op.trips is not None)
@@ -362,9 +359,9 @@ def _candidate(fields, shapes, compiled, figures, device, host) -> Candidate:
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float((cost or {}).get("flops", 0.0))
   half = np.dtype(shapes.config.compute_dtype).itemsize < 4
-  pcie = 2.0 * host_bytes
+  pcie = 2.0 * held
   modelled = (flops / figures["flops16" if half else "flops32"]
               + wire / figures["link"] + pcie / figures["pcie"])
-  fits = footprint["device"] <= device and (host is None or host_bytes <= host)
-  return Candidate(_explicit(fields), int(footprint["device"]), int(host_bytes),
+  fits = footprint["device"] <= device and (host is None or held <= host)
+  return Candidate(_explicit(fields), int(footprint["device"]), int(held),
                    float(wire), pcie, flops, modelled, fits)

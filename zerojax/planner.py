@@ -215,7 +215,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                  if fields["offload_optimizer"] else frozenset())
   return OffloadPlan(
       **fields, offloaded_chunks=len(host_chunks),
-      device_bytes=measured[hi]["device"], host_bytes=_host_bytes(chosen),
+      device_bytes=measured[hi]["device"], host_bytes=host_bytes(chosen),
       budget_bytes=budget, footprint=measured[hi], ladder=tuple(ladder),
       rung=hi, tried={r: fp["device"] for r, fp in sorted(measured.items())})
 
@@ -258,7 +258,7 @@ def _placement(abstract) -> tuple:
   return tuple(x.sharding.memory_kind for x in jax.tree_util.tree_leaves(abstract))
 
 
-def _host_bytes(abstract) -> int:
+def host_bytes(abstract) -> int:
   """Per-device bytes of the arrays placed in host memory."""
   return per_device_bytes([x for x in jax.tree_util.tree_leaves(abstract)
                            if x.sharding.memory_kind == offload.HOST])
