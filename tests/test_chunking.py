@@ -1,11 +1,12 @@
 """zerojax.chunking: the chunk-size search against an independent greedy
-packing, and which sibling submodules are units (repeated blocks)."""
+packing, which sibling submodules are units (repeated blocks), and which
+submodules look like layer stacks."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import (named_units, repeated_blocks, search_chunk_size,
-                              unit_depth)
+from zerojax.chunking import (named_units, repeated_blocks, scanned_stacks,
+                              search_chunk_size, unit_depth)
 
 
 def _block(width, hidden=None):
@@ -98,3 +99,36 @@ def test_named_units_refuse_a_module_around_a_repeated_block():
   assert named_units(tree, ("head", "blocks_0"), (), found) == ("head",)
   with pytest.raises(ValueError, match="'enc' is around 'blocks_0'"):
     named_units(tree, ("enc",), (), found)
+
+
+def _stacked(layers, width):
+  """`_block(width)`'s leaves with a leading layer axis, as `nn.scan` (or
+  `nnx.vmap`) makes them."""
+  return {k: {n: np.zeros((layers,) + x.shape) for n, x in v.items()}
+          for k, v in _block(width).items()}
+
+
+def test_scanned_stacks_are_found_by_a_shared_leading_length():
+  tree = {"wte": {"embedding": np.zeros((64, 32))},
+          "blocks": _stacked(4, 32), "ln_f": {"scale": np.zeros(32)}}
+  assert scanned_stacks(tree, num_shards=8) == ("blocks",)
+  # nested, and the outermost such module is taken
+  assert scanned_stacks({"enc": {"layers": _stacked(3, 32)},
+                         "dec": {"layers": _stacked(3, 32), "x": tree["ln_f"]}},
+                        num_shards=8) == ("enc", "dec/layers")
+  # a named stack and what is inside a repeated block are skipped
+  assert scanned_stacks(tree, 8, skip=("blocks",)) == ()
+  assert scanned_stacks({"h": {"0": tree, "1": tree}}, 8, skip=("h/0",)) == (
+      "h/1/blocks",)
+
+
+def test_what_is_not_a_stack_is_not_taken():
+  # unscanned blocks (rank-1 leaves), bias-free square matrices (rank 2
+  # only), one leaf, a layer too small for its row's padding to stay small
+  assert scanned_stacks({"h": {"0": _block(32), "1": _block(32)}}, 8) == ()
+  square = {"a": {"kernel": np.zeros((64, 64))},
+            "b": {"kernel": np.zeros((64, 64))}}
+  assert scanned_stacks({"mlp": square}, 8) == ()
+  assert scanned_stacks({"one": {"kernel": np.zeros((4, 32, 32))}}, 8) == ()
+  assert scanned_stacks({"blocks": _stacked(4, 2)}, 8) == ()
+  assert scanned_stacks({"blocks": _stacked(4, 4)}, 1) == ("blocks",)

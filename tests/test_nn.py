@@ -412,8 +412,10 @@ def test_stage2_reduces_each_layers_gradient_inside_the_loop():
     (False, True, {"blocks": "per layer"}),
 ])
 def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
+  # the opt-in names its stack; the model as written needs no name
   model, state, batch = _tiny_lm_state(layerwise, scan,
-                                       ("blocks",) if scan else ())
+                                       ("blocks",) if scan and layerwise
+                                       else ())
   modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
   assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
   assert [v for k, v in modes.items() if not k.startswith("blocks")] == [
@@ -482,12 +484,12 @@ def _trained(model, stacked=(), steps=3, **config):
     ("dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)])
 def test_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
     scan, remat, policy):
-  """No `layerwise` in the model: stage 3 gathers each block at its call
-  (each layer in its scan) and again in its backward pass, as the opt-in
-  with the same remat policy does, bit for bit."""
+  """No `layerwise` in the model and no `stacked=`: stage 3 gathers each
+  block at its call (each layer in its scan) and again in its backward
+  pass, as the opt-in with the same remat policy does, bit for bit."""
   stacked = ("blocks",) if scan else ()
   plain = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
-                             layerwise=False), stacked, remat=remat)
+                             layerwise=False), remat=remat)
   wrapped = _trained(ScannedLM(layers=3, width=32, vocab=64, scan=scan,
                                layerwise=True, remat_policy=policy), stacked)
   assert plain[2] == wrapped[2]
@@ -507,10 +509,8 @@ def test_the_default_keeps_activations_and_gathers_blocks_again(scan):
   batches = _batches(model.vocab, batch=16, seq=16, steps=3)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   tx = optax.sgd(0.5, momentum=0.9)
-  stacked = ("blocks",) if scan else ()
   make = lambda **kw: zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), stage=3, stacked=stacked,
-                                    **kw)
+      apply_fn=model.apply, params=params, tx=tx), stage=3, **kw)
   state = make()
   step = zerojax.train_step(_loss_fn(model))
   compiled = {}
@@ -561,6 +561,47 @@ def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
   with caplog.at_level("WARNING", logger="zerojax"):   # said once
     zerojax.train_step(loss_fn).gathering(state, batches[0])
   assert not caplog.records
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))
+
+
+class _ConvPair(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3), use_bias=False)(x))
+    return nn.Conv(16, (3, 3), use_bias=False)(x)
+
+
+class _Convs(nn.Module):
+  """Two bias-free 3x3 convolutions in one submodule: every weight starts
+  with the same length (3), as a scanned stack's do, but nothing scans."""
+
+  @nn.compact
+  def __call__(self, x):
+    return _ConvPair(name="body")(x).mean(axis=(1, 2))
+
+
+def test_a_module_that_only_looks_like_a_stack_is_held(caplog):
+  """Found by the tree alone (`chunking.scanned_stacks`), laid out per
+  "layer", but never called as one layer inside a scan: held for the step,
+  silently (nothing was asked), training as plain optax."""
+  zerojax.nn._SAID.clear()   # (said once a process)
+  model = _Convs()
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(16, 6, 6, 16)).astype(np.float32),
+              "y": rng.normal(size=(16, 16)).astype(np.float32)}
+             for _ in range(3)]
+  params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+  tx = optax.sgd(0.1, momentum=0.9)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3)
+  assert [c.layers for c in state.layout.chunks] == [3]
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"])
+                                   - b["y"]) ** 2)
+  with caplog.at_level("WARNING", logger="zerojax"):
+    modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
+  assert modes == {"body": "whole step"} and not caplog.records
   state, losses = zero_run(state, loss_fn, batches)
   assert_matches_reference(losses, zerojax.gather_params(state),
                            *reference_run(loss_fn, params, tx, batches))

@@ -633,8 +633,9 @@ def test_nnx_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
     block = (zerojax.nn.layerwise(NnxResidualBlock, **policy) if wrap
              else NnxResidualBlock)
     model = make(block)(nnx.Rngs(0))
+    # the opt-in names its stack; the model as written needs no name
     state = zerojax.shard(model, stage=3, tx=TX, remat=remat,
-                          stacked=("blocks",) if scan else ())
+                          stacked=("blocks",) if scan and wrap else ())
     step = zerojax.train_step(loss_fn)
     modes = step.gathering(state, batches[0])
     runs[wrap] = modes, _trained(step, state, batches)

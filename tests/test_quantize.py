@@ -308,3 +308,34 @@ def test_a_non_finite_gradient_still_skips_the_step():
 def test_bad_quantization_is_refused(fields, error, message):
   with pytest.raises(error, match=message):
     zerojax.ZeroConfig(**fields)
+
+
+@pytest.mark.parametrize("field", ["quantize_weights", "quantize_grads"])
+def test_no_block_spans_two_leaves(field):
+  """Quantized blocks start at leaf boundaries (`state.align`): a 1e30
+  weight in one leaf leaves a neighbour's quantized values exactly as they
+  are without it (the loss, read through int8 gathers, and the gradient,
+  through int8 reduce-scatters, bit for bit), where a block holding both
+  would take the neighbour's values to 0."""
+  rng = np.random.default_rng(0)
+  a = rng.normal(size=(8, 20)).astype(np.float32)   # 160: not whole blocks
+  x = rng.normal(size=(16, 8)).astype(np.float32)
+  # the loss reads "a" only; "b" rides in the same chunk
+  loss_fn = lambda p, b: jnp.mean((b @ p["a"]) ** 2)
+  runs = []
+  for outlier in (0.0, 1e30):
+    b = np.zeros((300,), np.float32)
+    b[0] = outlier
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=None, params={"a": a, "b": b}, tx=optax.sgd(0.1)), stage=3,
+                          quantize_block=64, **{field: "int8"})
+    leaves = state.layout.leaves
+    assert leaves[0].chunk == leaves[1].chunk
+    assert {info.offset % 64 for info in leaves} == {0}
+    state, metrics = zerojax.train_step(loss_fn)(state, x)
+    runs.append((metrics["loss"], zerojax.gather_params(state)["a"]))
+  np.testing.assert_array_equal(runs[0][0], runs[1][0])
+  np.testing.assert_array_equal(runs[0][1], runs[1][1])
+  plain = zerojax.shard(train_state.TrainState.create(
+      apply_fn=None, params={"a": a, "b": b}, tx=optax.sgd(0.1)), stage=3)
+  assert plain.layout.leaves[1].offset == 160   # back to back unquantized

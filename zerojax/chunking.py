@@ -1,7 +1,8 @@
 """How leaves are grouped into chunks before they are laid out: ColossalAI
 Gemini's chunk-size search (the size that leaves the least capacity unused)
-and the units, unrolled blocks that get chunks of their own so that stage 3
-can gather one block at a time (`zerojax.nn.layerwise`). Pure functions of
+the units, unrolled blocks that get chunks of their own so that stage 3
+can gather one block at a time (`zerojax.nn.layerwise`), and the layer
+stacks a tree holds without being named (`scanned_stacks`). Pure functions of
 shapes; imports nothing else from the package. `layout.ChunkLayout.build`
 uses both.
 """
@@ -58,7 +59,7 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
   models, `layers/0` in an `nnx.List`, or `enc_a`, `enc_b`). A block is
   given by its name where that name is used once in the tree, else by its
   path from the root, `"transformer/h/0"` (`unit_depth` reads both).
-  Subtrees under `stacked` are skipped; where repeated blocks hold repeated
+  Subtrees under `stacked` (names or paths) are skipped; where repeated blocks hold repeated
   blocks with nearly all (90%) of their parameters, the inner ones are the
   blocks. Whether a block is called as one (and so gathered per call) is
   the step's to find (`zerojax.nn.intercept`); a block that is not is held.
@@ -88,12 +89,12 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
     groups = {}
     for k, v in node.items():
       names.append(str(k))
-      if is_block(v) and str(k) not in stacked:
+      if is_block(v) and not _inside(path + (str(k),), stacked):
         groups.setdefault(signature(v), []).append(str(k))
     repeated = {k for group in groups.values() if len(group) > 1 for k in group}
     found = []
     for k, v in node.items():
-      if isinstance(v, dict) and str(k) not in stacked:
+      if isinstance(v, dict) and not _inside(path + (str(k),), stacked):
         inner = visit(v, path + (str(k),))
         held = sum(size(block) for _, block in inner)
         found.extend([(path + (str(k),), v)] if str(k) in repeated and
@@ -109,6 +110,57 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
                else "/".join(p) for p, _ in found)
 
 
+def scanned_stacks(params: Any, num_shards: int,
+                   skip: Sequence[str] = ()) -> tuple:
+  """The submodules of a parameter tree that look like a layer stack
+  (`nn.scan` over a block with `variable_axes={"params": 0}`, or an
+  `nnx.vmap`-made stack): at least two leaves, all of rank two or more and
+  one of rank three or more, sharing one leading length of at least 2, one
+  layer of which holds at least `32 * num_shards` elements (padding each
+  layer's row to the data axis then costs at most 3%). The outermost such
+  submodule is taken; the root, and subtrees under `skip` (stacked modules
+  given, repeated blocks: names or paths as `unit_depth` reads them), are
+  not. Given as paths from the root, `"encoder/layers"`.
+
+  The tree alone cannot tell a stack from a module whose weights happen to
+  share a leading length (two `[3, 3, c, c]` convolutions), and need not:
+  laid out as a stack, such a module is gathered whole for the step, as it
+  would be anyway, since the step gathers a stack per layer only where its
+  hearing trace heard one layer of it called inside a scan
+  (`zerojax.nn.intercept`)."""
+  def leaves(node):
+    if isinstance(node, dict):
+      return [x for v in node.values() for x in leaves(v)]
+    return [node]
+
+  def is_stack(node) -> bool:
+    shapes = [tuple(np.shape(x)) for x in leaves(node)]
+    if len(shapes) < 2 or any(len(s) < 2 for s in shapes):
+      return False
+    length = shapes[0][0]
+    return (length >= 2 and all(s[0] == length for s in shapes)
+            and any(len(s) >= 3 for s in shapes)
+            and sum(int(np.prod(s)) for s in shapes) // length
+            >= 32 * num_shards)
+
+  found = []
+
+  def visit(node, path):
+    for k, v in node.items():
+      here = path + (str(k),)
+      if not isinstance(v, dict) or _inside(here, skip):
+        continue
+      if is_stack(v):
+        found.append("/".join(here))
+      else:
+        visit(v, here)
+
+  params = _as_dict(params)
+  if isinstance(params, dict):
+    visit(params, ())
+  return tuple(found)
+
+
 def unit_depth(names: Sequence[str], unit: str) -> int:
   """How many leading components of the path `names` lead to `unit` (a
   stacked module's or block's name, anywhere on the path, or a block's path
@@ -118,6 +170,11 @@ def unit_depth(names: Sequence[str], unit: str) -> int:
     return names.index(unit) + 1 if unit in names[:-1] else 0
   return (len(parts) if len(names) > len(parts)
           and tuple(names[:len(parts)]) == parts else 0)
+
+
+def _inside(path: tuple, units: Sequence[str]) -> bool:
+  """Whether the submodule at `path` is one of `units` or inside one."""
+  return any(unit_depth(path + ("",), u) for u in units)
 
 
 def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),

@@ -220,8 +220,11 @@ class ZeroConfig:
       CPU devices report none).
     stacked: names of submodules (first-level keys below "params", or any
       path component) whose leaves carry a leading layer axis, as
-      `flax.linen.scan` produces; they are chunked per layer. A name that
-      matches no submodule is an error (`shard` lists the names).
+      `flax.linen.scan` produces; they are chunked per layer. At stage 3
+      such stacks are found without naming (`chunking.scanned_stacks`);
+      name one the search misses (a stack of one weight, or of layers
+      smaller than 32 elements per device). A name that matches no
+      submodule is an error (`shard` lists the names).
     per_use: stage 3, names of other submodules (path components) to gather
       at each use rather than hold for the whole step, FSDP2's
       `reshard_after_forward=True` for that module: each named module's

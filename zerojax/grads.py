@@ -491,22 +491,23 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
         "module's attend).")
   unheard = [c for c in own_gather
              if c not in layerwise and c not in read and c not in refused]
-  stacks = [c for c in unheard if layout.chunks[c].layers]
+  # a stack found without `stacked=` that no scan called is a module whose
+  # leaves share a leading length: held, as it would be anyway
+  stacks = [c for c in unheard if layout.chunks[c].layers
+            and layout.chunks[c].stack in config.stacked]
   if stacks:
     zero_nn.say_once(
         f"zerojax: stacked={tuple(config.stacked)!r} at stage 3, but no "
         f"layer of {_names(layout, stacks)} was called as a module inside "
         "its scan, so the step gathers all its layers at once for the "
-        "whole step (memory grows with depth). An NNX block scanned this "
-        "way needs its class wrapped: Block = zerojax.nn.layerwise(Block).")
+        "whole step (memory grows with depth).")
   blocks = [c for c in unheard if not layout.chunks[c].layers]
   if blocks:
     zero_nn.say_once(
         f"zerojax: stage 3 holds {_names(layout, blocks)} gathered for the "
         "whole step: no call of a module holding exactly those parameters "
-        "was seen (a block called with another parameter structure, "
-        "parameters used without calling their module, or an NNX block "
-        "not wrapped: Block = zerojax.nn.layerwise(Block)).")
+        "was seen (a block called with another parameter structure, or "
+        "parameters used without calling their module).")
 
 
 def _with_layer_params(layout, chunks, leaves, rest, own: dict,

@@ -200,7 +200,7 @@ class ChunkLayout:
             model_dims: Optional[Sequence[Optional[int]]] = None,
             model_shards: int = 1,
             min_chunk_size: int = 2 ** 20, search_range: int = 2 ** 22,
-            search_interval: int = 2 ** 12) -> "ChunkLayout":
+            search_interval: int = 2 ** 12, align: int = 1) -> "ChunkLayout":
     """Computes the layout of `params` (arrays or `jax.ShapeDtypeStruct`s).
 
     Args:
@@ -209,13 +209,20 @@ class ChunkLayout:
       chunk_size: fixed chunk capacity in elements; None searches it.
       trainable: per leaf (tree order), False keeps the leaf out of chunks.
       labels: per leaf, the optimizer class; chunks never mix classes.
-      stacked: path components marking leaves with a leading layer axis.
+      stacked: the layer stacks, whose leaves have a leading layer axis: a
+        path component (`ZeroConfig.stacked`), or a path from the root,
+        `"encoder/layers"` (`chunking.scanned_stacks`).
       units: unrolled blocks (`repeated_blocks`: a name on the path, or a
         path from the root, `"h/0"`): a chunk never holds leaves of two
         units, or of a unit and others.
       model_dims: per leaf, the dim the model splits over its model axis
         (tensor parallelism), or None; `model_shards`: that axis's devices.
       min_chunk_size, search_range, search_interval: the search's candidates.
+      align: each leaf starts at a multiple of `align` elements, and each
+        device's shard is whole multiples of it: quantized collectives'
+        blocks (`ZeroConfig.quantize_block`) then never span two leaves,
+        so a leaf's values set no other leaf's scale. The gaps are
+        padding (zeros, counted in `Chunk.padding`).
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     n = len(flat)
@@ -230,7 +237,7 @@ class ChunkLayout:
                                                model_dims):
       shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
       names = path_names(path)
-      stack = next((s for s in stacked if s in names), None)
+      stack = next((s for s in stacked if unit_depth(names, s)), None)
       if stack is not None and not shape:
         raise ValueError(f"leaf {jax.tree_util.keystr(path)} is under stacked "
                          f"module {stack!r} but is a scalar (no layer axis).")
@@ -253,7 +260,8 @@ class ChunkLayout:
                    dtype.name, model_shards if dim is not None else 0)
                   if chunked else None)
     modules = {name for info in infos for name in info.names[:-1]}
-    unknown = [s for s in stacked if s not in modules]
+    unknown = [s for s in stacked
+               if not any(unit_depth(i.names, s) for i in infos)]
     if unknown:
       # a typo would silently turn per-layer chunking off
       raise ValueError(f"stacked={tuple(stacked)!r}: no submodule is named "
@@ -267,8 +275,10 @@ class ChunkLayout:
         raise ValueError(f"leaves under stacked module {stack!r} disagree on "
                          f"the layer count (leading axis): {sorted(counts)}.")
     waste = 0.0
+    # a leaf's room: its size, up to whole quantization blocks (`align`)
+    room = lambda i: _round_up(infos[i].size, align)
     if chunk_size is None:
-      sizes = [[infos[i].size for i in members] for members in groups]
+      sizes = [[room(i) for i in members] for members in groups]
       if groups:
         chunk_size, waste = search_chunk_size(
             sizes, min_chunk_size=min_chunk_size, search_range=search_range,
@@ -278,29 +288,30 @@ class ChunkLayout:
     chunks = []
     for (stack, layers, label, dtype_name, rows), members in zip(group_keys,
                                                                  groups):
-      current, used = [], 0
+      current, end = [], 0   # end: where the next leaf may start
 
       def close():
-        nonlocal current, used
+        nonlocal current, end
         if current:
-          chunks.append(Chunk(_round_up(used, num_shards), used, layers,
+          chunks.append(Chunk(_round_up(end, num_shards * align),
+                              sum(infos[i].size for i in current), layers,
                               np.dtype(dtype_name), tuple(current), label, stack,
                               rows))
-        current, used = [], 0
+        current, end = [], 0
 
       for i in members:
-        size = infos[i].size
+        size = room(i)
         if size > chunk_size:
           close()
-          current, used = [i], size
+          current, end = [i], size
           infos[i] = dataclasses.replace(infos[i], chunk=len(chunks), offset=0)
           close()
           continue
-        if used + size > chunk_size:
+        if end + size > chunk_size:
           close()
-        infos[i] = dataclasses.replace(infos[i], chunk=len(chunks), offset=used)
+        infos[i] = dataclasses.replace(infos[i], chunk=len(chunks), offset=end)
         current.append(i)
-        used += size
+        end += size
       close()
     if not groups:
       waste = 0.0
@@ -414,11 +425,26 @@ class ChunkLayout:
     chunk = self.chunks[c]
     dt = chunk.dtype if dtype is None else dtype
     lead = chunk.shape[:-1]
-    parts = [xp.reshape(_to_rows(self.leaves[i], leaves[i], xp), lead + (-1,))
-             .astype(dt) for i in chunk.leaves]
-    if chunk.padding:
-      parts.append(xp.zeros(lead + (chunk.padding,), dt))
+    members, parts = iter(chunk.leaves), []
+    for kind, n in self._pieces(c):
+      if kind == "leaf":
+        i = next(members)
+        parts.append(xp.reshape(_to_rows(self.leaves[i], leaves[i], xp),
+                                lead + (-1,)).astype(dt))
+      elif n:
+        parts.append(xp.zeros(lead + (n,), dt))
     return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+  def _pieces(self, c: int) -> list:
+    """Chunk `c` from offset 0 to its length: `("gap", n)` before each leaf
+    and after the last (zero padding, `n` may be 0), `("leaf", size)`
+    between, in `chunks[c].leaves` order."""
+    out, end = [], 0
+    for i in self.chunks[c].leaves:
+      info = self.leaves[i]
+      out += [("gap", info.offset - end), ("leaf", info.size)]
+      end = info.offset + info.size
+    return out + [("gap", self.chunks[c].length - end)]
 
   def unpack_chunk(self, c: int, arr: Any, per_layer: bool = False) -> list:
     """The leaves of chunk `c` (in `chunks[c].leaves` order) cut from `arr`,
@@ -430,13 +456,13 @@ class ChunkLayout:
     cut by slices sums one full-length array per leaf, O(leaves x length);
     the transpose of the split is one concatenate of the leaves' gradients
     (zeros for a leaf the loss does not use), O(length), the same values as
-    `pack_chunk` of them. Leaves lie back to back from offset 0 (`build`).
+    `pack_chunk` of them.
     """
     chunk = self.chunks[c]
     infos = [self.leaves[i] for i in chunk.leaves]
-    sizes = [info.size for info in infos]
-    parts = jax.lax.split(arr, sizes + [chunk.padding] if chunk.padding
-                          else sizes, axis=-1)
+    pieces = [(kind, n) for kind, n in self._pieces(c) if n]
+    parts = jax.lax.split(arr, [n for _, n in pieces], axis=-1)
+    parts = [part for part, (kind, _) in zip(parts, pieces) if kind == "leaf"]
     return [_from_rows(info, part, jnp, per_layer)
             for part, info in zip(parts, infos)]
 

@@ -485,8 +485,11 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
       stack = getattr(self, STACK_ATTR, None)
       if context is None or stack is None:
         return method(self, *args, **kwargs)
-      context[2].add(stack)
       chunks = _chunk_keys(vars(self))
+      if chunks or not context.probing or _holds_layer(
+          context.layout, _owned(context.layout, stack), stack,
+          nnx.to_pure_dict(nnx.state(self, nnx.Param))):
+        context[2].add(stack)   # heard: a layer of it, or the block, called
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
       chosen = (_POLICIES[context.config.remat]
@@ -792,6 +795,12 @@ def _holds_layer(layout, chunks, path: tuple, params) -> bool:
       if tuple(jnp.shape(node)) != tuple(shape):
         return False
   return True
+
+
+def _owned(layout, path: tuple) -> list:
+  """The chunks of the stack or block at `path`."""
+  return [c for c, chunk in enumerate(layout.chunks)
+          if chunk.stack is not None and layout.stack_prefix(c) == path]
 
 
 def _bypassing(method: str) -> Callable:

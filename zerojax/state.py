@@ -31,8 +31,9 @@ from zerojax import (disk_tier, frontend, frozen, meshes, offload, optim,
 from zerojax import deepspeed
 from zerojax.config import (FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes,
                             with_loss_scale)
-from zerojax.chunking import named_units, repeated_blocks
-from zerojax.layout import ChunkLayout
+from zerojax.chunking import (named_units, repeated_blocks, scanned_stacks,
+                              unit_depth)
+from zerojax.layout import ChunkLayout, path_names
 from zerojax.policy import policy
 
 _TRAIN_STATE_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
@@ -402,17 +403,42 @@ def extra_fields(state) -> tuple:
   return extras, tuple(static_extras)
 
 
-def check_tx(tx, params, config: ZeroConfig) -> tuple:
+def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   """The optimizer probes (`optim`: two small compiled programs, three with
-  offload, cached per tx and tree): the leaves' optimizer classes; raises
-  when `tx` cannot run on chunks."""
+  offload, cached per tx and tree) on the layer stacks a layout over
+  `num_shards` devices has (`layer_stacks`): the leaves' optimizer
+  classes; raises when `tx` cannot run on chunks."""
   abstract = jax.eval_shape(lambda p: p, params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
-  optim.check_elementwise(tx, abstract, trainable, labels, config.stacked)
+  stacks = layer_stacks(abstract, config, num_shards)
+  optim.check_elementwise(tx, abstract, trainable, labels, stacks)
   if config.offload_optimizer:
-    optim.check_separable(tx, abstract, trainable, labels, config.stacked)
+    optim.check_separable(tx, abstract, trainable, labels, stacks)
   return labels
+
+
+def layer_stacks(abstract, config: ZeroConfig, num_shards: int,
+                 model_dims: Optional[tuple] = None) -> tuple:
+  """The layer stacks of the tree `abstract`, chunked per layer:
+  `ZeroConfig.stacked`, and at stage 3 those the tree holds unnamed
+  (`chunking.scanned_stacks`: outside repeated blocks; none with a leaf
+  that tensor parallelism splits on its leading dim, `model_dims`), which
+  the step gathers per layer where it hears one layer called inside its
+  scan, as it does a named one."""
+  given = tuple(config.stacked)
+  if not policy(config).gathers_params:
+    return given
+  flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  dims = [None] * len(flat) if model_dims is None else model_dims
+  # leaves a stack must not hold: split on dim 0, or in a `per_use` module
+  fenced = [names for (path, _), dim in zip(flat, dims)
+            for names in (path_names(path),)
+            if dim == 0 or set(config.per_use) & set(names[:-1])]
+  found = scanned_stacks(abstract, num_shards,
+                         given + repeated_blocks(abstract, given))
+  return given + tuple(s for s in found
+                       if not any(unit_depth(n, s) for n in fenced))
 
 
 def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
@@ -427,19 +453,29 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   with nothing offloaded each leaf is a chunk of its own (`per_leaf`)."""
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
-    labels = check_tx(tx, abstract, config)
-  # stage 3 gathers an unrolled block's chunks alone (`zerojax.nn.layerwise`),
-  # and those of a module named in `per_use`
-  found = repeated_blocks(abstract, config.stacked)
-  named = named_units(abstract, config.per_use, config.stacked, found)
+    labels = check_tx(tx, abstract, config, num_shards)
+  # stage 3 gathers a stack's chunks per layer, an unrolled block's alone
+  # (`zerojax.nn.layerwise`), and those of a module named in `per_use`
+  stacks = layer_stacks(abstract, config, num_shards, model_dims)
+  found = repeated_blocks(abstract, stacks)
+  named = named_units(abstract, config.per_use, stacks, found)
   units = found + named if policy(config).gathers_params else ()
   return ChunkLayout.build(
       abstract, num_shards,
       chunk_size=1 if per_leaf(config, devices) else config.chunk_size,
       trainable=_trainable(config, abstract), labels=labels,
-      stacked=config.stacked, units=units, model_dims=model_dims,
+      stacked=stacks, units=units, model_dims=model_dims, align=align(config),
       model_shards=model_shards, min_chunk_size=config.min_chunk_size,
       search_range=config.search_range, search_interval=config.search_interval)
+
+
+def align(config: ZeroConfig) -> int:
+  """Where leaves may start in a chunk, in elements: at whole blocks of the
+  quantized collectives (`quantize_block`), so that no block holds two
+  leaves' values and a leaf's largest value sets no other leaf's scale;
+  anywhere without them."""
+  quantized = config.quantize_weights or config.quantize_grads
+  return config.quantize_block if quantized else 1
 
 
 def per_leaf(config: ZeroConfig, devices: Optional[int]) -> bool:
