@@ -69,11 +69,13 @@ def test_each_block_is_gathered_twice_in_the_compiled_step():
         state, batch).compile().as_text()
     count[reshard] = (text.count("all-gather-start(")
                       + text.count(" all-gather("))
-    blocks = sum(1 for c in state.layout.chunks if c.stack is not None)
+    blocks = sum(1 for c in state.layout.chunks
+                 if c.stack is not None and c.stack.split("/")[-1].isdigit())
     others = len(state.layout.chunks) - blocks
-  assert blocks == 4
-  assert count[True] == 2 * blocks + others
-  assert count[False] == blocks + others
+    assert blocks == 4
+    # the embeddings and final norm (chunks of their own with
+    # reshard_after_forward, `zerojax.peruse`) are held: too small to compare
+    assert count[reshard] == (2 if reshard else 1) * blocks + others
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import (named_units, repeated_blocks, scanned_stacks,
-                              search_chunk_size, unit_depth)
+from zerojax.chunking import (beside, named_units, repeated_blocks,
+                              scanned_stacks, search_chunk_size, unit_depth)
 
 
 def _block(width, hidden=None):
@@ -132,3 +132,22 @@ def test_what_is_not_a_stack_is_not_taken():
   assert scanned_stacks({"one": {"kernel": np.zeros((4, 32, 32))}}, 8) == ()
   assert scanned_stacks({"blocks": _stacked(4, 2)}, 8) == ()
   assert scanned_stacks({"blocks": _stacked(4, 4)}, 1) == ("blocks",)
+
+
+def test_the_modules_beside_the_units_are_named_as_units_are():
+  """Hugging Face's layout (blocks `h/<i>` under `transformer`), a bridge
+  between towers, a root module whose name a block also uses ("/ln"), and
+  nothing without units."""
+  hf = {"transformer": {"wte": {"embedding": np.zeros((64, 8))},
+                        "h": {str(i): _block(8) for i in range(3)},
+                        "ln_f": {"scale": np.zeros(8)}},
+        "bias": np.zeros(3)}
+  assert beside(hf, repeated_blocks(hf)) == ("wte", "ln_f")
+  towers = {"enc_0": _block(8), "enc_1": _block(8), "ln": _block(8)["ln"],
+            "bridge": {"fc": {"kernel": np.zeros((8, 8))}},
+            "dec_0": _block(8), "dec_1": _block(8)}
+  units = repeated_blocks(towers)
+  assert beside(towers, units) == ("/ln", "bridge")
+  assert unit_depth(("ln", "scale"), "/ln") == 1
+  assert unit_depth(("enc_0", "ln", "scale"), "/ln") == 0
+  assert beside(towers, ()) == ()

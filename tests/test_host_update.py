@@ -79,8 +79,13 @@ def _moves(state, loss_fn, batch):
   of host computations."""
   text = zerojax.train_step(loss_fn).trace(state, batch).lower(
       lowering_platforms=("cuda",)).as_text()
-  padded = sum(c.length for c in state.layout.chunks)
-  moved = host_moves(text, [c.shape for c in state.layout.chunks])
+  # the chunks whose shape is no other chunk's shard shape (a small chunk,
+  # such as a final norm's own, `zerojax.peruse`, can be)
+  n = state.num_shards
+  shards = {c.shape[:-1] + (c.length // n,) for c in state.layout.chunks}
+  chunks = [c for c in state.layout.chunks if c.shape not in shards]
+  padded = sum(c.length for c in chunks)
+  moved = host_moves(text, [c.shape for c in chunks])
   return {k: v / padded for k, v in moved.items()}, host_computations(text)
 
 

@@ -45,9 +45,11 @@ def test_layerwise_matches_plain_optax(layerwise, scan, offload):
       apply_fn=model.apply, params=params, tx=tx),
                         stacked=("blocks",) if scan else (), accum_steps=2,
                         **{"stage": 3, **offload})
-  if not scan:   # every block has chunks of its own, opted in or not
+  if not scan:   # every block has chunks of its own, opted in or not, and
+    # so do the modules beside them (`zerojax.peruse`; the root's
+    # LayerNorm_0 by its root path, its name being the blocks' too)
     assert {c.stack for c in state.layout.chunks} == {
-        None, "blocks_0", "blocks_1", "blocks_2"}
+        "Embed_0", "/LayerNorm_0", "blocks_0", "blocks_1", "blocks_2"}
   state, losses = zero_run(state, loss_fn, batches)
   assert_matches_reference(losses, zerojax.gather_params(state),
                            *reference_run(loss_fn, params, tx, batches))
@@ -418,8 +420,11 @@ def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
                                        else ())
   modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
   assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
-  assert [v for k, v in modes.items() if not k.startswith("blocks")] == [
-      "whole step"]                      # the embedding, final norm
+  # the embedding and final norm, modules beside the blocks, too small to
+  # compare gathering them per use with holding them (`zerojax.peruse`)
+  assert {k: v.split(" (")[0] for k, v in modes.items()
+          if not k.startswith("blocks")} == {"Embed_0": "whole step",
+                                             "LayerNorm_0": "whole step"}
 
 
 @pytest.mark.slow
@@ -519,7 +524,8 @@ def test_the_default_keeps_activations_and_gathers_blocks_again(scan):
     compiled[name] = step.lower(make(**kw), batches[0]).compile()
   gathers = _all_gathers(compiled["none"].as_text())
   chunks = len(state.layout.chunks)
-  assert gathers == (3 if scan else 2 * 4 + chunks - 4)
+  # two per block (or in the scan's loops), one per other chunk
+  assert gathers == (2 + chunks - 1 if scan else 2 * 4 + chunks - 4)
   temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
   assert temp["full"] < temp["none"]
   state, losses = zero_run(state, _loss_fn(model), batches)
@@ -676,8 +682,8 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
 
 
 @pytest.mark.slow
-def test_a_per_use_module_is_gathered_once_per_call():
-  """Held, the bridge's chunks are gathered once for the step; per use, at
+def test_a_per_use_module_is_gathered_once_per_call(monkeypatch):
+  """Held (the comparison of `zerojax.peruse` off), the bridge's chunks are gathered once for the step; per use, at
   its forward call and again in its backward pass (one more all-gather per
   chunk), the rest of the program unchanged. Whether that lowers the
   footprint is up to XLA's scheduler: the compiled footprints, measured
@@ -687,6 +693,7 @@ def test_a_per_use_module_is_gathered_once_per_call():
   model, held, x = _bridged_state(())
   _, per_use, _ = _bridged_state(("bridge",))
   loss_fn = lambda p, b: model.apply({"params": p}, b)
+  monkeypatch.setattr(zerojax.peruse, "WORTH_COMPARING", float("inf"))
   text = {k: zerojax.train_step(loss_fn).lower(s, x).compile().as_text()
           for k, s in (("held", held), ("per use", per_use))}
   bridge_chunks = sum(1 for c in per_use.layout.chunks if c.stack == "bridge")

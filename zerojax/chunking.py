@@ -161,12 +161,49 @@ def scanned_stacks(params: Any, num_shards: int,
   return tuple(found)
 
 
+def beside(params: Any, units: Sequence[str]) -> tuple:
+  """The modules beside `units` (stacks, repeated blocks, `per_use`
+  modules; names or paths as `unit_depth` reads them): on the way from the
+  root to each unit, every other submodule that holds no unit and is in
+  none (a transformer's embedding and final norm, a bridge between two
+  towers). Named as `repeated_blocks` names blocks, a module at the root
+  whose name is used again deeper in the tree as `"/name"`."""
+  params = _as_dict(params)
+  if not isinstance(params, dict) or not units:
+    return ()
+  names, modules = [], []
+
+  def visit(node, path):
+    for k, v in node.items():
+      names.append(str(k))
+      if isinstance(v, dict):
+        modules.append(path + (str(k),))
+        visit(v, path + (str(k),))
+
+  visit(params, ())
+  is_unit = lambda p: any(
+      p[-1] == u if "/" not in u else "/".join(p) == u.removeprefix("/")
+      for u in units)
+  held_units = [p for p in modules if is_unit(p)]
+  # the modules on the way to a unit (the root included)
+  above = {p[:i] for p in held_units for i in range(len(p))}
+  counts = {n: names.count(n) for n in set(names)}
+  out = []
+  for p in modules:
+    if (p[:-1] in above and p not in above and not is_unit(p)
+        and not _inside(p, units)):
+      out.append(p[-1] if counts[p[-1]] == 1 and not p[-1].isdigit()
+                 else "/".join(p) if len(p) > 1 else f"/{p[0]}")
+  return tuple(out)
+
+
 def unit_depth(names: Sequence[str], unit: str) -> int:
   """How many leading components of the path `names` lead to `unit` (a
   stacked module's or block's name, anywhere on the path, or a block's path
-  from the root, `"h/0"`), 0 where the path is not inside it."""
-  parts = tuple(unit.split("/"))
-  if len(parts) == 1:
+  from the root, `"h/0"`, `"/ln_f"` for one at the root), 0 where the path
+  is not inside it."""
+  parts = tuple(unit.removeprefix("/").split("/"))
+  if len(parts) == 1 and not unit.startswith("/"):
     return names.index(unit) + 1 if unit in names[:-1] else 0
   return (len(parts) if len(names) > len(parts)
           and tuple(names[:len(parts)]) == parts else 0)
@@ -216,7 +253,8 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
     inside = [f for p in modules if p[:len(path)] == path for f in fenced
-              if (p[-1] == f if "/" not in f else "/".join(p) == f)]
+              if (p[-1] == f if "/" not in f
+                  else "/".join(p) == f.removeprefix("/"))]
     above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:
       raise ValueError(

@@ -50,7 +50,7 @@ def _say_unstacked(layout, config, path: tuple) -> None:
   legal, but not what the module is for."""
   if (not policy(config).layer_hooks
       or any(layout.stack_prefix(c) == path
-             for c, chunk in enumerate(layout.chunks) if chunk.stack)):
+             for c, chunk in enumerate(layout.chunks) if chunk.layers)):
     return
   zero_nn.say_once(
       f"zerojax: BlockedEmbed {'/'.join(path)} is not in "
@@ -268,8 +268,10 @@ class BlockedEmbed(_Blocks, nn.Module):
   def _heard(self) -> None:
     context = zero_nn._ACTIVE.get()
     if context is not None and not self.is_initializing():
-      context[2].add(tuple(self.scope.path))
-      _say_unstacked(context[0], context[1], tuple(self.scope.path))
+      path = tuple(self.scope.path)
+      if path not in context.beside:   # a table beside the blocks is held
+        context[2].add(path)
+      _say_unstacked(context[0], context[1], path)
 
 
 class NnxBlockedEmbed(_Blocks, nnx.Module):

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import frozen, grads, outputs
+from zerojax import frozen, grads, outputs, peruse
 from zerojax.config import batch_axes, manual_axes, shard_axes
 from zerojax.policy import Forward, policy
 from zerojax.state import chunk_spec
@@ -88,7 +88,10 @@ def _evaluate(fn, mutable, weighted, state, batch, rng):
     call = grads.ModelCall(fn, False, (), state, pol, params_in, rest, None,
                            slotted, with_rng)
     diff = call.differentiated()
-    layerwise = call.opted_in(diff, batch, dev_rng, fields)
+    # the modules beside the blocks are held: an evaluation has no
+    # backward pass for gathering per use to shorten (`zerojax.peruse`)
+    layerwise = (call.opted_in(diff, batch, dev_rng, fields)
+                 - peruse.chunks(state.layout, state.config))
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)
     if weighted:
       total, weight = (jax.lax.psum(x, batch_ax)

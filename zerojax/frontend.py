@@ -185,6 +185,11 @@ def is_nnx(obj) -> bool:
   return isinstance(obj, _NNX_TYPES)
 
 
+def is_linen(static_extras) -> bool:
+  """Whether a state's static fields say its model is a linen one."""
+  return not isinstance(dict(static_extras).get(FRONTEND_FIELD), Nnx)
+
+
 def from_nnx(obj, *, tx=None, optimizer=None, model=None) -> NnxTrainState:
   """The `NnxTrainState` of an `nnx.Module` and its optimizer: `tx`, or
   `optimizer` (an `nnx.Optimizer` over `nnx.Param`, its state and step

@@ -26,6 +26,7 @@ them), others taken from the axis's first device, and feed the next one.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from zerojax import collectives, frozen, offload, outputs
+from zerojax import collectives, frozen, offload, outputs, peruse
 from zerojax import nn as zero_nn
 from zerojax.config import batch_axes, manual_axes, prefetches, shard_axes
 from zerojax.policy import Forward, Reduction, StagePolicy, policy
@@ -42,11 +43,15 @@ from zerojax.state import chunk_spec, state_shardings
 
 
 def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
-                      weighted: bool = False):
+                      weighted: bool = False, held: frozenset = frozenset(),
+                      heard: Optional[set] = None):
   """Reduced gradient chunks (sharded, or replicated under ALL_REDUCE), the
   loss, the aux values, the new values of the `mutable` fields and the
   global batch's weight (None unless `weighted`); fills `modes` with how
-  each chunk is gathered (`gather_modes`).
+  each chunk is gathered (`gather_modes`), and `heard` with the chunks a
+  block or module could gather at its calls (`ModelCall.opted_in`), of
+  which those in `held` (modules beside the blocks, `zerojax.peruse`) are
+  held for the step instead.
 
   The loss and its gradient are the mean of the devices' and micro-batches'
   losses, or with `weighted` (`loss_fn` returns `(sum, weight)`) the whole
@@ -77,7 +82,11 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
     k = cfg.accum_steps
     first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
     layerwise = forward.opted_in(diff, first, dev_rng, fields)
-    modes.update(gather_modes(layout, pol, layerwise))
+    if heard is not None:
+      heard.update(layerwise)
+    layerwise -= held
+    modes.update(gather_modes(layout, pol, layerwise,
+                              peruse.chunks(layout, cfg)))
     grads, loss, aux, fields = _accumulate(
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
         diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
@@ -242,8 +251,14 @@ class ModelCall:
     layerwise = frozenset(c for c, path in own.items() if path in called)
     read = _read_outside(traced, {c for c in layerwise if own[c] in heard})
     if self.pol.gathers_params and self.cfg.reshard_after_forward:
-      _say_whole(layout, self.cfg, own, layerwise - read, read,
-                 {c: refused[p] for c, p in own.items() if p in refused})
+      # the modules beside the blocks are held unless chosen per use: the
+      # step says why where it chooses (`zerojax.peruse`)
+      quiet = peruse.chunks(layout, self.cfg)
+      _say_whole(layout, self.cfg,
+                 {c: p for c, p in own.items() if c not in quiet},
+                 layerwise - read - quiet, read - quiet,
+                 {c: refused[p] for c, p in own.items()
+                  if p in refused and c not in quiet})
     return layerwise - read
 
   def outputs(self, diff, batch, rng, fields, layerwise=frozenset(),
@@ -442,13 +457,15 @@ def _shard_shape(shape, n):
   return shape[:-1] + (shape[-1] // n,)
 
 
-def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
+def gather_modes(layout, pol: StagePolicy, layerwise: frozenset,
+                 beside: frozenset = frozenset()) -> dict:
   """How a step gathers each chunk: `{name: mode}`, the name being the
   stack or block a chunk belongs to ("blocks", "blocks_3") or "chunk <c>
   (<its first leaf>)"; the mode "per layer" (a scanned stack whose block is
   wrapped with `zerojax.nn.layerwise`), "per block" (an unrolled wrapped
-  block, gathered at each call), "whole step" (gathered once for the step's
-  forward and backward), or, below stage 3, "replicated" (never gathered;
+  block, gathered at each call), "per use" (a module `beside` the blocks,
+  `zerojax.peruse`), "whole step" (gathered once for the step's forward
+  and backward), or, below stage 3, "replicated" (never gathered;
   "replicated, gradient reduced per layer" for a wrapped stack at stage 2)."""
   out = {}
   for c, chunk in enumerate(layout.chunks):
@@ -458,7 +475,8 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset) -> dict:
                  if c in layerwise and not pol.gathers_params else
                  "replicated" if not pol.gathers_params else
                  "whole step" if c not in layerwise else
-                 "per layer" if chunk.layers else "per block")
+                 "per layer" if chunk.layers else
+                 peruse.PER_USE if c in beside else "per block")
   return out
 
 

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
-from zerojax import collectives, frozen
+from zerojax import collectives, frozen, peruse
 from zerojax.offload import HOST_SPACE
 from zerojax.policy import policy
 
@@ -98,6 +98,7 @@ class _Context(NamedTuple):
   probing: bool   # the step's hearing trace: blocks heard run on zeros
   heard: set      # module paths `intercept` heard (`called` has them too)
   refused: dict   # {module path: why it is not gathered per call}
+  beside: frozenset   # module paths beside the blocks (`zerojax.peruse`)
 
 
 @contextlib.contextmanager
@@ -120,12 +121,15 @@ def active(layout, config, called: Optional[set] = None,
     for c, chunk in enumerate(layout.chunks):
       if chunk.stack is not None:
         owners.setdefault(layout.stack_prefix(c), []).append(c)
+  beside = frozenset(layout.stack_prefix(c)
+                     for c in peruse.chunks(layout, config)) if auto else ()
   token = _ACTIVE.set(_Context(layout, config,
                                set() if called is None else called,
                                _Chain() if prefetch else None, owners,
                                heard is not None,
                                set() if heard is None else heard,
-                               {} if refused is None else refused))
+                               {} if refused is None else refused,
+                               frozenset(beside)))
   try:
     with nn.intercept_methods(intercept):
       yield
@@ -757,6 +761,11 @@ def intercept(next_fun, args, kwargs, context):
       ctx.refused[path] = (f"it updates {', '.join(map(repr, mutated))} in "
                            "its call, which a re-gathered backward pass "
                            "would not replay")
+    elif ctx.probing and path in ctx.beside and (
+        type(module).setup is not nn.Module.setup):
+      # its `setup` makes its parameters attributes (`nn.Embed.embedding`),
+      # which code outside its calls may read, if only for their dtype
+      ctx.refused[path] = "its parameters are attributes its setup makes"
     elif ctx.probing and _holds_layer(layout, chunks, path, params):
       ctx.called.add(path)
       ctx.heard.add(path)

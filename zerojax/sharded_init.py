@@ -169,7 +169,8 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
   layout = plan_layout(tx, tensor_parallel.unboxed(boxed), config,
                        meshes.axes_size(mesh, axes), model_dims=dims,
                        model_shards=mesh.shape[model] if model else 1,
-                       devices=mesh.size)
+                       devices=mesh.size,
+                       linen=frontend.is_linen(static_extras))
   rep = NamedSharding(mesh, P())
   pol = policy(config)
   with_compute = compute_chunks(layout, config)

@@ -31,8 +31,8 @@ from zerojax import (disk_tier, frontend, frozen, meshes, offload, optim,
 from zerojax import deepspeed
 from zerojax.config import (FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes,
                             with_loss_scale)
-from zerojax.chunking import (named_units, repeated_blocks, scanned_stacks,
-                              unit_depth)
+from zerojax.chunking import (beside, named_units, repeated_blocks,
+                              scanned_stacks, unit_depth)
 from zerojax.layout import ChunkLayout, path_names
 from zerojax.policy import policy
 
@@ -443,23 +443,30 @@ def layer_stacks(abstract, config: ZeroConfig, num_shards: int,
 
 def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
                 labels: Optional[tuple] = None, model_dims: Optional[tuple] = None,
-                model_shards: int = 1, devices: Optional[int] = None
-                ) -> ChunkLayout:
+                model_shards: int = 1, devices: Optional[int] = None,
+                linen: bool = True) -> ChunkLayout:
   """The chunk layout of `params` (arrays or shapes) for `tx` and `config`:
   optimizer classes found, per-tensor transformations refused. `labels`
   given (a saved layout's): no probes, `tx` is not checked. `model_dims`:
   per leaf the dim split over the model axis of `model_shards` devices
   (`tensor_parallel.model_dims`). `devices`: the mesh's size; on one device
-  with nothing offloaded each leaf is a chunk of its own (`per_leaf`)."""
+  with nothing offloaded each leaf is a chunk of its own (`per_leaf`).
+  `linen`: a linen model's (an NNX model holds what is beside its
+  blocks)."""
   abstract = jax.eval_shape(lambda p: p, params)
   if labels is None:
     labels = check_tx(tx, abstract, config, num_shards)
   # stage 3 gathers a stack's chunks per layer, an unrolled block's alone
-  # (`zerojax.nn.layerwise`), and those of a module named in `per_use`
+  # (`zerojax.nn.layerwise`), those of a module named in `per_use`, and
+  # for a linen model, those of the modules beside them where that
+  # compiles smaller (`zerojax.peruse`)
   stacks = layer_stacks(abstract, config, num_shards, model_dims)
   found = repeated_blocks(abstract, stacks)
   named = named_units(abstract, config.per_use, stacks, found)
   units = found + named if policy(config).gathers_params else ()
+  if (stacks or units) and policy(config).gathers_params and linen and (
+      config.reshard_after_forward):
+    units += beside(abstract, stacks + units)
   return ChunkLayout.build(
       abstract, num_shards,
       chunk_size=1 if per_leaf(config, devices) else config.chunk_size,
@@ -513,7 +520,7 @@ def plan_state(params, opt_state, step, extras, static_extras, *, tx,
   layout = plan_layout(tx, params, config,
                        meshes.axes_size(mesh, shard_axes(config)), labels,
                        model_dims, mesh.shape[model] if model else 1,
-                       mesh.size)
+                       mesh.size, frontend.is_linen(static_extras))
   def build(params, step, extras):
     master, rest = layout.split(params)
     rest = frozen.stored(layout, config, rest)

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import disk_stream, disk_tier, offload, precision
+from zerojax import (disk_stream, disk_tier, frontend, memory, offload, peruse,
+                     precision)
 from zerojax import nn as zero_nn
 from zerojax.config import batch_axes, shard_axes
 from zerojax.grads import grads_and_metrics
@@ -72,8 +73,8 @@ def _clip(grads, norm, max_norm) -> tuple:
                for g in grads)
 
 
-def _step(loss_fn, has_aux, mutable, weighted, modes, state: ZeroTrainState,
-          batch, rng):
+def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
+          state: ZeroTrainState, batch, rng):
   cfg = state.config
   pol = policy(cfg)
   shardings = state_shardings(state)
@@ -82,7 +83,8 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, state: ZeroTrainState,
   # moves them along with their optimizer state.
   loss_fn, mutable = state.frontend.loss(loss_fn, has_aux, mutable)
   grads, loss, aux, fields, weight = grads_and_metrics(
-      loss_fn, has_aux, mutable, state, batch, rng, modes, weighted)
+      loss_fn, has_aux, mutable, state, batch, rng, modes, weighted, held,
+      heard)
 
   metrics = {"loss": loss}
   if state.loss_scale is not None:
@@ -334,11 +336,40 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     if not isinstance(value, bool):
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
   mutable = check_mutable(mutable, "train_step")
-  jitted = jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
-                                     weighted, {}),
+
+  @functools.lru_cache(maxsize=None)
+  def jitted_holding(held: frozenset):
+    """The step holding `held` (modules beside the blocks) for the step."""
+    return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
+                                     weighted, {}, held, None),
                    donate_argnums=(0,) if donate else ())
 
   programs: dict = {}   # the disk tier's, per state structure
+  choices: dict = {}    # `zerojax.peruse`'s, per program: (held, why)
+
+  def chosen(state, batch, rng) -> tuple:
+    """`(held, why)` for this program (`zerojax.peruse.choose`), once."""
+    key = (state.layout, state.config, state.mesh, frontend.is_linen(state.static_extras),
+           jax.tree_util.tree_structure(batch),
+           tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)),
+           rng is None)
+    if key not in choices:
+      def heard():
+        out = set()
+        jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
+                                  {}, frozenset(), out)).trace(state, batch,
+                                                               rng)
+        return frozenset(out)
+      footprint = lambda held: memory.compiled_footprint(jitted_holding(
+          held).lower(state, batch, rng).compile())["device"]
+      choices[key] = (peruse.choose(state.layout, state.config, heard,
+                                    footprint)
+                      if frontend.is_linen(state.static_extras)
+                      else (frozenset(), {}))
+    return choices[key]
+
+  def jitted(state, batch, rng):
+    return jitted_holding(chosen(state, batch, rng)[0])
 
   def prepare(state, batch):
     check_state(state, "step()", mutable)
@@ -367,24 +398,33 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     batch = prepare(state, batch)
     if state.config.disk:   # a running step only: `lower` needs no files
       disk_tier.check_files(state)
-    out = jitted(state, batch, rng)
+    out = jitted(state, batch, rng)(state, batch, rng)
     if state.config.disk:
       new_state, metrics, inputs = out
       return disk_stream.run(new_state, inputs, programs), metrics
     return out
 
-  step.lower = lambda state, batch, rng=None: jitted.lower(
-      state, prepare(state, batch), rng)
-  # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to see them
-  step.trace = lambda state, batch, rng=None: jitted.trace(
-      state, prepare(state, batch), rng)
+  def lower(state, batch, rng=None):
+    batch = prepare(state, batch)
+    return jitted(state, batch, rng).lower(state, batch, rng)
+
+  def trace(state, batch, rng=None):
+    # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to
+    # see them
+    batch = prepare(state, batch)
+    return jitted(state, batch, rng).trace(state, batch, rng)
+
+  step.lower, step.trace = lower, trace
 
   def gathering(state, batch, rng=None) -> dict:
     # a trace of its own, filling its own dict: the step's trace is cached
     # after its first call, and a cached trace runs no Python
-    modes = {}
+    modes, batch = {}, prepare(state, batch)
+    held, why = chosen(state, batch, rng)
     jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
-                              modes)).trace(state, prepare(state, batch), rng)
+                              modes, held, None)).trace(state, batch, rng)
+    for name, reason in why.items():
+      modes[name] = f"{modes[name]} ({reason})"
     return modes
 
   step.gathering = gathering
