@@ -143,8 +143,9 @@ def test_hpz_gathers_over_the_replicas_once_then_within_data():
   assert sum(op.trips for op in by("reduce-scatter", D) if op.in_loop) >= 3
   assert {op.group_size for op in ops if op.kind in (
       "all-gather", "reduce-scatter")} == {R, D}
-  # nothing but scalars (loss, norms) is all-reduced
-  assert all(op.bytes <= 8 for op in ops if op.kind == "all-reduce"), ops
+  # nothing but scalars (the loss, a norm piece per chunk) is all-reduced
+  assert all(op.bytes <= 4 * (chunks + 1)
+             for op in ops if op.kind == "all-reduce"), ops
   one_d = zerojax.shard(plain, stage=3, mesh=_mesh((R * D,), ("data",)),
                         stacked=("blocks",), accum_steps=2)
   report = zerojax.memory_report(state)

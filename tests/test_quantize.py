@@ -271,7 +271,9 @@ def test_hsdp_replica_all_reduce_goes_quantized(stage):
   ops = count_collectives(zerojax.train_step(loss_fn).lower(
       state, batches[0]).compile()).ops
   big = [op for op in ops if op.bytes > 16 and op.group_size > 1]
-  assert not [op for op in big if op.kind == "all-reduce"]
+  # scalars only (the loss, a gradient-norm piece per chunk)
+  assert not [op for op in big if op.kind == "all-reduce"
+              and op.bytes > 4 * (len(state.layout.chunks) + 1)]
   for kind, expected in (("all-to-all", {2, 4}),
                          ("all-gather", {2, 4} if stage == 0 else {2})):
     groups = {op.group_size for op in big if op.kind == kind and
