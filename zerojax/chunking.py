@@ -8,6 +8,7 @@ uses both.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Sequence
 
 import numpy as np
@@ -103,9 +104,7 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
 
   params = _as_dict(params)
   found = visit(params, ()) if isinstance(params, dict) else []
-  counts = {}
-  for n in names:
-    counts[n] = counts.get(n, 0) + 1
+  counts = collections.Counter(names)
   return tuple(p[-1] if counts[p[-1]] == 1 and not p[-1].isdigit()
                else "/".join(p) for p, _ in found)
 
@@ -187,7 +186,7 @@ def beside(params: Any, units: Sequence[str]) -> tuple:
   held_units = [p for p in modules if is_unit(p)]
   # the modules on the way to a unit (the root included)
   above = {p[:i] for p in held_units for i in range(len(p))}
-  counts = {n: names.count(n) for n in set(names)}
+  counts = collections.Counter(names)
   out = []
   for p in modules:
     if (p[:-1] in above and p not in above and not is_unit(p)

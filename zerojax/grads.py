@@ -268,10 +268,12 @@ class ModelCall:
     (`zerojax.nn.active`)."""
     params = self._tree(diff, layerwise)
     heard, refused = (None, None) if hearing is None else hearing
+    beside = frozenset(self.layout.stack_prefix(c)
+                       for c in peruse.chunks(self.layout, self.cfg))
     with zero_nn.active(self.layout, self.cfg, called, self.prefetch,
                         auto=(self.pol.gathers_params
                               and self.cfg.reshard_after_forward),
-                        heard=heard, refused=refused):
+                        heard=heard, refused=refused, beside=beside):
       return (self.loss_fn(params, batch, rng, **fields) if self.with_rng
               else self.loss_fn(params, batch, **fields))
 

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from flax.core.tracers import current_trace
 
-from zerojax import collectives, frozen, peruse
+from zerojax import collectives, frozen
 from zerojax.offload import HOST_SPACE
 from zerojax.policy import policy
 
@@ -75,11 +75,12 @@ _log = logging.getLogger("zerojax")
 _SAID: set = set()   # messages said already (each is said once a process)
 
 
-def say_once(message: str) -> None:
-  """Logs `message` as a warning the first time it is said."""
+def say_once(message: str, level: int = logging.WARNING) -> None:
+  """Logs `message` (a warning, unless `level` says otherwise) the first
+  time it is said."""
   if message not in _SAID:
     _SAID.add(message)
-    _log.warning(message)
+    _log.log(level, message)
 
 
 # a class attribute of modules that gather their own chunks (`layerwise`
@@ -104,7 +105,8 @@ class _Context(NamedTuple):
 @contextlib.contextmanager
 def active(layout, config, called: Optional[set] = None,
            prefetch: bool = False, auto: bool = False,
-           heard: Optional[set] = None, refused: Optional[dict] = None):
+           heard: Optional[set] = None, refused: Optional[dict] = None,
+           beside: frozenset = frozenset()):
   """Set by the step while it traces the user's loss (trace-time metadata).
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
@@ -115,14 +117,14 @@ def active(layout, config, called: Optional[set] = None,
   (`intercept`); with `heard` too (the step's hearing trace), such blocks
   say their paths there and run on zeros in place of their parameters, so
   that what still reads those parameters is a read from outside the
-  block's call (`grads.ModelCall.opted_in`)."""
+  block's call (`grads.ModelCall.opted_in`). `beside`: the module paths of
+  the modules beside the blocks (`zerojax.peruse`), which that trace
+  refuses where their `setup` makes their parameters attributes."""
   owners = {}
   if auto:
     for c, chunk in enumerate(layout.chunks):
       if chunk.stack is not None:
         owners.setdefault(layout.stack_prefix(c), []).append(c)
-  beside = frozenset(layout.stack_prefix(c)
-                     for c in peruse.chunks(layout, config)) if auto else ()
   token = _ACTIVE.set(_Context(layout, config,
                                set() if called is None else called,
                                _Chain() if prefetch else None, owners,

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from zerojax.chunking import repeated_blocks
+from zerojax.nn import say_once
 from zerojax.policy import policy
 
 # the bytes the modules heard per use must gather, all together, for the
@@ -34,9 +35,6 @@ from zerojax.policy import policy
 # than a second compile costs
 WORTH_COMPARING = 1 << 20
 PER_USE = "per use"
-HELD = "whole step"
-_log = logging.getLogger("zerojax")
-_SAID: set = set()
 
 
 def chunks(layout, config) -> frozenset:
@@ -104,14 +102,8 @@ def choose(layout, config, heard: Callable[[], frozenset],
   chosen = beside - usable if per_use < held else beside
   what = (f"compiled step {mib(per_use)} per use, {mib(held)} held")
   why.update({n: what for n in names(usable)})
-  _say(f"zerojax: stage 3 {'gathers' if chosen != beside else 'holds'} "
-       f"{', '.join(map(repr, names(usable)))} "
-       f"{'at each use' if chosen != beside else 'for the whole step'}: "
-       f"{what}.")
+  say_once(f"zerojax: stage 3 {'gathers' if chosen != beside else 'holds'} "
+           f"{', '.join(map(repr, names(usable)))} "
+           f"{'at each use' if chosen != beside else 'for the whole step'}: "
+           f"{what}.", logging.INFO)
   return chosen, why
-
-
-def _say(message: str) -> None:
-  if message not in _SAID:
-    _SAID.add(message)
-    _log.info(message)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import (disk_stream, disk_tier, frontend, memory, offload, peruse,
+from zerojax import (disk_stream, disk_tier, memory, offload, peruse,
                      precision)
 from zerojax import nn as zero_nn
 from zerojax.config import batch_axes, shard_axes
@@ -349,7 +349,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
   def chosen(state, batch, rng) -> tuple:
     """`(held, why)` for this program (`zerojax.peruse.choose`), once."""
-    key = (state.layout, state.config, state.mesh, frontend.is_linen(state.static_extras),
+    key = (state.layout, state.config, state.mesh,
            jax.tree_util.tree_structure(batch),
            tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)),
            rng is None)
@@ -362,10 +362,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
         return frozenset(out)
       footprint = lambda held: memory.compiled_footprint(jitted_holding(
           held).lower(state, batch, rng).compile())["device"]
-      choices[key] = (peruse.choose(state.layout, state.config, heard,
-                                    footprint)
-                      if frontend.is_linen(state.static_extras)
-                      else (frozenset(), {}))
+      # (an NNX layout has no chunks beside its blocks: nothing to choose)
+      choices[key] = peruse.choose(state.layout, state.config, heard,
+                                   footprint)
     return choices[key]
 
   def jitted(state, batch, rng):
