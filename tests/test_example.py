@@ -228,3 +228,31 @@ def test_the_lora_example_fine_tunes_a_pretrained_base(tmp_path):
   # Adam's two moments of the adapters only (padding: 7 elements a chunk)
   assert memory["optimizer state"] <= 8 * (trained + 64) / devices + 64
   assert "restored 16 of 24 parameters" in proc.stderr
+
+
+def _lora_example():
+  """examples/finetune_lora.py as a module (its arguments and batches)."""
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    import finetune_lora
+  finally:
+    sys.path.remove(str(ROOT / "examples"))
+  return finetune_lora
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rank", "0"], "--rank must be positive, got 0"),
+    (["--base-steps", "-1"], "--base-steps must be positive, got -1"),
+])
+def test_the_lora_example_refuses_counts_below_one(capsys, argv, message):
+  with pytest.raises(SystemExit):
+    _lora_example().parse_args(argv)
+  assert message in capsys.readouterr().err
+
+
+def test_the_lora_example_refuses_a_text_with_no_usable_line(tmp_path):
+  finetune_lora = _lora_example()
+  text = tmp_path / "one_byte_lines.txt"
+  text.write_bytes(b"a\n\nb\n")
+  with pytest.raises(SystemExit, match="has no line of two bytes or more"):
+    finetune_lora.PaddedBatches(256, 4, 8, 0, text=str(text))
