@@ -30,6 +30,7 @@ leaves, complex frozen leaves) stay as they are, replicated.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -156,13 +157,20 @@ def place(layout, config, rest, where) -> tuple:
     if quantized(info, config):
       split = (jax.device_put(x, s[0]) if isinstance(x, np.ndarray)
                else reshard.copy(x, s[0]))
-      out.append(jax.jit(lambda v, i=info: _store(i, config, v),
-                         out_shardings=s)(split))
+      out.append(_encoder(_blocks(info, config), tuple(s))(split))
     elif isinstance(x, np.ndarray):
       out.append(jax.device_put(np.asarray(x, stored_dtype(info, config)), s))
     else:
       out.append(reshard.copy(_store(info, config, x), s))
   return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(blocks: quantize.Quantization, where: tuple):
+  """A jitted int8 quantizer into shardings `where` (values, absmax): one
+  per block size and placement, so `place` compiles once per matrix shape,
+  not once per matrix."""
+  return jax.jit(lambda v: quantize.encode(v, blocks), out_shardings=where)
 
 
 def _decoded(entry, info, dtype, xp=jnp):
