@@ -43,10 +43,6 @@ def chunks(layout, config) -> frozenset:
   step gathers nothing per call)."""
   if not (policy(config).gathers_params and config.reshard_after_forward):
     return frozenset()
-  units = {c.stack for c in layout.chunks
-           if c.stack is not None and not c.layers}
-  if not units - set(config.per_use):
-    return frozenset()
   blocks = _blocks(layout)
   return frozenset(c for c, chunk in enumerate(layout.chunks)
                    if chunk.stack is not None and not chunk.layers
@@ -83,20 +79,18 @@ def choose(layout, config, heard: Callable[[], frozenset],
     return frozenset(), {}
   # each module by the name `grads.gather_modes` gives it
   names = lambda cs: sorted({"/".join(layout.stack_prefix(c)) for c in cs})
+  small = lambda size: (f"{size / 2**10:.1f} KiB gathered, too little to "
+                        "compile the step a second way for")
   size = gathered_bytes(layout, config, beside)
   if size < WORTH_COMPARING:
-    why = (f"{size / 2**10:.1f} KiB gathered, too little to compile the "
-           "step a second way for")
-    return beside, {n: why for n in names(beside)}
+    return beside, {n: small(size) for n in names(beside)}
   usable = heard() & beside
   why = {n: "read outside its call, or not called" for n in names(beside)}
   if not usable:
     return beside, why
   size = gathered_bytes(layout, config, usable)
   if size < WORTH_COMPARING:
-    why.update({n: f"{size / 2**10:.1f} KiB gathered, too little to compile "
-                "the step a second way for" for n in names(usable)})
-    return beside, why
+    return beside, {**why, **{n: small(size) for n in names(usable)}}
   held, per_use = footprint(beside), footprint(beside - usable)
   mib = lambda b: f"{b / 2**20:.2f} MiB"
   chosen = beside - usable if per_use < held else beside
