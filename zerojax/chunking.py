@@ -180,17 +180,13 @@ def beside(params: Any, units: Sequence[str]) -> tuple:
         visit(v, path + (str(k),))
 
   visit(params, ())
-  is_unit = lambda p: any(
-      p[-1] == u if "/" not in u else "/".join(p) == u.removeprefix("/")
-      for u in units)
-  held_units = [p for p in modules if is_unit(p)]
+  held_units = [p for p in modules if any(_is(p, u) for u in units)]
   # the modules on the way to a unit (the root included)
   above = {p[:i] for p in held_units for i in range(len(p))}
   counts = collections.Counter(names)
   out = []
   for p in modules:
-    if (p[:-1] in above and p not in above and not is_unit(p)
-        and not _inside(p, units)):
+    if p[:-1] in above and p not in above and not _inside(p, units):
       out.append(p[-1] if counts[p[-1]] == 1 and not p[-1].isdigit()
                  else "/".join(p) if len(p) > 1 else f"/{p[0]}")
   return tuple(out)
@@ -206,6 +202,13 @@ def unit_depth(names: Sequence[str], unit: str) -> int:
     return names.index(unit) + 1 if unit in names[:-1] else 0
   return (len(parts) if len(names) > len(parts)
           and tuple(names[:len(parts)]) == parts else 0)
+
+
+def _is(path: tuple, unit: str) -> bool:
+  """Whether `unit` (a name, or a path as `unit_depth` reads it) names the
+  submodule at `path`."""
+  return (path[-1] == unit if "/" not in unit
+          else "/".join(path) == unit.removeprefix("/"))
 
 
 def _inside(path: tuple, units: Sequence[str]) -> bool:
@@ -252,8 +255,7 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
     inside = [f for p in modules if p[:len(path)] == path for f in fenced
-              if (p[-1] == f if "/" not in f
-                  else "/".join(p) == f.removeprefix("/"))]
+              if _is(p, f)]
     above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:
       raise ValueError(
