@@ -37,25 +37,12 @@ if "--gpu" not in sys.argv and "--xla_force_host_platform_device_count" not in (
 if "--gpu" not in sys.argv:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# XLA's CPU client mallocs each execution's temporaries and frees them after.
-# glibc maps an allocation over 32 MiB afresh (its largest mmap threshold),
-# and one over a thread arena's 64 MiB heap whatever the threshold, so such
-# a program page-faults its whole temporary buffer in every step: at
-# --full's 1024 tokens per device about 0.35 s of a 0.5 s step was the
-# kernel zeroing pages, charged to the programs with large temporaries (no
-# rematerialisation), which made them look slower than they compute.
-# Accelerators allocate from a pool; so do these runs: one malloc arena, no
-# mmap, no trimming, set before the process starts (a re-exec).
-# --system-allocator keeps glibc's defaults.
-ALLOCATOR_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
-                      "glibc.malloc.trim_threshold=4294967295")
-if (__name__ == "__main__" and sys.platform.startswith("linux")
-    and "--gpu" not in sys.argv and "--system-allocator" not in sys.argv
-    and ALLOCATOR_TUNABLES not in os.environ.get("GLIBC_TUNABLES", "")):
-  os.environ["GLIBC_TUNABLES"] = ":".join(
-      t for t in (os.environ.get("GLIBC_TUNABLES"), ALLOCATOR_TUNABLES) if t)
-  os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run",
-                            *sys.argv[1:]])
+# timings with a pooled malloc (`benchmarks.allocator`); --system-allocator
+# keeps glibc's defaults
+if (__name__ == "__main__" and "--gpu" not in sys.argv
+    and "--system-allocator" not in sys.argv):
+  from benchmarks.allocator import restart_pooled
+  restart_pooled("benchmarks.run")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -67,7 +54,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks import comm, memory, models, offload, report, speed  # noqa: E402
+from benchmarks import allocator, comm, memory, models, offload, report, speed  # noqa: E402
 from benchmarks import third_party, user_models  # noqa: E402
 from benchmarks import variants as V  # noqa: E402
 from benchmarks import checkpoint, disk, frontends, gpu, hybrid  # noqa: E402
@@ -208,8 +195,8 @@ def _meta(mode: str) -> dict:
           "cpu_count": os.cpu_count(),
           **({"third_party": third_party.missing} if third_party.missing
              else {}),
-          "allocator": ("pooled (GLIBC_TUNABLES)" if ALLOCATOR_TUNABLES in
-                        os.environ.get("GLIBC_TUNABLES", "") else "system"),
+          "allocator": ("pooled (GLIBC_TUNABLES)" if allocator.pooled()
+                        else "system"),
           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -480,7 +467,7 @@ def main(argv=None) -> int:
                       help="output folder (default: benchmarks/results)")
   parser.add_argument("--system-allocator", action="store_true",
                       help="keep glibc's malloc defaults (by default the run "
-                      "restarts itself with ALLOCATOR_TUNABLES, see above)")
+                      "restarts itself with a pooled malloc: benchmarks/allocator.py)")
   parser.add_argument("--suites", default=",".join(SUITES),
                       help="comma-separated subset of "
                       f"{','.join(SUITES + EXTRA_SUITES)}")

@@ -10,8 +10,10 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import Mesh
 
 import zerojax
+from zerojax import autoconfig
 from models import Transformer, lm_batches, lm_loss_fn
 
 
@@ -35,6 +37,20 @@ def _everything():
 def _by_stage(plan) -> dict:
   return {c.fields["stage"]: c for c in plan.candidates
           if len(c.fields) == 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp():
+  """The offload planner's test problem (an MLP whose optimizer state
+  outweighs its activations, five chunks of `chunk_size=64`): `(plain
+  state, loss_fn, batch, stage 3's device bytes)`."""
+  from models import make_problem
+  model, params, loss_fn, batches = make_problem("mlp", steps=1)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  every = zerojax.plan(plain, loss_fn, batches[0], device_budget=2 ** 40,
+                       chunk_size=64)
+  return plain, loss_fn, batches[0], _by_stage(every)[3].device_bytes
 
 
 def _chosen_step_fits(plan, budget):
@@ -174,18 +190,114 @@ def test_a_budget_below_stage3_on_the_device_offloads():
   planner's test problem: five chunks): below stage 3's device bytes the
   plan takes the least host offload that fits (this CPU backend has
   pinned_host memory)."""
-  from models import make_problem
-  model, params, loss_fn, batches = make_problem("mlp", steps=1)
-  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=optax.adam(1e-3))
-  every = zerojax.plan(plain, loss_fn, batches[0], device_budget=2 ** 40,
-                       chunk_size=64)
-  budget = _by_stage(every)[3].device_bytes - 1
-  plan = zerojax.plan(plain, loss_fn, batches[0], device_budget=budget,
+  plain, loss_fn, batch, top = _mlp()
+  budget = top - 1
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
                       chunk_size=64)
   fields = plan.chosen.fields
   assert fields["stage"] == 3 and fields["offload_optimizer"]
   assert plan.chosen.host_bytes > 0 and plan.chosen.device_bytes <= budget
   by_hand = zerojax.shard(plain, chunk_size=64, **fields)
-  compiled = zerojax.train_step(loss_fn).lower(by_hand, batches[0]).compile()
+  compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
   assert zerojax.compiled_footprint(compiled)["device"] <= budget
+
+
+def _measured(state, fields, figures=None):
+  _, loss_fn, batch = _problem()
+  used = {**autoconfig.figures_for("cpu")[1], **(figures or {})}
+  return autoconfig.measure(state, zerojax.train_step(loss_fn), batch, fields,
+                            used, 2 ** 60)
+
+
+def test_collectives_over_the_replica_axis_are_charged_to_the_node_link():
+  """HSDP at stage 2: gradients reduce-scattered over the data axis, then
+  all-reduced once over the replicas; only those cross between nodes, and
+  only they are charged at `node_link`."""
+  plain, _, _ = _problem()
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "data"))
+  shapes = zerojax.shard_shape(plain, stage=2, mesh=mesh,
+                               replica_axis="replica")
+  node_link = autoconfig.figures_for("cpu")[1]["node_link"]
+  fast = _measured(shapes, {"stage": 2})
+  slow = _measured(shapes, {"stage": 2}, {"node_link": node_link / 10})
+  assert 0 < fast.replica_bytes < fast.wire_bytes
+  assert (fast.wire_bytes, fast.flops) == (slow.wire_bytes, slow.flops)
+  assert slow.modelled_s - fast.modelled_s == pytest.approx(
+      9 * fast.replica_bytes / node_link)
+  one_axis = _measured(zerojax.shard_shape(plain, stage=2), {"stage": 2})
+  assert one_axis.replica_bytes == 0
+
+
+def test_host_transfers_are_read_from_the_program_and_a_host_update_is_charged():
+  """Stage 3 with the optimizer state on host: the update on the device
+  brings the state over PCIe and back, the update on the host moves only
+  the gradient and parameter shards (`hlo.host_moves` of the program
+  lowered for a GPU) and is charged its host work instead."""
+  plain, _, _ = _problem()
+  shapes = zerojax.shard_shape(plain)
+  kept = _measured(shapes, {"stage": 3})
+  device = _measured(shapes, {"stage": 3, "offload_optimizer": True})
+  host = _measured(shapes, {"stage": 3, "offload_optimizer": True,
+                            "update_on": "host"})
+  assert kept.pcie_bytes == kept.host_bytes == 0
+  assert device.host_bytes > 0 and device.host_update_bytes == 0
+  assert 0 < host.pcie_bytes < device.pcie_bytes / 2
+  assert host.host_update_bytes == 2 * host.host_bytes
+  assert "update on host" in host.label
+
+
+def test_the_disk_tier_is_charged_its_file_traffic(tmp_path):
+  """The disk tier's statistics are `OnDisk`s in the abstract state
+  (nothing written): out of host memory, read and written once a step."""
+  plain, _, _ = _problem()
+  shapes = zerojax.shard_shape(plain)
+  disk = _measured(shapes, {"stage": 3, "offload_optimizer": "disk",
+                            "offload_dir": str(tmp_path)})
+  host = _measured(shapes, {"stage": 3, "offload_optimizer": True,
+                            "update_on": "host"})
+  assert disk.disk_bytes > 0 and host.disk_bytes == 0
+  assert disk.host_bytes < host.host_bytes
+  assert disk.host_update_bytes > 0
+  assert "optimizer on disk" in disk.label
+  assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_host_budget_host_offload_misses_goes_to_disk(tmp_path):
+  """With `offload_dir=`, when the host offload that meets the device
+  budget misses the host budget, the plan takes the disk tier, and the
+  configuration set by hand trains."""
+  plain, loss_fn, batch, top = _mlp()
+  budget = top - 1
+  on_host = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
+                         chunk_size=64).chosen
+  assert on_host.host_bytes > 0
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
+                      host_budget=on_host.host_bytes - 1,
+                      offload_dir=str(tmp_path), chunk_size=64)
+  assert plan.chosen.fields["offload_optimizer"] == "disk"
+  assert plan.chosen.fits and plan.chosen.disk_bytes > 0
+  by_hand = zerojax.shard(plain, chunk_size=64, **plan.config_fields)
+  state, metrics = zerojax.train_step(loss_fn, donate=True)(by_hand, batch)
+  assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.slow
+def test_where_placement_auto_fits_stage_auto_fits_too():
+  """For budgets from stage 3's need down to the most offload's, wherever
+  `placement="auto"`'s planner (`plan_offload` at stage 3) meets the
+  budget, `stage="auto"`'s plan chooses something that meets it too."""
+  plain, loss_fn, batch, top = _mlp()
+  shapes = zerojax.shard_shape(plain, chunk_size=64)
+  checked = 0
+  for budget in (top - 1, int(0.9 * top), int(0.8 * top)):
+    try:
+      offload = zerojax.plan_offload(shapes, loss_fn, batch, budget)
+    except ValueError:
+      continue
+    plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
+                        chunk_size=64)
+    assert offload.device_bytes <= budget
+    assert plan.chosen.fits and plan.chosen.device_bytes <= budget
+    checked += 1
+  assert checked >= 2

@@ -771,13 +771,13 @@ def test_disk_suite_measures_bytes_and_depth_and_reports(tmp_path):
 def test_host_memory_counts_what_malloc_keeps_for_reuse():
   """The allocation check's available memory is the kernel's MemAvailable
   plus what this process freed but glibc's malloc keeps. Under the pooled
-  allocator the suites run with (`run.ALLOCATOR_TUNABLES`), a freed 512
+  allocator the suites run with (`allocator.ALLOCATOR_TUNABLES`), a freed 512
   MiB buffer stays in the process, and the sum stays where it was (the
   kernel's figure alone drops by the buffer)."""
   import os
   import subprocess
   import sys
-  from benchmarks import run
+  from benchmarks import allocator
   # MemAvailable is the whole machine's: another process (the suite's other
   # worker) allocating at the same moment moves it, so three tries, of
   # which the least disturbed must hold
@@ -790,9 +790,41 @@ def test_host_memory_counts_what_malloc_keeps_for_reuse():
   out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
                        capture_output=True, text=True,
                        env={**os.environ, "GLIBC_TUNABLES":
-                            run.ALLOCATOR_TUNABLES}).stdout.splitlines()
+                            allocator.ALLOCATOR_TUNABLES}).stdout.splitlines()
   tries = [tuple(map(int, line.split())) for line in out]
   before, kept_before, after, kept_after = tries[0]
   assert kept_after - kept_before > 2 ** 28      # the buffer, kept
   moved = [abs(after - before) for before, _, after, _ in tries]
   assert min(moved) < 2 ** 27, tries
+
+
+def test_spearman_ranks_with_ties_at_their_mean_rank():
+  from benchmarks.plan import spearman
+  assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): 0.9487
+  assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(
+      3 / 10 ** 0.5, rel=1e-6)
+
+
+def test_plan_suite_labels_and_reports_each_problem(tmp_path):
+  from benchmarks import plan as suite
+  rows = [{"problem": p, "candidate": suite.label(f), "fields": f,
+           "device_bytes": 2 ** 20 * (4 - f["stage"]), "host_bytes": 0,
+           "wire_bytes": 2 ** 20, "pcie_bytes": 0, "host_update_bytes": 0,
+           "flops": 1e9, "modelled_s": 0.1 + f["stage"] / 100,
+           "measured_s": 0.2 + f["stage"] / 100 * (1 if p == "a" else -1)}
+          for p in ("a", "b") for f in ({"stage": s} for s in range(4))]
+  planning = {"problem": "a", "budget": 3 * 2 ** 20, "chosen": "stage 3",
+              "candidates": 5, "plan_s": 20.0, "compile_s": 4.0,
+              "ratio": 5.0, "table": "zerojax.plan: stage 3"}
+  text = suite.write(rows, planning, str(tmp_path),
+                     {"date": "today", "jax": jax.__version__, "rounds": 3,
+                      "figures": {}, "problems": {"a": "one", "b": "two"}})
+  assert "| Spearman, modelled vs measured step time, a (4 candidates) | " \
+         "1.00 | >= 0.80 | yes |" in text
+  assert "step time, b (4 candidates) | -1.00 | >= 0.80 | no |" in text
+  assert "(5 candidates compiled) | 5.00 | <= 10 | yes |" in text
+  assert "- a: one" in text
+  assert {p.name for p in tmp_path.iterdir()} == {"plan.md", "plan.json",
+                                                    "plan.png"}
