@@ -828,3 +828,25 @@ def test_plan_suite_labels_and_reports_each_problem(tmp_path):
   assert "- a: one" in text
   assert {p.name for p in tmp_path.iterdir()} == {"plan.md", "plan.json",
                                                     "plan.png"}
+
+
+def test_first_step_goals_compare_growth_and_leaf_scaling(tmp_path):
+  from benchmarks import first_step as suite
+  row = lambda case, size, shard, first, plain: {
+      "case": case, "size": size, "shard_s": shard, "first_step_s": first,
+      "plain_first_step_s": plain, "ratio": first / plain}
+  rows = [row("hf-gpt2", 12, 2.0, 6.0, 3.0), row("hf-gpt2", 24, 4.0, 15.0,
+                                                 6.0),
+          row("leaves", 100, 1.0, 2.0, 1.0), row("leaves", 1600, 12.0, 20.0,
+                                                 4.0)]
+  got = {g: (round(v, 3), met) for g, v, _, met in suite.goals(rows)}
+  assert got["first step / plain jit's, hf-gpt2 12"] == (2.0, False)
+  # 15 / 6 = 2.5x against plain's 2x
+  assert got["growth 12 -> 24 blocks / plain jit's growth"] == (1.25, False)
+  # 12 / 1600 a leaf against 1 / 100: 0.75x, linear or better
+  assert got["shard seconds a leaf, 1600 / 100 leaves"] == (0.75, True)
+  assert got["shard of 1600 leaves, s"] == (12.0, False)
+  text = suite.write(rows, str(tmp_path), {"date": "today",
+                                           "jax": jax.__version__})
+  assert "| leaves | 1600 | 12.0 | 20.0 | 4.0 | 5.00 |" in text
+  assert (tmp_path / "first_step.png").exists()

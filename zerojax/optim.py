@@ -72,10 +72,12 @@ def _surrogate_shapes(abstract_params) -> list:
 def _run(tx, params, grads_seq):
   """Updates of `tx` over a sequence of gradients (plain optax semantics).
 
-  A step is one jitted function inlined into the probe's program: traced
-  once for all steps of equal input types, not once per step (tracing is
-  a fifth to a third of a probe's cost); the compiled program is the same."""
-  @functools.partial(jax.jit, inline=True)
+  A step is one jitted function the probe's program calls, not inlined:
+  traced once for all steps of equal input types and kept as one call in
+  the traced program, not copied into it per step (tracing is a fifth to
+  a third of a probe's cost). XLA inlines the calls when it compiles: the
+  same program."""
+  @jax.jit
   def step(grads, state, params):
     updates, state = tx.update(grads, state, params)
     return updates, state, optax.apply_updates(params, updates)
