@@ -46,7 +46,7 @@ from flax.training import train_state  # noqa: E402
 
 import zerojax  # noqa: E402
 from benchmarks import models  # noqa: E402
-from zerojax import autoconfig  # noqa: E402
+from zerojax import autoconfig, costmodel  # noqa: E402
 
 # name: (model, batch, sequence length)
 PROBLEMS = {
@@ -90,7 +90,7 @@ def problem(name: str):
 
 
 def label(fields: dict) -> str:
-  return autoconfig.Candidate(fields, *([0] * 9), True).label
+  return costmodel.Candidate(fields, *([0] * 9), True).label
 
 
 def spearman(a, b) -> float:
@@ -112,7 +112,7 @@ def ranking(name: str, rounds: int, figures: dict) -> list:
   plain, loss_fn, batch = problem(name)
   step = zerojax.train_step(loss_fn)
   shapes = zerojax.shard_shape(plain)
-  used = autoconfig.figures_for(jax.devices()[0].device_kind, figures)[1]
+  used = costmodel.figures_for(jax.devices()[0].device_kind, figures)[1]
   rows, runs = [], {}
   for fields in CANDIDATES:
     c = autoconfig.measure(shapes, step, batch, fields, used, 2 ** 60)
@@ -322,7 +322,7 @@ def main():
   figures = {}
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
       "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__, "rounds": args.rounds,
-      "figures": autoconfig.figures_for("cpu", figures)[1],
+      "figures": costmodel.figures_for("cpu", figures)[1],
       "problems": {name: describe(name) for name in PROBLEMS}}
   rows = [row for name in PROBLEMS
           for row in ranking(name, args.rounds, figures)]

@@ -13,7 +13,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 import zerojax
-from zerojax import autoconfig
+from zerojax import autoconfig, costmodel
 from models import Transformer, lm_batches, lm_loss_fn
 
 
@@ -204,7 +204,7 @@ def test_a_budget_below_stage3_on_the_device_offloads():
 
 def _measured(state, fields, figures=None):
   _, loss_fn, batch = _problem()
-  used = {**autoconfig.figures_for("cpu")[1], **(figures or {})}
+  used = {**costmodel.figures_for("cpu")[1], **(figures or {})}
   return autoconfig.measure(state, zerojax.train_step(loss_fn), batch, fields,
                             used, 2 ** 60)
 
@@ -217,7 +217,7 @@ def test_collectives_over_the_replica_axis_are_charged_to_the_node_link():
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "data"))
   shapes = zerojax.shard_shape(plain, stage=2, mesh=mesh,
                                replica_axis="replica")
-  node_link = autoconfig.figures_for("cpu")[1]["node_link"]
+  node_link = costmodel.figures_for("cpu")[1]["node_link"]
   fast = _measured(shapes, {"stage": 2})
   slow = _measured(shapes, {"stage": 2}, {"node_link": node_link / 10})
   assert 0 < fast.replica_bytes < fast.wire_bytes
