@@ -147,7 +147,8 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   footprint = compiled_footprint(compiled)
   held = host_bytes(shapes)
   data, replica = _wire_by_link(compiled, shapes)
-  pcie, sunk = _host_traffic(step, shapes, batch) if held else (0.0, 0.0)
+  moves = held or shapes.config.disk   # (the disk tier's gradient sink)
+  pcie, sunk = _host_traffic(step, shapes, batch) if moves else (0.0, 0.0)
   on_disk = sum(x.nbytes for x in jax.tree_util.tree_leaves(
       shapes, is_leaf=disk_tier.is_on_disk)
                 if disk_tier.is_on_disk(x)) / shapes.num_shards
