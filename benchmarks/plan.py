@@ -89,10 +89,6 @@ def problem(name: str):
   return plain, loss_fn, batch
 
 
-def label(fields: dict) -> str:
-  return costmodel.Candidate(fields, *([0] * 9), True).label
-
-
 def spearman(a, b) -> float:
   """Rank correlation (ties at their mean rank)."""
   def ranks(x):
@@ -116,7 +112,7 @@ def ranking(name: str, rounds: int, figures: dict) -> list:
   rows, runs = [], {}
   for fields in CANDIDATES:
     c = autoconfig.measure(shapes, step, batch, fields, used, 2 ** 60)
-    rows.append({"problem": name, "candidate": label(fields),
+    rows.append({"problem": name, "candidate": c.label,
                  "fields": fields,
                  "device_bytes": c.device_bytes, "host_bytes": c.host_bytes,
                  "wire_bytes": c.wire_bytes, "pcie_bytes": c.pcie_bytes,

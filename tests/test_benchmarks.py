@@ -809,7 +809,8 @@ def test_spearman_ranks_with_ties_at_their_mean_rank():
 
 def test_plan_suite_labels_and_reports_each_problem(tmp_path):
   from benchmarks import plan as suite
-  rows = [{"problem": p, "candidate": suite.label(f), "fields": f,
+  from zerojax import costmodel
+  rows = [{"problem": p, "candidate": costmodel.label(f), "fields": f,
            "device_bytes": 2 ** 20 * (4 - f["stage"]), "host_bytes": 0,
            "wire_bytes": 2 ** 20, "pcie_bytes": 0, "host_update_bytes": 0,
            "flops": 1e9, "modelled_s": 0.1 + f["stage"] / 100,

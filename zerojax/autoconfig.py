@@ -15,9 +15,9 @@ the least-memory remat). Each offload candidate that fits is tried again
 with its update run on the host (`update_on="host"`, where the master is
 sharded). With `offload_dir=`, when nothing else fits, the disk tier
 (stage 3, full recompute). Quantized collectives (qwZ and qgZ, int8) are
-tried only with `allow_quantized=True`: they change the numerics. Among the candidates
-that fit, the fastest modelled; within 2% the simpler (no offload before
-offload, a lower stage, less recompute).
+tried only with `allow_quantized=True`: they change the numerics. Among
+the candidates that fit, the fastest modelled; within 2% the simpler (no
+offload before offload, a lower stage, less recompute).
 """
 from __future__ import annotations
 

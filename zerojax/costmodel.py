@@ -96,22 +96,7 @@ class Candidate:
 
   @property
   def label(self) -> str:
-    f = self.fields
-    parts = [f"stage {f['stage']}"]
-    if f.get("remat", "none") != "none":
-      parts.append(f"remat={f['remat']}")
-    if f.get("offload_optimizer") == "disk":
-      parts.append("optimizer on disk")
-    elif f.get("offload_optimizer"):
-      parts.append("offload" + ("" if f.get("offload_fraction", 1.0) == 1.0
-                                else f" {f['offload_fraction']:.2f}"))
-    if f.get("offload_params"):
-      parts.append("params on host")
-    if f.get("update_on") == "host" and f.get("offload_optimizer") != "disk":
-      parts.append("update on host")
-    if f.get("quantize_weights"):
-      parts.append("int8 collectives")
-    return ", ".join(parts)
+    return label(self.fields)
 
   def _simplicity(self) -> tuple:
     f = self.fields
@@ -119,6 +104,27 @@ class Candidate:
             f.get("offload_optimizer") == "disk", f.get("update_on") == "host",
             bool(f.get("quantize_weights")), f["stage"],
             ("none", "dots", "full").index(f.get("remat", "none")))
+
+
+def label(fields: dict) -> str:
+  """A candidate's fields (stage included) in a few words, as the plan's
+  table shows them."""
+  f = fields
+  parts = [f"stage {f['stage']}"]
+  if f.get("remat", "none") != "none":
+    parts.append(f"remat={f['remat']}")
+  if f.get("offload_optimizer") == "disk":
+    parts.append("optimizer on disk")
+  elif f.get("offload_optimizer"):
+    parts.append("offload" + ("" if f.get("offload_fraction", 1.0) == 1.0
+                              else f" {f['offload_fraction']:.2f}"))
+  if f.get("offload_params"):
+    parts.append("params on host")
+  if f.get("update_on") == "host" and f.get("offload_optimizer") != "disk":
+    parts.append("update on host")
+  if f.get("quantize_weights"):
+    parts.append("int8 collectives")
+  return ", ".join(parts)
 
 
 def figures_for(device_kind: str, figures: Optional[dict] = None) -> tuple:
