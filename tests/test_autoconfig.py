@@ -129,6 +129,8 @@ def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
     ({"device_budget": "8GB"}, TypeError, "must be a number of bytes"),
     ({"device_budget": 2 ** 30, "stage": 2}, ValueError,
      r"chooses \['stage'\] itself"),
+    ({"device_budget": 2 ** 30, "update_on": "host"}, ValueError,
+     r"chooses \['update_on'\] itself"),
 ])
 def test_bad_plan_input(kwargs, error, match):
   plain, loss_fn, batch = _problem()

@@ -137,8 +137,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
     raise TypeError(f"plan() takes the loss function, got {loss_fn!r}.")
   taken = {"stage", "remat", "offload_optimizer", "offload_params",
            "offload_fraction", "quantize_weights", "quantize_grads",
-           "placement", "device_budget", "update_on",
-           "offload_dir"} & set(config_fields)
+           "placement", "device_budget", "update_on"} & set(config_fields)
   if taken:
     raise ValueError(f"plan() chooses {sorted(taken)} itself; leave them "
                      "out (pass the fields every candidate keeps).")
