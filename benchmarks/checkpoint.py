@@ -121,7 +121,7 @@ def _child(kind: str, cfg_name: str, directory: str) -> dict:
   zdir, odir = os.path.join(directory, "zerojax"), os.path.join(directory, "orbax")
   if kind == "zerojax-save":
     state = zerojax.create(init_fn, rng, apply_fn=model.apply, tx=tx, stage=3,
-                           stacked=("blocks",))
+                           blocks=zerojax.Blocks(stacked=("blocks",)))
     jax.block_until_ready(state)
 
     def save(step):

@@ -122,7 +122,7 @@ def build(layers: int) -> dict:
   for label, frozen in (("zero-3 LoRA", is_frozen), ("zero-3 full", None)):
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx), stage=3, mesh=mesh,
-        frozen=frozen, compute_dtype="bfloat16")
+        frozen=frozen, precision="bfloat16")
     step = zerojax.train_step(loss_fn)
     compiled = step.lower(state, batch).compile()
     holder = {"state": state}

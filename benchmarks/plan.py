@@ -118,7 +118,8 @@ def ranking(name: str, rounds: int, figures: dict) -> list:
                  "wire_bytes": c.wire_bytes, "pcie_bytes": c.pcie_bytes,
                  "host_update_bytes": c.host_update_bytes, "flops": c.flops,
                  "modelled_s": c.modelled_s})
-    state = zerojax.shard(plain, **fields)
+    state = zerojax.shard(plain,
+                          config=zerojax.ZeroConfig.from_fields(**fields))
     holder = {"state": state}
 
     def run(holder=holder):
@@ -146,7 +147,8 @@ import jax, json
 import zerojax
 from benchmarks.plan import problem
 plain, loss_fn, batch = problem({name!r})
-shapes = zerojax.shard_shape(jax.eval_shape(lambda s: s, plain), **{fields!r})
+shapes = zerojax.shard_shape(jax.eval_shape(lambda s: s, plain),
+                             config=zerojax.ZeroConfig.from_fields(**{fields!r}))
 start = time.perf_counter()
 zerojax.train_step(loss_fn).lower(shapes, batch).compile()
 print(json.dumps(time.perf_counter() - start))

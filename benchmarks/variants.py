@@ -214,8 +214,10 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
 
     # (zerojax caches its optimizer probes per tx and shapes: sharding the
     # same model many times costs one probe)
+    # (the variants enumerate flat fields: ZeroConfig's internal spelling)
     state = (zerojax.shard if materialize else zerojax.shard_shape)(
-        source, stage=stage, mesh=mesh, **fields)
+        source, mesh=mesh,
+        config=zerojax.ZeroConfig.from_fields(stage=stage, **fields))
     step = zerojax.train_step(loss_fn)
     lowered = step.lower(state, batch)
     trace = functools.partial(step.trace, state, batch)

@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
   state = zerojax.checkpoint.restore(base, like=lora, stage=args.stage,
                                      frozen=is_frozen,
                                      frozen_dtype=args.frozen_dtype,
-                                     compute_dtype=compute_dtype)
+                                     precision=compute_dtype)
   num_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
   del params, lora
 

@@ -571,6 +571,28 @@ def resolve(args, backend: str, n_devices: int) -> tuple:
   return cfg, run
 
 
+def zero_options(args, run: dict, replica_axis, embed_blocks: bool) -> dict:
+  """The command line's ZeRO flags as `zerojax.create`'s options, in one
+  place."""
+  if args.offload == "disk":
+    offload = zerojax.Offload("disk", dir=args.offload_dir,
+                              sub_group_size=args.sub_group_size)
+  elif args.offload == "host":
+    offload = zerojax.Offload("host", update_on=args.update_on)
+  else:
+    offload = None
+  return dict(
+      stage=args.stage, precision=run["precision"], offload=offload,
+      axes=zerojax.Axes(replica=replica_axis, hpz=args.hpz,
+                        model="model" if args.tp > 1 else None),
+      quantize=zerojax.Quantize(weights=args.quantize_weights,
+                                grads=args.quantize_grads,
+                                block=args.quantize_block),
+      blocks=zerojax.Blocks(stacked=("blocks", "wte") if embed_blocks
+                            else ("blocks",)),
+      accum_steps=args.accum, clip_norm=args.clip or None)
+
+
 def main(argv=None) -> dict:
   """Trains and returns {"config", "steps", "memory", "timing"}."""
   args = parse_args(argv)
@@ -601,21 +623,9 @@ def main(argv=None) -> dict:
     raise SystemExit("--hpz shards the state over the replica axis too: "
                      "give --mesh replica=R,data=D as well.")
   state = zerojax.create(init_fn, jax.random.key(args.seed),
-                         apply_fn=model.apply, tx=tx, stage=args.stage,
-                         mesh=mesh, replica_axis=replica_axis, hpz=args.hpz,
-                         model_axis="model" if args.tp > 1 else None,
-                         quantize_weights=args.quantize_weights,
-                         quantize_grads=args.quantize_grads,
-                         quantize_block=args.quantize_block,
-                         compute_dtype=run["precision"], accum_steps=args.accum,
-                         clip_norm=args.clip or None,
-                         stacked=("blocks", "wte") if cfg.embed_blocks
-                         else ("blocks",),
-                         offload_optimizer={None: False, "host": True,
-                                            "disk": "disk"}[args.offload],
-                         offload_dir=args.offload_dir,
-                         sub_group_size=args.sub_group_size,
-                         update_on=args.update_on)
+                         apply_fn=model.apply, tx=tx, mesh=mesh,
+                         **zero_options(args, run, replica_axis,
+                                        cfg.embed_blocks))
   num_params = state.layout.num_chunked_elements
   if args.resume:
     state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state,

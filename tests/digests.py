@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import zerojax  # noqa: E402
-from models import make_problem  # noqa: E402
+from models import zopts, make_problem  # noqa: E402
 
 TX = optax.chain(optax.add_decayed_weights(0.1), optax.adam(1e-2))
 EXTRAS = ({}, {"clip_norm": 0.5}, {"offload_optimizer": True})
@@ -47,9 +47,9 @@ def digests(only: str = "") -> dict:
             state = zerojax.shard(
                 train_state.TrainState.create(apply_fn=model.apply,
                                               params=params, tx=TX),
-                stage=stage, compute_dtype=dtype, accum_steps=accum,
-                chunk_size=2048, **extra,
-                stacked=("blocks",) if kind == "scan_transformer" else ())
+                stage=stage, accum_steps=accum, chunk_size=2048,
+                **zopts({"compute_dtype": dtype, **extra, "stacked": (
+                    ("blocks",) if kind == "scan_transformer" else ())}))
             step = zerojax.train_step(loss_fn)
             h = hashlib.sha256()
             for b in batches[:3]:

@@ -50,7 +50,7 @@ def kill(live: str, ckpt: str) -> None:
   import zerojax
   from zerojax import disk
   state, loss_fn, batches, fields = problem()
-  state = zerojax.shard(state, offload_optimizer="disk", offload_dir=live,
+  state = zerojax.shard(state, offload=zerojax.Offload("disk", dir=live),
                         **fields)
   step = zerojax.train_step(loss_fn)
   state, _ = step(state, batches[0])
@@ -70,8 +70,7 @@ def exit_normally(live: str) -> None:
   import zerojax
   state, loss_fn, batches, fields = problem()
   os.chdir(os.path.dirname(live))
-  state = zerojax.shard(state, offload_optimizer="disk",
-                        offload_dir=os.path.basename(live), **fields)
+  state = zerojax.shard(state, offload=zerojax.Offload("disk", dir=os.path.basename(live)), **fields)
   step = zerojax.train_step(loss_fn)
   state, _ = step(state, batches[0])
   os.chdir("/")   # the directory was resolved once, at shard
@@ -87,7 +86,7 @@ def rss(live: str) -> None:
   import zerojax
   from zerojax import disk_stream
   state, loss_fn, batches, fields = problem(width=1024, layers=4)
-  state = zerojax.shard(state, offload_optimizer="disk", offload_dir=live,
+  state = zerojax.shard(state, offload=zerojax.Offload("disk", dir=live),
                         **fields)
   page = os.sysconf("SC_PAGE_SIZE")
 

@@ -606,3 +606,26 @@ def nnx_listed(block: type, layers: int = 4, width: int = 32) -> type:
 
   return ListedNet
 
+
+
+def zopts(kwargs: dict) -> dict:
+  """`kwargs` of a zerojax call with the flat `ZeroConfig` fields in it
+  (`ZeroConfig.fields()`, the library's own spelling, which the tests'
+  matrices enumerate) turned into the options `zerojax.shard` takes: each
+  group touched is built from them (`Group.from_fields`), the others and
+  every other keyword (mesh, tx, stage, ...) pass as they are."""
+  import zerojax
+  from zerojax.config import FIELDS, OPTIONS
+  flat = {k: v for k, v in kwargs.items() if k in FIELDS and k not in OPTIONS}
+  if not flat:
+    return dict(kwargs)
+  fields = {**zerojax.ZeroConfig().fields(), "update_on": None, **flat}
+  out = {k: v for k, v in kwargs.items() if k not in flat}
+  for name, group in (("axes", zerojax.Axes), ("precision", zerojax.Precision),
+                      ("quantize", zerojax.Quantize),
+                      ("blocks", zerojax.Blocks), ("offload", zerojax.Offload)):
+    if set(flat) & set(group.from_fields(
+        zerojax.ZeroConfig().fields()).fields() if group is not zerojax.Offload
+                         else zerojax.Offload().fields()):
+      out[name] = group.from_fields(fields)
+  return out

@@ -20,7 +20,7 @@ import optax
 from flax.training import train_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_problem, zero_run as train  # noqa: E402
+from models import zopts, make_problem, zero_run as train  # noqa: E402
 
 STEPS, SPLIT, BATCH, CHUNK = 6, 3, 24, 128
 
@@ -43,11 +43,11 @@ def hybrid(directory: str, out: str, rank: int) -> None:
   mesh = Mesh(devices, ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
   plain, loss_fn, batches = problem()
   fields = dict(stage=3, chunk_size=CHUNK, mesh=mesh, replica_axis="replica")
-  state = zerojax.shard(plain, **fields)
+  state = zerojax.shard(plain, **zopts(fields))
   state, first = train(state, loss_fn, batches[:SPLIT])
   zerojax.checkpoint.save(directory, state, wait=True)
   del state
-  state = zerojax.checkpoint.restore(directory, like=plain, **fields)
+  state = zerojax.checkpoint.restore(directory, like=plain, **zopts(fields))
   assert int(state.step) == SPLIT and state.num_replicas == 2
   state, rest = train(state, loss_fn, batches[SPLIT:])
   params = zerojax.checkpoint.export_params(state)

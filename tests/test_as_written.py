@@ -9,6 +9,7 @@ from flax.training import train_state
 
 import zerojax
 from benchmarks import third_party
+from models import zopts
 from models import (assert_matches_reference, lm_batches, reference_run,
                     zero_run)
 from models import lm_loss_fn as _loss_fn
@@ -21,7 +22,7 @@ def _trained(config, batches, tx, **shard):
   model = config.make_model()
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), stage=3, **shard)
+      apply_fn=model.apply, params=params, tx=tx), stage=3, **zopts(shard))
   step = zerojax.train_step(_loss_fn(model))
   modes = step.gathering(state, batches[0])
   state, losses = zero_run(state, _loss_fn(model), batches)
@@ -64,7 +65,7 @@ def test_each_block_is_gathered_twice_in_the_compiled_step():
   for reshard in (True, False):
     state = zerojax.shard_shape(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                                reshard_after_forward=reshard)
+                                blocks=zerojax.Blocks(reshard_after_forward=reshard))
     text = zerojax.train_step(_loss_fn(model)).lower(
         state, batch).compile().as_text()
     count[reshard] = (text.count("all-gather-start(")

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import zerojax
 from zerojax import autoconfig, costmodel
-from models import Transformer, lm_batches, lm_loss_fn
+from models import zopts, Transformer, lm_batches, lm_loss_fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +57,7 @@ def _chosen_step_fits(plan, budget):
   """The chosen configuration, set by hand, compiles to at most `budget`
   device bytes per device (what the plan measured abstractly)."""
   plain, loss_fn, batch = _problem()
-  by_hand = zerojax.shard(plain, **plan.config_fields)
+  by_hand = zerojax.shard(plain, **plan.options)
   compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
   assert zerojax.compiled_footprint(compiled)["device"] <= budget
 
@@ -129,14 +129,16 @@ def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
     ({"device_budget": "8GB"}, TypeError, "must be a number of bytes"),
     ({"device_budget": 2 ** 30, "stage": 2}, ValueError,
      r"chooses \['stage'\] itself"),
-    ({"device_budget": 2 ** 30, "update_on": "host"}, ValueError,
-     r"chooses \['update_on'\] itself"),
+    ({"device_budget": 2 ** 30, "offload": "host"}, ValueError,
+     r"chooses \['offload'\] itself"),
+    ({"device_budget": 2 ** 30, "blocks": zerojax.Blocks(remat="dots")},
+     ValueError, r"chooses \['blocks=Blocks\(remat=...\)'\] itself"),
 ])
 def test_bad_plan_input(kwargs, error, match):
   plain, loss_fn, batch = _problem()
   loss_fn = kwargs.pop("loss_fn", loss_fn)
   with pytest.raises(error, match=match):
-    zerojax.plan(plain, loss_fn, batch, **kwargs)
+    zerojax.plan(plain, loss_fn, batch, **zopts(kwargs))
 
 
 def test_a_sharded_state_is_planned_with_its_own_config():
@@ -164,7 +166,7 @@ def test_stage_auto_chooses_at_the_first_step_and_trains_as_chosen_by_hand():
   assert auto.config.placement == "manual" and auto.config.stage == 3
   fields = {f: getattr(auto.config, f) for f in ("remat", "offload_optimizer",
                                                  "offload_params")}
-  by_hand, m_hand = step(zerojax.shard(plain, stage=3, **fields), batch)
+  by_hand, m_hand = step(zerojax.shard(plain, stage=3, **zopts(fields)), batch)
   assert float(m_auto["loss"]) == float(m_hand["loss"])
   auto, _ = step(auto, batch)
   by_hand, _ = step(by_hand, batch)
@@ -173,17 +175,19 @@ def test_stage_auto_chooses_at_the_first_step_and_trains_as_chosen_by_hand():
                          zerojax.gather_params(by_hand))
 
 
-@pytest.mark.parametrize("fields,match", [
+@pytest.mark.parametrize("options,match", [
     ({}, "stage='auto' chooses the configuration for a device memory budget"),
-    ({"device_budget": 2 ** 30, "remat": "full"},
-     "stage='auto' chooses remat itself"),
-    ({"device_budget": 2 ** 30, "placement": "auto"},
-     "stage='auto' chooses the placement too"),
+    ({"device_budget": 2 ** 30, "blocks": zerojax.Blocks(remat="full")},
+     "stage='auto' chooses blocks=Blocks(remat='full') itself"),
+    ({"device_budget": 2 ** 30, "offload": "auto"},
+     "stage='auto' chooses offload itself"),
+    ({"device_budget": 2 ** 30, "quantize": "int8"},
+     "stage='auto' chooses quantize itself"),
 ])
-def test_stage_auto_refuses_what_it_chooses(fields, match):
+def test_stage_auto_refuses_what_it_chooses(options, match):
   plain, _, _ = _problem()
   with pytest.raises(ValueError, match=re.escape(match)):
-    zerojax.shard(plain, stage="auto", **fields)
+    zerojax.shard(plain, stage="auto", **options)
 
 
 @pytest.mark.slow
@@ -199,7 +203,7 @@ def test_a_budget_below_stage3_on_the_device_offloads():
   fields = plan.chosen.fields
   assert fields["stage"] == 3 and fields["offload_optimizer"]
   assert plan.chosen.host_bytes > 0 and plan.chosen.device_bytes <= budget
-  by_hand = zerojax.shard(plain, chunk_size=64, **fields)
+  by_hand = zerojax.shard(plain, chunk_size=64, **zopts(fields))
   compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
   assert zerojax.compiled_footprint(compiled)["device"] <= budget
 
@@ -218,7 +222,7 @@ def test_collectives_over_the_replica_axis_are_charged_to_the_node_link():
   plain, _, _ = _problem()
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "data"))
   shapes = zerojax.shard_shape(plain, stage=2, mesh=mesh,
-                               replica_axis="replica")
+                               axes=zerojax.Axes(replica="replica"))
   node_link = costmodel.figures_for("cpu")[1]["node_link"]
   fast = _measured(shapes, {"stage": 2})
   slow = _measured(shapes, {"stage": 2}, {"node_link": node_link / 10})
@@ -276,10 +280,10 @@ def test_a_host_budget_host_offload_misses_goes_to_disk(tmp_path):
   assert on_host.host_bytes > 0
   plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
                       host_budget=on_host.host_bytes - 1,
-                      offload_dir=str(tmp_path), chunk_size=64)
+                      offload=zerojax.Offload(dir=str(tmp_path)), chunk_size=64)
   assert plan.chosen.fields["offload_optimizer"] == "disk"
   assert plan.chosen.fits and plan.chosen.disk_bytes > 0
-  by_hand = zerojax.shard(plain, chunk_size=64, **plan.config_fields)
+  by_hand = zerojax.shard(plain, chunk_size=64, **plan.options)
   state, metrics = zerojax.train_step(loss_fn, donate=True)(by_hand, batch)
   assert np.isfinite(float(metrics["loss"]))
 

@@ -92,5 +92,5 @@ def test_float16_parameters_with_adam_name_the_epsilon_and_the_fix():
                                         tx=optax.adam(1e-3))
   with pytest.raises(ValueError, match=r"non-finite update for a zero "
                      r"gradient on float16 .*eps=1e-8 is 0 in float16.* "
-                     r"compute_dtype='float16'"):
+                     r"precision='fp16'"):
     zerojax.shard(plain, stage=3)

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import zerojax
 from zerojax import collectives, compat
 from zerojax.layout import ChunkLayout
-from models import ScannedLM, lm_loss_fn
+from models import zopts, ScannedLM, lm_loss_fn
 
 
 def _mesh():
@@ -54,7 +54,7 @@ def _step_text(model, stage_fields):
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.adamw(1e-3))
   state = zerojax.shard_shape(jax.eval_shape(lambda: state), stage=3,
-                              mesh=_mesh(), **stage_fields)
+                              mesh=_mesh(), **zopts(stage_fields))
   tok = jax.ShapeDtypeStruct((16, 32), jnp.int32)
   lowered = zerojax.train_step(lm_loss_fn(model)).lower(
       state, {"tokens": tok, "targets": tok})

@@ -88,7 +88,8 @@ def test_the_nvme_strategy_puts_the_optimizer_on_disk(tmp_path, caplog):
                                         tx=optax.sgd(0.1))
   with caplog.at_level("WARNING", logger="zerojax"):
     state = zerojax.shard_shape(plain, strategy="deepspeed_stage_3_offload_nvme",
-                                offload_dir=str(tmp_path))
+                                offload=zerojax.Offload("disk", dir=str(tmp_path),
+                                                        params=True))
   assert _fields(state.config, ("stage", "offload_optimizer", "offload_params",
                                 "offload_dir")) == {
       "stage": 3, "offload_optimizer": "disk", "offload_params": True,
@@ -210,7 +211,7 @@ def test_training_with_a_converted_config_equals_it_by_hand():
   by_hand = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params,
       tx=optax.adamw(schedule, 0.8, 0.999, 1e-8, weight_decay=3e-7)),
-      stage=2, offload_optimizer=True, prefetch=True, clip_norm=1.0,
+      stage=2, offload="host", blocks=zerojax.Blocks(prefetch=True), clip_norm=1.0,
       accum_steps=2)
   a, a_losses = zero_run(by_ds, loss_fn, batches)
   b, b_losses = zero_run(by_hand, loss_fn, batches)

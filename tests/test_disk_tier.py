@@ -22,6 +22,7 @@ import zerojax
 from zerojax import disk_tier
 from zerojax.state import loaded_master
 import disk_worker
+from models import zopts
 from models import (OFFLOADED_UPDATE_CASES,
                     make_problem, reference_run, zero_run)
 
@@ -36,7 +37,7 @@ def _shard(stage, kind="transformer", **fields):
     fields["stacked"] = ("blocks",)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
-  return zerojax.shard(plain, stage=stage, **fields)
+  return zerojax.shard(plain, stage=stage, **zopts(fields))
 
 
 def _files(state) -> list:
@@ -135,12 +136,12 @@ def test_a_checkpoint_copies_the_files_and_restores_into_any_tier(tmp_path):
       apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
   state, losses = zero_run(state, loss_fn, batches[1:])
   mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
-  for overrides in (dict(offload_dir=str(again_dir)),
-                    dict(offload_optimizer=True, mesh=mesh4),
-                    dict(offload_optimizer=False)):
+  again = zerojax.Offload("disk", dir=str(again_dir), sub_group_size=300)
+  for overrides in (dict(offload=again), dict(offload="host", mesh=mesh4),
+                    dict(offload=None)):
     restored = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
                                           **overrides)
-    assert restored.config.disk == ("offload_dir" in overrides)
+    assert restored.config.disk == (overrides["offload"] is again)
     # the saved sub-groups with the disk tier only
     assert restored.config.sub_group_size == (
         300 if restored.config.disk else None)
@@ -210,10 +211,11 @@ def test_a_process_killed_mid_update_restores_from_its_checkpoint(tmp_path):
   assert len([n for n in left if n.endswith("-grad.bin")]) == 3, left
 
   plain, loss_fn, batches, fields = disk_worker.problem()
-  reference = zerojax.shard(plain, offload_optimizer="disk",
-                            offload_dir=str(tmp_path), **fields)
+  reference = zerojax.shard(
+      plain, offload=zerojax.Offload("disk", dir=str(tmp_path)), **fields)
   reference, want = zero_run(reference, loss_fn, batches)
-  restored = zerojax.checkpoint.restore(ckpt, like=plain, offload_dir=str(live))
+  restored = zerojax.checkpoint.restore(
+      ckpt, like=plain, offload=zerojax.Offload("disk", dir=str(live)))
   assert int(restored.step) == 1
   restored, got = zero_run(restored, loss_fn, batches[1:])
   np.testing.assert_array_equal(got, want[1:])
@@ -280,8 +282,8 @@ def test_a_statistics_file_changed_behind_the_tiers_back_is_found(tmp_path):
 
 def _tiny_disk(tmp_path, **fields):
   plain, _, _, base = disk_worker.problem()
-  return zerojax.shard(plain, offload_optimizer="disk", **{
-      "offload_dir": str(tmp_path), **base, **fields})
+  return zerojax.shard(plain, offload=zerojax.Offload("disk", dir=str(tmp_path)),
+                       **{**base, **fields})
 
 
 def test_bad_directories_are_refused_with_nothing_left(tmp_path):
@@ -325,31 +327,39 @@ def test_a_full_disk_is_an_error_never_a_partial_tier(tmp_path, monkeypatch):
     zerojax.train_step(loss_fn)(state, batches[0])
 
 
-@pytest.mark.parametrize("fields,error,message", [
-    (dict(offload_optimizer="disk"), ValueError, "give offload_dir="),
-    (dict(offload_optimizer="nvme", offload_dir="/tmp"), ValueError,
-     "offload_optimizer='nvme' is not a tier"),
-    (dict(offload_optimizer=True, offload_dir="/tmp"), ValueError,
-     "offload_dir='/tmp' is read by offload_optimizer='disk' only"),
-    (dict(offload_optimizer="disk", offload_dir=7), TypeError,
-     "offload_dir=7 must be a directory path"),
-    (dict(offload_optimizer="disk", offload_dir="/tmp", update_on="device"),
+@pytest.mark.parametrize("options,error,message", [
+    (lambda: dict(offload="disk"), ValueError,
+     "offload='disk' needs its directory"),
+    (lambda: dict(offload=zerojax.Offload("disk")), ValueError,
+     "give dir= an existing writable directory"),
+    (lambda: dict(offload=zerojax.Offload("nvme", dir="/tmp")), ValueError,
+     "Offload(tier='nvme') is not a tier"),
+    (lambda: dict(offload=zerojax.Offload("host", dir="/tmp")), ValueError,
+     "Offload(dir='/tmp') is read by the disk tier only"),
+    (lambda: dict(offload=zerojax.Offload("disk", dir=7)), TypeError,
+     "Offload.dir=7 must be a directory path"),
+    (lambda: dict(offload=zerojax.Offload("disk", dir="/tmp",
+                                          update_on="device")),
      ValueError, "drop update_on='device'"),
-    (dict(offload_optimizer="disk", offload_dir="/tmp", placement="auto",
-          device_budget=2 ** 30), ValueError, "use placement='manual'"),
-    (dict(stage=2, offload_optimizer="disk", offload_dir="/tmp"), ValueError,
-     "offload_optimizer='disk' (its update runs on the host) at stage 2 "
+    (lambda: dict(offload=zerojax.Offload("disk", dir="/tmp",
+                                          optimizer=False)),
+     ValueError, "has nothing to put on disk"),
+    (lambda: dict(stage=2, offload=zerojax.Offload("disk", dir="/tmp")),
+     ValueError, "the disk tier (its update runs on the host) at stage 2 "
      "needs 16-bit compute"),
-    (dict(offload_optimizer=True, sub_group_size=2 ** 20), ValueError,
-     "sub_group_size=1048576 is read by offload_optimizer='disk' only"),
-    (dict(offload_optimizer="disk", offload_dir="/tmp", sub_group_size=0),
-     ValueError, "sub_group_size=0 must be at least 1"),
-    (dict(offload_optimizer="disk", offload_dir="/tmp", sub_group_size=1e6),
-     TypeError, "sub_group_size=1000000.0 must be an int"),
+    (lambda: dict(offload=zerojax.Offload("host", sub_group_size=2 ** 20)),
+     ValueError, "Offload(sub_group_size=1048576) is read by the disk tier "
+     "only"),
+    (lambda: dict(offload=zerojax.Offload("disk", dir="/tmp",
+                                          sub_group_size=0)),
+     ValueError, "Offload.sub_group_size=0 must be positive"),
+    (lambda: dict(offload=zerojax.Offload("disk", dir="/tmp",
+                                          sub_group_size=1e6)),
+     TypeError, "Offload.sub_group_size=1000000.0 must be an int"),
 ])
-def test_bad_disk_settings_are_refused(fields, error, message):
+def test_bad_disk_settings_are_refused(options, error, message):
   with pytest.raises(error, match=re.escape(message)):
-    zerojax.ZeroConfig(**fields)
+    zerojax.ZeroConfig(**options())
 
 
 def test_a_disk_tier_needs_a_donating_step(tmp_path):
@@ -405,11 +415,12 @@ def test_a_checkpoint_holds_a_master_that_was_on_disk(stage, tmp_path):
   plain = train_state.TrainState.create(
       apply_fn=state.apply_fn, params=zerojax.gather_params(state), tx=TX)
   plainly = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
-                                       offload_optimizer=False)
+                                       offload=None)
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(plainly),
                          saved)
   restored = zerojax.checkpoint.restore(tmp_path / "ckpt", like=plain,
-                                        offload_dir=str(again_dir))
+                                        offload=zerojax.Offload(
+                                            "disk", dir=str(again_dir)))
   assert all(map(disk_tier.is_on_disk, restored.master))
   state, losses = zero_run(state, loss_fn, batches[1:])
   restored, again = zero_run(restored, loss_fn, batches[1:])
@@ -424,13 +435,14 @@ def test_stage_3_bf16_create_and_eval_read_the_sharded_compute_copy(tmp_path):
   disk, its bf16 shards in host memory), `eval_step` reads the copy, and
   `memory_report` counts it as host memory beside the files."""
   model, params, loss_fn, batches = _problem("transformer", steps=3)
-  fields = dict(compute_dtype="bfloat16", offload_optimizer="disk")
   (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-  shard = _shard(3, offload_dir=str(tmp_path / "a"), **fields)
+  shard = _shard(3, precision="bfloat16",
+                 offload=zerojax.Offload("disk", dir=str(tmp_path / "a")))
   made = zerojax.create(
       lambda r: model.init(r, batches[0]["tokens"][:1])["params"],
       jax.random.key(0), apply_fn=model.apply, tx=TX, stage=3,
-      offload_dir=str(tmp_path / "b"), **fields)
+      precision="bfloat16",
+      offload=zerojax.Offload("disk", dir=str(tmp_path / "b")))
   assert all(map(disk_tier.is_on_disk, made.master))
   for x, m, s in zip(made.compute, loaded_master(made),
                      shard.compute):

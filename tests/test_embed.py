@@ -15,6 +15,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax.nn import BlockedEmbed
+from models import zopts
 from models import (ScannedLM, assert_matches_reference, lm_batches,
                     lm_loss_fn, nnx_reference_run, reference_run, zero_run)
 
@@ -87,7 +88,7 @@ def test_training_matches_plain_optax_on_nn_embed(vocab, config):
                                      b["targets"]).mean()
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx),
-                        stacked=("blocks", "wte"), **config)
+                        **zopts({"stacked": ("blocks", "wte"), **config}))
   gathering = zerojax.train_step(loss_fn).gathering(state, batches[0])
   assert gathering["wte"] == {3: "per layer", 2: "replicated, gradient "
                               "reduced per layer"}.get(config["stage"],
@@ -130,7 +131,7 @@ def test_an_untied_head_trains_at_stage3_as_a_plain_weight():
                                          b["targets"]).mean())
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=3,
-                        stacked=("head",))
+                        blocks=zerojax.Blocks(stacked=("head",)))
   assert zerojax.train_step(loss(model)).gathering(
       state, batches[0])["head"] == "per layer"
   state, losses = zero_run(state, loss(model), batches)
@@ -171,7 +172,7 @@ def test_nnx_module_trains_as_a_plain_table(vocab, stage):
   tx = optax.sgd(0.5, momentum=0.9)
   loss_fn = lambda m, b: m(b["tokens"], b["targets"])
   state = zerojax.shard(_NnxLM(vocab, nnx.Rngs(0)), tx=tx, stage=stage,
-                        stacked=("wte",))
+                        blocks=zerojax.Blocks(stacked=("wte",)))
   assert zerojax.train_step(loss_fn).gathering(state, batches[0])["wte"] == (
       "per layer" if stage == 3 else "replicated, gradient reduced per layer")
   state, losses = zero_run(state, loss_fn, batches)
@@ -193,7 +194,7 @@ def test_eval_step_gives_the_plain_models_losses_and_logits():
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
-                        stacked=("blocks", "wte"))
+                        blocks=zerojax.Blocks(stacked=("blocks", "wte")))
   for args in (("tokens", "targets"), ("tokens",)):
     got = zerojax.eval_step(lambda p, b: model.apply(
         {"params": p}, *(b[a] for a in args)))(state, batch)
@@ -213,8 +214,8 @@ def _stage3(embed_blocks, vocab=8192, width=64):
   state = zerojax.create(lambda r: model.init(r, batch["tokens"][:1])["params"],
                          jax.random.key(0), apply_fn=model.apply,
                          tx=optax.adam(1e-3), stage=3,
-                         stacked=("blocks", "wte") if embed_blocks else
-                         ("blocks",))
+                         blocks=zerojax.Blocks(stacked=("blocks", "wte") if embed_blocks else
+                         ("blocks",)))
   compiled = zerojax.train_step(loss_fn).lower(state, batch).compile()
   return zerojax.compiled_footprint(compiled)["footprint"], compiled.as_text()
 
@@ -282,7 +283,7 @@ def test_a_table_left_out_of_stacked_is_held_whole_and_said(caplog,
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
-                        stacked=("blocks",))
+                        blocks=zerojax.Blocks(stacked=("blocks",)))
   step = zerojax.train_step(
       lambda p, b: model.apply({"params": p}, b["tokens"],
                                b["targets"]).mean())

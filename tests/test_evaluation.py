@@ -12,7 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import ResidualMLP, ResNet
+from models import zopts, ResidualMLP, ResNet
 
 
 class TrainState(train_state.TrainState):
@@ -43,7 +43,7 @@ def trained():
                              ("3 offload", 3, host)):
     state = zerojax.shard(TrainState.create(
         apply_fn=None, params=variables["params"], tx=optax.adam(1e-2),
-        batch_stats=variables["batch_stats"]), stage=stage, **fields)
+        batch_stats=variables["batch_stats"]), stage=stage, **zopts(fields))
     for _ in range(2):
       state, _ = step(state, batch)
     states[key] = state

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 import zerojax
 from flax import nnx
 
+from models import zopts
 from models import (NnxResidualBlock, ScannedLM, assert_matches_reference,
                     lm_batches, lm_loss_fn, nnx_listed, nnx_scanned,
                     reference_run)
@@ -84,7 +85,7 @@ def _sharded(stage, compute_dtype="float32", tx=None, **fields):
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
   return (zerojax.shard(state, stage=stage, frozen=_is_frozen,
-                        compute_dtype=compute_dtype, **fields),
+                        **zopts({"compute_dtype": compute_dtype, **fields})),
           params, loss_fn, batches, tx)
 
 
@@ -205,7 +206,7 @@ def test_a_frozen_layer_stack_is_gathered_per_layer(scan):
   state = zerojax.shard(
       train_state.TrainState.create(apply_fn=model.apply, params=params,
                                     tx=tx),
-      stage=3, frozen=mask, stacked=("blocks",) if scan else ())
+      stage=3, frozen=mask, blocks=zerojax.Blocks(stacked=("blocks",) if scan else ()))
   loss_fn = lm_loss_fn(model)
   step = zerojax.train_step(loss_fn)
   modes = step.gathering(state, batches[0])
@@ -249,7 +250,7 @@ def test_nnx_frozen_weights_split_at_stage3_train_as_replicated(listed,
   runs = []
   for stage in (1, 3):
     state = zerojax.shard(net(nnx.Rngs(0)), tx=optax.adam(1e-2), stage=stage,
-                          frozen=mask, mesh=mesh, **fields)
+                          frozen=mask, mesh=mesh, **zopts(fields))
     if stage == 3:
       assert any(x.ndim > 1 and "data" in x.sharding.spec
                  for x in state.rest) == (devices == 8)
@@ -273,7 +274,7 @@ def test_create_stores_frozen_weights_as_shard_does(compute_dtype):
   made = zerojax.create(lambda r: model.init(r, batches[0]["x"])["params"],
                         jax.random.key(0), tx=tx, apply_fn=model.apply,
                         stage=3, frozen=_is_frozen,
-                        compute_dtype=compute_dtype)
+                        precision=compute_dtype)
   state, *_ = _sharded(3, compute_dtype)
   assert len(made.rest) == len(state.rest)
   for a, b in zip(made.rest, state.rest):
@@ -369,4 +370,4 @@ def test_frozen_dtype_is_checked_where_it_enters(fields, message):
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.adam(1e-2))
   with pytest.raises(ValueError, match=re.escape(message)):
-    zerojax.shard(state, stage=3, **{"frozen": _is_frozen, **fields})
+    zerojax.shard(state, stage=3, **zopts({"frozen": _is_frozen, **fields}))

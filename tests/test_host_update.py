@@ -13,6 +13,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax.hlo import host_computations, host_moves
+from models import zopts
 from models import (OFFLOADED_UPDATE_CASES, ScannedLM,
                     assert_matches_reference, lm_batches, lm_loss_fn,
                     make_problem, reference_run, zero_run)
@@ -25,7 +26,8 @@ def _shard(stage, **fields):
   model, params, loss_fn, batches = _problem("transformer", steps=3)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
-  return zerojax.shard(plain, stage=stage, offload_optimizer=True, **fields)
+  return zerojax.shard(plain, stage=stage,
+                       **zopts({"offload_optimizer": True, **fields}))
 
 
 def _params(state):
@@ -64,8 +66,7 @@ def test_the_host_update_holds_on_layer_chunks_under_hpz():
   mesh = jax.make_mesh((2, 4), ("replica", "data"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   runs = [zero_run(zerojax.shard(
-      plain, stage=3, mesh=mesh, replica_axis="replica", hpz=True,
-      stacked=("blocks",), offload_optimizer=True, update_on=where),
+      plain, stage=3, mesh=mesh, axes=zerojax.Axes(replica="replica", hpz=True), offload=zerojax.Offload(update_on=where), blocks=zerojax.Blocks(stacked=("blocks",))),
       lm_loss_fn(model), batches) for where in ("device", "host")]
   assert any(c.layers for c in runs[1][0].layout.chunks)
   np.testing.assert_array_equal(runs[1][1], runs[0][1])
@@ -120,19 +121,21 @@ def test_a_checkpoint_of_a_host_update_restores_either_way(tmp_path):
   assert again.config.update_on == "host"
   # without the offload, the update goes back to the device
   on_device = zerojax.checkpoint.restore(tmp_path, like=plain,
-                                         offload_optimizer=False)
+                                         offload=None)
   assert on_device.config.update_on == "device"
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(on_device),
                          _params(state))
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(offload_optimizer=True, update_on="cpu"),
-     "update_on='cpu' is not a place"),
-    (dict(update_on="host"), "set offload_optimizer=True"),
-    (dict(stage=1, offload_optimizer=True, update_on="host"),
-     "update_on='host' at stage 1 needs 16-bit compute"),
+@pytest.mark.parametrize("options,message", [
+    (lambda: dict(offload=zerojax.Offload(update_on="cpu")),
+     "Offload.update_on='cpu' is not a place"),
+    (lambda: dict(offload=zerojax.Offload(optimizer=False, params=True,
+                                          update_on="host")),
+     "offload it (Offload(optimizer=True))"),
+    (lambda: dict(stage=1, offload=zerojax.Offload(update_on="host")),
+     "Offload(update_on='host') at stage 1 needs 16-bit compute"),
 ])
-def test_bad_update_places_are_refused(fields, message):
+def test_bad_update_places_are_refused(options, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    zerojax.ZeroConfig(**fields)
+    zerojax.ZeroConfig(**options())

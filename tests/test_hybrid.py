@@ -16,6 +16,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax.hlo import count_collectives
+from models import zopts
 from models import (ScannedLM, assert_matches_reference, lm_batches,
                     lm_loss_fn, make_problem, reference_run, zero_run)
 
@@ -37,7 +38,7 @@ def _state(stage, **fields):
   model, params, _, _ = _problem()
   return zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=stage, mesh=_mesh(),
-      replica_axis="replica", **fields)
+      **zopts({"replica_axis": "replica", **fields}))
 
 
 def _matches_plain_optax(stages, compute_dtype, check_state, **fields):
@@ -129,8 +130,7 @@ def test_hpz_gathers_over_the_replicas_once_then_within_data():
   loss_fn = lm_loss_fn(model)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
-  state = zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="replica",
-                        hpz=True, stacked=("blocks",), accum_steps=2)
+  state = zerojax.shard(plain, stage=3, mesh=_mesh(), axes=zerojax.Axes(replica="replica", hpz=True), blocks=zerojax.Blocks(stacked=("blocks",)), accum_steps=2)
   ops = count_collectives(zerojax.train_step(loss_fn).lower(
       state, batches[0]).compile()).ops
   by = lambda kind, g: [op for op in ops if op.kind == kind and op.group_size == g]
@@ -147,7 +147,7 @@ def test_hpz_gathers_over_the_replicas_once_then_within_data():
   assert all(op.bytes <= 4 * (chunks + 1)
              for op in ops if op.kind == "all-reduce"), ops
   one_d = zerojax.shard(plain, stage=3, mesh=_mesh((R * D,), ("data",)),
-                        stacked=("blocks",), accum_steps=2)
+                        blocks=zerojax.Blocks(stacked=("blocks",)), accum_steps=2)
   report = zerojax.memory_report(state)
   assert report.measured == zerojax.memory_report(one_d).measured
   # the secondary partition: the compute-dtype chunks over D
@@ -172,18 +172,16 @@ def test_hybrid_bad_input():
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
   with pytest.raises(ValueError, match="no axis 'nodes'"):
-    zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="nodes")
+    zerojax.shard(plain, stage=3, mesh=_mesh(), axes=zerojax.Axes(replica="nodes"))
   with pytest.raises(ValueError, match="is the data axis itself"):
-    zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="data")
-  with pytest.raises(ValueError, match="hpz=True shards the state over the "
-                                       "replica axis too"):
-    zerojax.shard(plain, stage=3, mesh=_mesh(), hpz=True)
-  with pytest.raises(ValueError, match="hpz=True needs stage >= 1"):
-    zerojax.shard(plain, stage=0, mesh=_mesh(), replica_axis="replica",
-                  hpz=True)
-  with pytest.raises(TypeError, match="hpz='yes' must be True or False"):
-    zerojax.shard(plain, stage=3, mesh=_mesh(), replica_axis="replica",
-                  hpz="yes")
+    zerojax.shard(plain, stage=3, mesh=_mesh(), axes=zerojax.Axes(replica="data"))
+  with pytest.raises(ValueError, match=r"Axes\(hpz=True\) shards the state "
+                                       "over the replica axis too"):
+    zerojax.shard(plain, stage=3, mesh=_mesh(), axes=zerojax.Axes(hpz=True))
+  with pytest.raises(ValueError, match=r"Axes\(hpz=True\) needs stage >= 1"):
+    zerojax.shard(plain, stage=0, mesh=_mesh(), axes=zerojax.Axes(replica="replica", hpz=True))
+  with pytest.raises(TypeError, match="Axes.hpz='yes' must be True or False"):
+    zerojax.shard(plain, stage=3, mesh=_mesh(), axes=zerojax.Axes(replica="replica", hpz="yes"))
   state = _state(3, accum_steps=2)
   with pytest.raises(ValueError, match="not divisible by 8 devices x "
                                        "accum_steps 2 = 16"):
@@ -214,7 +212,7 @@ def test_hybrid_checkpoint_restores_on_other_meshes(tmp_path, hpz):
       (dict(mesh=_mesh(), replica_axis="replica", hpz=not hpz), 4, 2),
   ]
   for fields, shards, replicas in targets:
-    restored = zerojax.checkpoint.restore(tmp_path, like=state, **fields)
+    restored = zerojax.checkpoint.restore(tmp_path, like=state, **zopts(fields))
     assert (restored.num_shards, restored.num_replicas) == (shards, replicas)
     jax.tree_util.tree_map(np.testing.assert_array_equal,
                            zerojax.gather_params(restored), expected)

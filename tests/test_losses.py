@@ -10,6 +10,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax.losses import linear_cross_entropy
+from models import zopts
 from models import (ScannedLM, assert_matches_reference, lm_batches,
                     lm_loss_fn, reference_run, zero_run)
 
@@ -134,7 +135,7 @@ def test_zerojax_training_matches_plain_optax_with_optax_loss(config):
                                 block_size=100).mean()
 
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), **config)
+      apply_fn=model.apply, params=params, tx=tx), **zopts(config))
   state, losses = zero_run(state, loss_fn, batches)
   dtype = config.get("compute_dtype", jnp.float32)
   assert_matches_reference(

@@ -17,7 +17,7 @@ def _state(stage, dtype, accum):
   model, params, _, _ = make_problem("transformer")
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.adamw(1e-3))
-  return zerojax.shard(state, stage=stage, compute_dtype=dtype,
+  return zerojax.shard(state, stage=stage, precision=dtype,
                        accum_steps=accum, chunk_size=3000)
 
 

@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
+from models import zopts
 from models import (Bridged, ListedLM, ResidualBlock, ResidualMLP, ScannedLM,
                     assert_blocks_bounded,
                     assert_matches_reference, reference_run, zero_run)
@@ -43,8 +44,9 @@ def test_layerwise_matches_plain_optax(layerwise, scan, offload):
   loss_fn = _loss_fn(model)
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx),
-                        stacked=("blocks",) if scan else (), accum_steps=2,
-                        **{"stage": 3, **offload})
+                        accum_steps=2, **zopts({
+                            "stage": 3, **offload,
+                            "stacked": ("blocks",) if scan else ()}))
   if not scan:   # every block has chunks of its own, opted in or not, and
     # so do the modules beside them (`zerojax.peruse`; the root's
     # LayerNorm_0 by its root path, its name being the blocks' too)
@@ -60,7 +62,7 @@ def _footprint(layers, width=512):
   batch = _batches(model.vocab, batch=16, seq=32, steps=1)[0]
   state = zerojax.create(lambda r: model.init(r, batch["tokens"][:1])["params"],
                          jax.random.key(0), apply_fn=model.apply,
-                         tx=optax.adam(1e-3), stage=3, stacked=("blocks",))
+                         tx=optax.adam(1e-3), stage=3, blocks=zerojax.Blocks(stacked=("blocks",)))
   compiled = zerojax.train_step(_loss_fn(model)).lower(state, batch).compile()
   return zerojax.compiled_footprint(compiled), compiled.as_text(), state
 
@@ -94,8 +96,7 @@ def _unrolled_step(layers, layerwise, width=256, prefetch=None):
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1])["params"])
   state = zerojax.shard_shape(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                              prefetch=prefetch,
-                              reshard_after_forward=layerwise)
+                              blocks=zerojax.Blocks(prefetch=prefetch, reshard_after_forward=layerwise))
   step = zerojax.train_step(lambda p, b: model.apply({"params": p}, b))
   return step.lower(state, x).compile(), state
 
@@ -219,7 +220,7 @@ def test_prefetch_gathers_each_block_one_block_early():
   for prefetch in (False, True):
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-2)), stage=3,
-                          prefetch=prefetch)
+                          blocks=zerojax.Blocks(prefetch=prefetch))
     compiled = step.lower(state, x).compile().as_text()
     ops = _dependences(compiled)
     before = _waits_for(ops)
@@ -271,7 +272,7 @@ def test_prefetch_holds_one_more_block_at_any_depth():
 def test_prefetch_default_is_on_where_collectives_overlap():
   mesh = jax.make_mesh((8,), ("data",))
   assert zerojax.config.prefetches(zerojax.ZeroConfig(), mesh) is False
-  assert zerojax.config.prefetches(zerojax.ZeroConfig(prefetch=True), mesh)
+  assert zerojax.config.prefetches(zerojax.ZeroConfig(blocks=zerojax.Blocks(prefetch=True)), mesh)
 
 
 @pytest.mark.slow
@@ -292,7 +293,7 @@ def test_a_policy_that_saves_everything_still_gathers_layers_again():
     params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
-        stacked=("blocks",) if scan else ())
+        blocks=zerojax.Blocks(stacked=("blocks",) if scan else ()))
     compiled = zerojax.train_step(_loss_fn(model)).lower(
         state, batches[0]).compile()
     return compiled.memory_analysis().temp_size_in_bytes, state, model, params
@@ -317,7 +318,7 @@ def _tiny_lm_state(layerwise, scan, stacked, stage=3):
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=stage,
-                        stacked=stacked)
+                        blocks=zerojax.Blocks(stacked=stacked))
   return model, state, batch
 
 
@@ -441,7 +442,7 @@ def test_listed_blocks_called_with_flags_are_gathered_per_block(prefetch):
   loss_fn = _loss_fn(model)
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=3, accum_steps=2,
-                        prefetch=prefetch)
+                        blocks=zerojax.Blocks(prefetch=prefetch))
   modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
   assert {k: v for k, v in modes.items() if "/" in k} == {
       f"{name}/{i}": "per block" for name in ("enc", "dec") for i in (0, 1)}
@@ -477,7 +478,7 @@ def _trained(model, stacked=(), steps=3, **config):
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                        stacked=stacked, **config)
+                        **zopts({"stacked": stacked, **config}))
   modes = zerojax.train_step(_loss_fn(model)).gathering(state, batches[0])
   state, losses = zero_run(state, _loss_fn(model), batches)
   return losses, zerojax.gather_params(state), modes
@@ -515,7 +516,7 @@ def test_the_default_keeps_activations_and_gathers_blocks_again(scan):
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   tx = optax.sgd(0.5, momentum=0.9)
   make = lambda **kw: zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), stage=3, **kw)
+      apply_fn=model.apply, params=params, tx=tx), stage=3, **zopts(kw))
   state = make()
   step = zerojax.train_step(_loss_fn(model))
   compiled = {}
@@ -655,7 +656,7 @@ def _bridged_state(per_use, wrap=True, hidden=512, batch=64):
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1])["params"])
   state = zerojax.shard_shape(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.adam(1e-3)),
-                              stage=3, per_use=per_use)
+                              stage=3, blocks=zerojax.Blocks(per_use=per_use))
   return model, state, x
 
 
@@ -671,7 +672,7 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
   tx = optax.sgd(0.5, momentum=0.9)
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx), stage=3,
-                        per_use=("bridge",), accum_steps=2)
+                        blocks=zerojax.Blocks(per_use=("bridge",)), accum_steps=2)
   assert "bridge" in {c.stack for c in state.layout.chunks}
   loss_fn = lambda p, b: model.apply({"params": p}, b)
   modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
@@ -730,8 +731,7 @@ def test_a_per_use_tied_embedding_is_gathered_at_each_method_call():
     tx = optax.sgd(0.5, momentum=0.9)
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx), stage=3,
-                          per_use=("embed",), reshard_after_forward=reshard,
-                          remat="full")
+                          blocks=zerojax.Blocks(per_use=("embed",), reshard_after_forward=reshard, remat="full"))
     loss_fn = _loss_fn(model)
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["embed"] == (
@@ -777,7 +777,7 @@ def test_per_use_bad_names_are_refused(scanned, per_use, error, message):
   with pytest.raises(error, match=re.escape(message)):
     zerojax.shard_shape(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
-                        per_use=per_use, stacked=("blocks",) if scanned else ())
+                        blocks=zerojax.Blocks(per_use=per_use, stacked=("blocks",) if scanned else ()))
 
 
 def test_an_error_in_the_model_surfaces_instead_of_choosing_a_gather():
@@ -808,11 +808,10 @@ def test_create_equals_init_then_shard_and_stays_sharded():
   for stage, dtype, mesh in [(3, "float32", None), (2, "bfloat16", None),
                              (0, "float32", None), (2, "bfloat16", one)]:
     made = zerojax.create(init_fn, jax.random.key(7), apply_fn=model.apply,
-                          tx=tx, stage=stage, compute_dtype=dtype,
-                          stacked=("blocks",), mesh=mesh)
+                          tx=tx, stage=stage, precision=dtype, blocks=zerojax.Blocks(stacked=("blocks",)), mesh=mesh)
     plain = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=jax.jit(init_fn)(jax.random.key(7)), tx=tx),
-                          stage=stage, compute_dtype=dtype, stacked=("blocks",),
+                          stage=stage, precision=dtype, blocks=zerojax.Blocks(stacked=("blocks",)),
                           mesh=mesh)
     assert made.layout == plain.layout
     for a, b in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(plain)):
@@ -821,7 +820,7 @@ def test_create_equals_init_then_shard_and_stays_sharded():
   assert all(len(c.leaves) == 1 for c in made.layout.chunks)
   fp = zerojax.sharded_init.create_footprint(
       init_fn, jax.random.key(7), apply_fn=model.apply, tx=tx, stage=2,
-      compute_dtype="bfloat16", stacked=("blocks",), mesh=one)
+      precision="bfloat16", blocks=zerojax.Blocks(stacked=("blocks",)), mesh=one)
   assert len(fp["programs"]) == 3   # the chunks, the rest, the assembly
 
 
@@ -832,7 +831,7 @@ def test_create_peak_is_the_sharded_state_plus_one_leaf():
   init_fn = lambda r: model.init(r, tokens)["params"]
   fp = zerojax.sharded_init.create_footprint(
       init_fn, jax.random.key(0), apply_fn=model.apply, tx=optax.adam(1e-3),
-      stage=3, stacked=("blocks",))
+      stage=3, blocks=zerojax.Blocks(stacked=("blocks",)))
   leaves = jax.tree_util.tree_leaves(jax.eval_shape(init_fn, jax.random.key(0)))
   psi = sum(x.size for x in leaves)
   bound = 1.25 * 12 * psi / 8 + 4 * max(x.size for x in leaves)

@@ -16,6 +16,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from models import zopts
 from models import (NnxBlock, NnxResidualBlock, NnxTransformer, TOLERANCE,
                     assert_blocks_bounded, nnx_listed, nnx_problem,
                     nnx_reference_run, nnx_scanned)
@@ -56,7 +57,7 @@ def test_nnx_matches_a_plain_nnx_optimizer_loop(kind, compute_dtype):
   for stage in (0, 1, 2, 3):
     model = make()
     before = _params(model)
-    state = zerojax.shard(model, stage=stage, tx=TX, compute_dtype=compute_dtype)
+    state = zerojax.shard(model, stage=stage, tx=TX, precision=compute_dtype)
     state, losses = _trained(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, **TOLERANCE[compute_dtype][0])
     trained = zerojax.gather_model(state)
@@ -213,7 +214,7 @@ def test_nnx_bad_input():
   with pytest.raises(ValueError, match="wrt=nnx.Param"):
     zerojax.shard(model, optimizer=nnx.Optimizer(model, TX, wrt=nnx.Variable))
   with pytest.raises(ValueError, match="no submodule is named 'nothere'"):
-    zerojax.shard(model, tx=TX, stage=3, per_use=("nothere",))
+    zerojax.shard(model, tx=TX, stage=3, blocks=zerojax.Blocks(per_use=("nothere",)))
   with pytest.raises(TypeError, match="carries its own tx"):
     zerojax.shard(train_state.TrainState.create(
         apply_fn=None, params={"w": jnp.ones(3)}, tx=TX), tx=TX)
@@ -256,11 +257,11 @@ def _nnx_lm(rng):
 def test_nnx_create_equals_shard_of_the_built_model():
   for stage, dtype in [(3, "float32"), (2, "bfloat16")]:
     made = zerojax.create(_nnx_lm, jax.random.key(7), tx=TX, stage=stage,
-                          compute_dtype=dtype)
+                          precision=dtype)
     # built by one jitted program, as create's programs build it (eager
     # op-by-op init may round a product differently from the fused one)
     plain = zerojax.shard(nnx.jit(_nnx_lm)(jax.random.key(7)), tx=TX,
-                          stage=stage, compute_dtype=dtype)
+                          stage=stage, precision=dtype)
     assert made.frontend == plain.frontend
     for a, b in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(plain)):
       assert a.sharding == b.sharding
@@ -306,8 +307,8 @@ def test_nnx_scanned_stack_gathered_per_layer_matches_plain_nnx(stage, mode,
                                                                  offload):
   make, loss_fn, batches = _scanned_problem(layerwise=True)
   ref_losses, ref_model = nnx_reference_run(make, loss_fn, TX, batches)
-  state = zerojax.shard(make(), stage=stage, tx=TX, stacked=("blocks",),
-                        **offload)
+  state = zerojax.shard(make(), stage=stage, tx=TX,
+                        **zopts({"stacked": ("blocks",), **offload}))
   step = zerojax.train_step(loss_fn)
   assert step.gathering(state, batches[0])["blocks"] == mode
   state, losses = _trained(step, state, batches)
@@ -321,7 +322,7 @@ def _scanned_footprint(layers, width=256):
   _, loss_fn, _ = _scanned_problem(True, layers, width)
   net = nnx_scanned(zerojax.nn.layerwise(NnxResidualBlock), layers, width)
   state = zerojax.create(lambda r: net(nnx.Rngs(r)), jax.random.key(0),
-                         tx=optax.adam(1e-3), stage=3, stacked=("blocks",))
+                         tx=optax.adam(1e-3), stage=3, blocks=zerojax.Blocks(stacked=("blocks",)))
   batch = {"x": np.zeros((64, width), np.float32), "y": np.zeros((64, 4), np.float32)}
   compiled = zerojax.train_step(loss_fn).lower(state, batch).compile()
   per_layer = sum(c.used for c in state.layout.chunks if c.layers)
@@ -366,7 +367,7 @@ def test_nnx_listed_blocks_gathered_per_block_match_plain_nnx(options):
   _, loss_fn, batches = nnx_problem("transformer")
   ref_losses, ref_params = _listed_reference()
   state = zerojax.shard(_listed_transformer(), stage=3, tx=TX, accum_steps=2,
-                        **options)
+                        **zopts(options))
   step = zerojax.train_step(loss_fn)
   modes = step.gathering(state, batches[0])
   assert [modes[f"blocks/{i}"] for i in range(3)] == ["per block"] * 3
@@ -397,7 +398,7 @@ def _listed_step(layers, wrap, width=256):
   net = nnx_listed(block, layers, width)
   state = zerojax.shard_shape(nnx.eval_shape(lambda: net(nnx.Rngs(0))),
                               tx=optax.adam(1e-3), stage=3,
-                              reshard_after_forward=wrap)
+                              blocks=zerojax.Blocks(reshard_after_forward=wrap))
   batch = {"x": np.zeros((64, width), np.float32),
            "y": np.zeros((64, 4), np.float32)}
   loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
@@ -434,8 +435,7 @@ def test_nnx_per_use_tied_embedding_is_gathered_at_each_use():
   gathers = {}
   for wrap in (False, True):
     embed = zerojax.nn.layerwise(nnx.Embed) if wrap else nnx.Embed
-    state = zerojax.shard(make(embed), stage=3, tx=TX, per_use=("embed",),
-                          reshard_after_forward=wrap)
+    state = zerojax.shard(make(embed), stage=3, tx=TX, blocks=zerojax.Blocks(per_use=("embed",), reshard_after_forward=wrap))
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["embed"] == (
         "per block" if wrap else "whole step")
@@ -508,8 +508,7 @@ def test_nnx_wrapped_blocks_take_flags_and_draw_dropout_as_unwrapped(scan):
   for wrap in (False, True):
     block = zerojax.nn.layerwise(FlagDropBlock) if wrap else FlagDropBlock
     state = zerojax.shard(FlagDropNet(nnx.Rngs(0, dropout=1), block, scan),
-                          stage=3, tx=TX, stacked=("blocks",) if scan else (),
-                          reshard_after_forward=wrap)
+                          stage=3, tx=TX, blocks=zerojax.Blocks(stacked=("blocks",) if scan else (), reshard_after_forward=wrap))
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])[name] == (
         mode if wrap else "whole step")
@@ -574,7 +573,7 @@ def test_nnx_blocks_given_an_rngs_draw_as_unwrapped():
   for wrap in (False, True):
     block = zerojax.nn.layerwise(PassedRngsBlock) if wrap else PassedRngsBlock
     state = zerojax.shard(AttributeBlocksNet(nnx.Rngs(0), block), stage=3,
-                          tx=TX, reshard_after_forward=wrap)
+                          tx=TX, blocks=zerojax.Blocks(reshard_after_forward=wrap))
     step = zerojax.train_step(loss_fn)
     key = jax.random.key(1)
     assert step.gathering(state, batches[0], key)["block_2"] == (
@@ -602,8 +601,7 @@ def test_nnx_scanned_block_takes_flags_and_keywords_as_unwrapped():
   loss_fn = lambda m, b: jnp.mean(m(b) ** 2)
   runs = {}
   for wrap in (False, True):
-    state = zerojax.shard(net(wrap), stage=3, tx=TX, stacked=("blocks",),
-                          reshard_after_forward=wrap)
+    state = zerojax.shard(net(wrap), stage=3, tx=TX, blocks=zerojax.Blocks(stacked=("blocks",), reshard_after_forward=wrap))
     step = zerojax.train_step(loss_fn)
     assert step.gathering(state, batches[0])["blocks"] == (
         "per layer" if wrap else "whole step")
@@ -634,8 +632,7 @@ def test_nnx_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
              else NnxResidualBlock)
     model = make(block)(nnx.Rngs(0))
     # the opt-in names its stack; the model as written needs no name
-    state = zerojax.shard(model, stage=3, tx=TX, remat=remat,
-                          stacked=("blocks",) if scan and wrap else ())
+    state = zerojax.shard(model, stage=3, tx=TX, blocks=zerojax.Blocks(remat=remat, stacked=("blocks",) if scan and wrap else ()))
     step = zerojax.train_step(loss_fn)
     modes = step.gathering(state, batches[0])
     runs[wrap] = modes, _trained(step, state, batches)

@@ -12,7 +12,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax import offload
-from models import ScannedLM, lm_batches, lm_loss_fn, make_problem, zero_run
+from models import zopts, ScannedLM, lm_batches, lm_loss_fn, make_problem, zero_run
 
 
 TX = optax.adamw(1e-2)   # one object: zerojax probes each (tx, tree) once
@@ -23,7 +23,7 @@ def _run(stage, steps=5, **fields):
   model, params, loss_fn, batches = _problem("transformer", steps=steps)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
-  state = zerojax.shard(plain, stage=stage, chunk_size=3000, **fields)
+  state = zerojax.shard(plain, stage=stage, chunk_size=3000, **zopts(fields))
   kinds = [_kinds(state)]
   state, losses = zero_run(state, loss_fn, batches,
                            after_step=lambda s: kinds.append(_kinds(s)))
@@ -91,8 +91,8 @@ def test_stage3_offloaded_layers_come_to_the_device_one_at_a_time():
   runs = {}
   for fields in ({}, {"offload_params": True},
                  {"offload_params": True, "offload_optimizer": True}):
-    state = zerojax.shard(plain, stage=3, stacked=("blocks",), chunk_size=4096,
-                          **fields)
+    state = zerojax.shard(plain, stage=3, chunk_size=4096,
+                          **zopts({"stacked": ("blocks",), **fields}))
     layer_shards = {f"tensor<{c.length // 8}xf32>" for c in state.layout.chunks
                     if c.layers}
     text = step.trace(state, batches[0]).lower(
@@ -139,7 +139,7 @@ def test_offloaded_chunks_come_to_the_device_one_at_a_time():
   for fraction in (0.0, 0.5, 1.0):
     fields = dict(offload_optimizer=True, offload_fraction=fraction) if (
         fraction) else {}
-    state = zerojax.shard_shape(plain, stage=3, chunk_size=3000, **fields)
+    state = zerojax.shard_shape(plain, stage=3, chunk_size=3000, **zopts(fields))
     text = step.lower(state, batches[0]).as_text()
     host = offload.offloaded_chunks(state.layout, fraction)
     barriers[fraction] = (text.count("stablehlo.optimization_barrier"), len(host))
@@ -156,7 +156,7 @@ def test_offload_refuses_a_tx_that_reads_every_chunk():
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=clipped)
   with pytest.raises(ValueError, match=r"one at a time.*clip_norm"):
-    zerojax.shard(plain, stage=3, offload_optimizer=True)
+    zerojax.shard(plain, stage=3, offload="host")
   assert zerojax.shard(plain, stage=3).config.stage == 3   # fine on device
 
 
@@ -172,12 +172,12 @@ def test_offload_bad_input():
   model, params, _, _ = make_problem("mlp")
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.adam(1e-3))
-  with pytest.raises(ValueError, match="offload_optimizer needs stage >= 1"):
-    zerojax.shard(plain, stage=0, offload_optimizer=True)
-  with pytest.raises(ValueError, match="offload_params needs stage=3"):
-    zerojax.shard(plain, stage=2, offload_params=True)
-  with pytest.raises(ValueError, match=r"offload_fraction=1.5"):
-    zerojax.shard(plain, stage=3, offload_optimizer=True, offload_fraction=1.5)
+  with pytest.raises(ValueError, match="offload needs stage >= 1"):
+    zerojax.shard(plain, stage=0, offload="host")
+  with pytest.raises(ValueError, match=r"Offload\(params=True\) needs stage=3"):
+    zerojax.shard(plain, stage=2, offload=zerojax.Offload(params=True))
+  with pytest.raises(ValueError, match=r"Offload.fraction=1.5 must be in \[0, 1\]"):
+    zerojax.shard(plain, stage=3, offload=zerojax.Offload(fraction=1.5))
   device = types.SimpleNamespace(addressable_memories=lambda: [
       types.SimpleNamespace(kind="device")])
   mesh = types.SimpleNamespace(devices=np.array([device]))

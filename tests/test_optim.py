@@ -9,6 +9,7 @@ from flax import traverse_util
 from flax.training import train_state
 
 import zerojax
+from models import zopts
 from models import (MLP, assert_matches_reference, make_problem, reference_run,
                     zero_run)
 
@@ -25,7 +26,7 @@ def _run(kind, tx, stage=3, steps=5, state=None, **fields):
   if state is None:
     state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                           tx=tx)
-  state = zerojax.shard(state, stage=stage, chunk_size=512, **fields)
+  state = zerojax.shard(state, stage=stage, chunk_size=512, **zopts(fields))
   state, losses = zero_run(state, loss_fn, batches)
   return losses, zerojax.gather_params(state), state
 
@@ -198,7 +199,7 @@ def test_probe_cost_is_a_few_programs_tracing_the_update_once(
     return compile(lowered, *args, **kwargs)
 
   monkeypatch.setattr(jax.stages.Lowered, "compile", counting_compile)
-  config = zerojax.ZeroConfig(stage=3, offload_optimizer=offload)
+  config = zerojax.ZeroConfig(stage=3, offload=zerojax.Offload(optimizer=offload))
   zerojax.state.check_tx(tx, params, config)
   assert not any(compiled), "a probe program packs or unpacks chunks"
   assert len(updates_traced) == runs, "tx.update traced once per step"

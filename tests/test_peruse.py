@@ -26,7 +26,7 @@ def _bridged(per_use=(), batch=64):
   params = model.init(jax.random.key(0), batches[0][:1])["params"]
   tx = optax.sgd(0.1, momentum=0.9)
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx), stage=3, per_use=per_use)
+      apply_fn=model.apply, params=params, tx=tx), stage=3, blocks=zerojax.Blocks(per_use=per_use))
   loss_fn = lambda p, b: model.apply({"params": p}, b)
   return state, loss_fn, batches, (params, tx)
 
@@ -127,7 +127,7 @@ def test_nnx_models_and_lower_stages_have_no_modules_beside():
   for stage, reshard in ((2, True), (3, False)):
     state = zerojax.shard_shape(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=stage,
-                                reshard_after_forward=reshard)
+                                blocks=zerojax.Blocks(reshard_after_forward=reshard))
     assert not peruse.chunks(state.layout, state.config)
     assert "Embed_0" not in {c.stack for c in state.layout.chunks}
   # an NNX model may read a module's weights outside its call unseen

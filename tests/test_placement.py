@@ -12,7 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import make_problem, zero_run
+from models import zopts, make_problem, zero_run
 
 TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
 CHUNK = 3000            # a dozen chunks: the planner has rungs to choose from
@@ -38,20 +38,20 @@ def test_the_first_step_places_what_fits_and_trains_as_planned():
   # needs more than the first); recomputed, the optimizer state is what an
   # offload rung moves.
   FULL = {"remat": "full"}
-  abstract = zerojax.shard_shape(_plain(), stage=3, chunk_size=CHUNK, **FULL)
+  abstract = zerojax.shard_shape(_plain(), stage=3, chunk_size=CHUNK, **zopts(FULL))
   # a budget just under the no-offload step's device bytes
   budget = zerojax.plan_offload(abstract, loss_fn, batches[0],
                                 10 ** 9).device_bytes - 1
   plan = zerojax.plan_offload(abstract, loss_fn, batches[0], budget)
   assert 0 < plan.rung and plan.device_bytes <= budget
-  state = zerojax.shard(_plain(), stage=3, chunk_size=CHUNK, **FULL,
-                        placement="auto", device_budget=budget)
+  state = zerojax.shard(_plain(), stage=3, chunk_size=CHUNK, **zopts(FULL),
+                        offload="auto", device_budget=budget)
   # before its first step everything offloadable is on host
   assert {x.sharding.memory_kind for x in state.master} == {"pinned_host"}
   auto, auto_losses = zero_run(state, loss_fn, batches)
   assert auto.config.placement == "planned"
-  assert {k: getattr(auto.config, k) for k in plan.config_fields} == (
-      plan.config_fields)
+  assert {k: getattr(auto.config, k) for k in plan.fields} == (
+      plan.fields)
   host = [c for c, x in enumerate(auto.master)
           if x.sharding.memory_kind == "pinned_host"]
   assert 0 < len(host) == plan.offloaded_chunks < len(auto.layout.chunks)
@@ -59,7 +59,7 @@ def test_the_first_step_places_what_fits_and_trains_as_planned():
   assert report.placement["host"] == host
   assert f"planned placement, device_budget={budget}" in str(report)
   manual, manual_losses = zero_run(zerojax.shard(
-      _plain(), stage=3, chunk_size=CHUNK, **FULL), loss_fn, batches)
+      _plain(), stage=3, chunk_size=CHUNK, **zopts(FULL)), loss_fn, batches)
   np.testing.assert_array_equal(auto_losses, manual_losses)
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(auto),
                          _params(manual))
@@ -70,16 +70,14 @@ def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   budget = 100_000   # below what any rung needs (about 350 kB)
   state = zerojax.shard(_plain(), stage=3, chunk_size=2 ** 20,   # 2 rungs
-                        placement="auto", device_budget=budget)
+                        offload="auto", device_budget=budget)
   step = zerojax.train_step(loss_fn)
   with pytest.raises(ValueError, match=rf"device_budget={budget}: .* needs "
                      r"at least ([\d,]+) bytes .* over the budget"):
     step(state, batches[0])
   # untouched: still auto, and it trains once the budget allows
   assert state.config.placement == "auto"
-  roomy = state.replace(config=state.config.__class__(
-      **{**{f: getattr(state.config, f) for f in zerojax.config.FIELDS},
-         "device_budget": 10 ** 9}))
+  roomy = state.replace(config=state.config.replace(device_budget=10 ** 9))
   trained, metrics = step(roomy, batches[0])
   assert trained.config.placement == "planned" and np.isfinite(
       float(metrics["loss"]))
@@ -89,7 +87,7 @@ def test_nothing_fits_names_the_shortfall_and_keeps_the_state():
 def test_a_planned_checkpoint_is_planned_again(tmp_path):
   _, _, loss_fn, batches = _problem("transformer", steps=2)
   state, _ = zero_run(zerojax.shard(_plain(), stage=3, chunk_size=CHUNK,
-                                    placement="auto", device_budget=10 ** 9),
+                                    offload="auto", device_budget=10 ** 9),
                       loss_fn, batches[:1])
   assert not state.config.offload_optimizer   # all of it fits
   zerojax.checkpoint.save(tmp_path, state)
@@ -97,32 +95,33 @@ def test_a_planned_checkpoint_is_planned_again(tmp_path):
   again = zerojax.checkpoint.restore(tmp_path, like=_plain())
   assert again.config.placement == "auto"
   assert again.config.offload_optimizer   # on host until its first step
-  manual = zerojax.checkpoint.restore(tmp_path, like=_plain(),
-                                      placement="manual")
+  manual = zerojax.checkpoint.restore(tmp_path, like=_plain(), offload=None)
   assert manual.config.device_budget is None
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again),
                          _params(state))
 
 
-@pytest.mark.parametrize("fields,error,message", [
-    (dict(placement="gemini"), ValueError, "placement='gemini' is not a placement"),
-    (dict(placement="auto"), ValueError, "give device_budget="),
-    (dict(device_budget=10 ** 9), ValueError, "read by placement='auto' only"),
-    (dict(placement="auto", device_budget=-1), ValueError, "must be positive"),
-    (dict(placement="auto", device_budget="1GB"), TypeError, "must be bytes"),
-    (dict(placement="auto", device_budget=10 ** 9, stage=0), ValueError,
+@pytest.mark.parametrize("options,error,message", [
+    (lambda: dict(offload="gemini"), ValueError,
+     "offload='gemini': use None, 'host', 'auto'"),
+    (lambda: dict(offload="auto"), ValueError, "give device_budget="),
+    (lambda: dict(device_budget=10 ** 9), ValueError,
+     "read by offload='auto' (and stage='auto') only"),
+    (lambda: dict(offload="auto", device_budget=-1), ValueError,
+     "must be positive"),
+    (lambda: dict(offload="auto", device_budget="1GB"), TypeError,
+     "must be bytes"),
+    (lambda: dict(offload="auto", device_budget=10 ** 9, stage=0), ValueError,
      "needs stage >= 1"),
+    (lambda: dict(offload=zerojax.Offload("auto", fraction=0.5),
+                  device_budget=10 ** 9), ValueError,
+     "Offload('auto') plans what goes to host itself"),
 ])
-def test_bad_placement_is_refused(fields, error, message):
+def test_bad_placement_is_refused(options, error, message):
   with pytest.raises(error, match=re.escape(message)):
-    zerojax.ZeroConfig(**fields)
+    zerojax.ZeroConfig(**options())
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(offload_fraction=0.5), "sets offload_fraction itself"),
-    (dict(device_budget=0.9), "cpu devices report none"),
-])
-def test_bad_auto_shard_is_refused(fields, message):
-  fields = {"device_budget": 10 ** 9, **fields}
-  with pytest.raises(ValueError, match=re.escape(message)):
-    zerojax.shard(_plain(), stage=3, placement="auto", **fields)
+def test_a_budget_fraction_on_cpu_devices_is_refused():
+  with pytest.raises(ValueError, match="cpu devices report none"):
+    zerojax.shard(_plain(), stage=3, offload="auto", device_budget=0.9)

@@ -1,6 +1,5 @@
 """The offload budget planner: least offload that fits, checked against real
 sharded states compiled here; impossible budgets; bad input."""
-import dataclasses
 
 import jax
 import numpy as np
@@ -43,7 +42,7 @@ def base(problem):
 def _device_bytes(base, loss_fn, batch, **fields):
   """Device bytes of the step of a real state placed with offload `fields`,
   and the per-device bytes of its arrays that are in pinned_host memory."""
-  state = base.replace(config=dataclasses.replace(base.config, **fields))
+  state = base.replace(config=base.config.replace(**fields))
   state = jax.device_put(state, state_shardings(state))
   compiled = zerojax.train_step(loss_fn).lower(state, batch).compile(OPTIONS)
   host = sum(x.addressable_shards[0].data.nbytes
@@ -76,7 +75,7 @@ def test_plan_is_the_least_offload_that_fits(problem, base, abstract, bounds):
   assert plan.offload_optimizer and not plan.offload_params
   assert 0 < plan.offloaded_chunks < len(sizes)
   # the chosen setting, on a real state: fits, and its host bytes are the plan's
-  fits, host = _device_bytes(base, loss_fn, batch, **plan.config_fields)
+  fits, host = _device_bytes(base, loss_fn, batch, **plan.fields)
   assert fits <= budget and fits == plan.device_bytes and host == plan.host_bytes
   # one chunk fewer on host (the largest k-1 chunks, by bytes): does not fit
   k = plan.offloaded_chunks
@@ -85,7 +84,7 @@ def test_plan_is_the_least_offload_that_fits(problem, base, abstract, bounds):
            if k > 1 else {})
   over, fewer_host = _device_bytes(base, loss_fn, batch, **fewer)
   assert over > budget and fewer_host < host
-  assert plan.budget_bytes == budget and plan.ladder[plan.rung] == plan.config_fields
+  assert plan.budget_bytes == budget and plan.ladder[plan.rung] == plan.fields
   assert len(plan.tried) < len(plan.ladder)      # bisected, not swept
 
 

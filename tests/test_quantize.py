@@ -4,7 +4,6 @@ plain collectives at every stage, the compiled HLO's operand types and
 bytes, non-finite gradients still skipped, and bad modes refused."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -18,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.hlo import count_collectives
-from models import make_problem
+from models import zopts, make_problem
 from zerojax import quantize
 from zerojax.quantize import Quantization
 
@@ -154,7 +153,7 @@ def _run(stage, mesh=None, **fields):
   model, params, loss_fn, batches = _problem()
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=stage, mesh=mesh,
-      accum_steps=2, **fields)
+      accum_steps=2, **zopts(fields))
   step = zerojax.train_step(loss_fn)
   losses = []
   for b in batches:
@@ -218,21 +217,20 @@ def test_hlo_sends_int8_and_int4_with_the_stated_bytes():
   block = 74
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=3,
-      compute_dtype="bfloat16", quantize_block=block,
-      reshard_after_forward=False)
+      precision="bfloat16", quantize=zerojax.Quantize(block=block), blocks=zerojax.Blocks(reshard_after_forward=False))
   lengths = [c.length for c in state.layout.chunks]
   padded = sum(8 * -(-n // 8 // block) * block for n in lengths)
   # memory_report names the chunks padded on the wire, and by how much
   assert "quantized wire" not in str(zerojax.memory_report(state))
-  wire = zerojax.memory_report(state.replace(config=dataclasses.replace(
-      state.config, quantize_grads="int8"))).wire
+  wire = zerojax.memory_report(state.replace(config=state.config.replace(
+      quantize_grads="int8"))).wire
   assert wire["padded_chunks"] == [c for c, n in enumerate(lengths)
                                    if n // 8 % block]
   assert wire["padding"] == pytest.approx(padded / sum(lengths) - 1)
 
   def compiled(**fields):
     return zerojax.train_step(loss_fn).lower(
-        state.replace(config=dataclasses.replace(state.config, **fields)),
+        state.replace(config=state.config.replace(**fields)),
         batches[0]).compile()
 
   plain = compiled()
@@ -266,8 +264,7 @@ def test_hsdp_replica_all_reduce_goes_quantized(stage):
   model, params, loss_fn, batches = _problem()
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=stage,
-      mesh=_hybrid_mesh(), replica_axis="replica", quantize_grads="int8",
-      quantize_block=64)
+      mesh=_hybrid_mesh(), axes=zerojax.Axes(replica="replica"), quantize=zerojax.Quantize(grads="int8", block=64))
   ops = count_collectives(zerojax.train_step(loss_fn).lower(
       state, batches[0]).compile()).ops
   big = [op for op in ops if op.bytes > 16 and op.group_size > 1]
@@ -286,8 +283,7 @@ def test_a_non_finite_gradient_still_skips_the_step():
   model, params, loss_fn, batches = _problem()
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=3,
-      skip_nonfinite=True, quantize_weights="int8", quantize_grads="int4",
-      quantize_block=64)
+      precision=zerojax.Precision(skip_nonfinite=True), quantize=zerojax.Quantize(weights="int8", grads="int4", block=64))
   before = jax.tree_util.tree_map(np.asarray, zerojax.gather_params(state))
 
   def poisoned(p, b):     # an inf in the gradient of one leaf
@@ -298,18 +294,20 @@ def test_a_non_finite_gradient_still_skips_the_step():
                          zerojax.gather_params(state), before)
 
 
-@pytest.mark.parametrize("fields,error,message", [
-    (dict(quantize_weights="fp8"), ValueError,
-     "quantize_weights='fp8' is not a quantization mode"),
-    (dict(quantize_grads="int2"), ValueError,
-     "quantize_grads='int2' is not a quantization mode"),
-    (dict(quantize_grads="int8", quantize_block=0), ValueError,
-     "quantize_block=0 must be positive"),
-    (dict(quantize_block=2.5), TypeError, "quantize_block=2.5 must be an int"),
+@pytest.mark.parametrize("options,error,message", [
+    (lambda: dict(quantize=zerojax.Quantize(weights="fp8")), ValueError,
+     r"Quantize\(weights='fp8'\) is not a quantization mode"),
+    (lambda: dict(quantize="int2"), ValueError,
+     r"Quantize\(weights='int2'\) is not a quantization mode"),
+    (lambda: dict(quantize=zerojax.Quantize(grads="int8", block=0)),
+     ValueError, "Quantize.block=0 must be positive"),
+    (lambda: dict(quantize=zerojax.Quantize(block=2.5)), TypeError,
+     "Quantize.block=2.5 must be an int"),
+    (lambda: dict(quantize=8), TypeError, "quantize=8: use None, a mode"),
 ])
-def test_bad_quantization_is_refused(fields, error, message):
+def test_bad_quantization_is_refused(options, error, message):
   with pytest.raises(error, match=message):
-    zerojax.ZeroConfig(**fields)
+    zerojax.ZeroConfig(**options())
 
 
 @pytest.mark.parametrize("field", ["quantize_weights", "quantize_grads"])
@@ -330,7 +328,7 @@ def test_no_block_spans_two_leaves(field):
     b[0] = outlier
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=None, params={"a": a, "b": b}, tx=optax.sgd(0.1)), stage=3,
-                          quantize_block=64, **{field: "int8"})
+                          **zopts({field: "int8", "quantize_block": 64}))
     leaves = state.layout.leaves
     assert leaves[0].chunk == leaves[1].chunk
     assert {info.offset % 64 for info in leaves} == {0}

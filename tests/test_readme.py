@@ -208,7 +208,7 @@ def test_tensor_parallel_block_splits_rows_and_trains():
 
 def test_quantized_block_sends_int8_and_int4(quick_start):
   model, params = quick_start["model"], quick_start["params"]
-  ns = _run(_block('state = zerojax.shard(state, stage=3, compute_dtype="bfloat16",'),
+  ns = _run(_block('state = zerojax.shard(state, stage=3, precision="bfloat16",'),
             state=train_state.TrainState.create(
                 apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)))
   state = ns["state"]
@@ -310,8 +310,20 @@ def test_stage_3_blocks_of_the_guide_find_and_gather_the_blocks():
   params = model.init(jax.random.key(0), example)["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3,
-      stacked=("blocks",))
+      blocks=zerojax.Blocks(stacked=("blocks",)))
   step = zerojax.train_step(lambda p, b: (model.apply({"params": p}, b["x"])
                                           ** 2).mean())
   _, metrics = step(state, {"x": np.ones((8, 8, 32), np.float32)})
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_configuration_block_gives_the_groups_it_names(quick_start):
+  model, params = quick_start["model"], quick_start["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adamw(1e-3))
+  ns = _run(_block('state = zerojax.shard(state, stage=3, precision="bf16", '
+                   'offload="host",'), state=state)
+  config = ns["state"].config
+  assert config.stage == 3 and config.precision.compute == jax.numpy.bfloat16
+  assert config.offload == zerojax.Offload("host")
+  assert config.quantize == zerojax.Quantize(weights="int8")

@@ -34,7 +34,7 @@ def _snapshot(state):
     (3, "float32", True, 0), (3, "bfloat16", True, 0)])
 def test_what_each_stage_stores(stage, dtype, master_split, compute):
   state, _, _ = _state()
-  z = zerojax.shard(state, stage=stage, compute_dtype=dtype, chunk_size=256)
+  z = zerojax.shard(state, stage=stage, precision=dtype, chunk_size=256)
   n = 8
   for arr, chunk in zip(z.master, z.layout.chunks):
     local = arr.addressable_shards[0].data.shape[-1]
@@ -168,30 +168,41 @@ def test_one_device_shard_compiles_a_few_programs_not_one_per_leaf():
     ({"chunk_size": 0}, ValueError, "chunk_size=0 must be positive"),
     ({"chunk_size": -5}, ValueError, "chunk_size=-5"),
     ({"accum_steps": 0}, ValueError, "accum_steps=0"),
-    ({"compute_dtype": "int8"}, ValueError, "compute_dtype='int8'"),
+    ({"precision": "int8"}, ValueError, "Precision.compute='int8'"),
     ({"clip_norm": 0.0}, ValueError, "clip_norm=0.0"),
-    ({"loss_scale": -1.0}, ValueError, "loss_scale=-1.0"),
-    ({"loss_scale": "big"}, TypeError, "loss_scale='big'"),
+    (lambda: {"precision": zerojax.Precision(loss_scale=-1.0)}, ValueError,
+     "Precision.loss_scale=-1.0"),
+    (lambda: {"precision": zerojax.Precision(loss_scale="big")}, TypeError,
+     "Precision.loss_scale='big'"),
     ({"frozen": {"x": 1}}, TypeError, "frozen must be"),
-    ({"chunk_sz": 10}, TypeError, r"unknown ZeroConfig field\(s\) \['chunk_sz'\]"),
+    ({"chunk_sz": 10}, TypeError,
+     r"unknown option\(s\) \['chunk_sz'\]; the options are stage, axes"),
+    ({"compute_dtype": "bf16", "remat": "full"}, TypeError,
+     r"compute_dtype= is now precision='bf16' .*; remat= is now "
+     r"blocks=zerojax.Blocks\(remat=...\)"),
     ({"stage": 3.0}, TypeError, r"stage=3.0 must be an int"),
     ({"clip_norm": "1.0"}, TypeError, r"clip_norm='1.0' must be a number"),
-    ({"offload_fraction": "half"}, TypeError, r"offload_fraction='half' must be a number"),
-    ({"skip_nonfinite": "yes"}, TypeError, r"skip_nonfinite='yes' must be True or False"),
-    ({"prefetch": "yes"}, TypeError, r"prefetch='yes' must be True, False or None"),
-    ({"reshard_after_forward": 1}, TypeError,
-     r"reshard_after_forward=1 must be True or False"),
-    ({"remat": "some"}, ValueError,
-     r"remat='some' must be 'none' \(activations kept\), 'dots'"),
-    ({"stacked": ("nonexistent",)}, ValueError,
+    ({"offload": "gpu"}, ValueError, r"offload='gpu': use None, 'host'"),
+    ({"axes": "data"}, TypeError, r"axes='data' must be a zerojax.Axes"),
+    (lambda: {"offload": zerojax.Offload(fraction="half")}, TypeError,
+     r"Offload.fraction='half' must be a number"),
+    (lambda: {"precision": zerojax.Precision(skip_nonfinite="yes")},
+     TypeError, r"Precision.skip_nonfinite='yes' must be True or False"),
+    (lambda: {"blocks": zerojax.Blocks(prefetch="yes")}, TypeError,
+     r"Blocks.prefetch='yes' must be True or False"),
+    (lambda: {"blocks": zerojax.Blocks(reshard_after_forward=1)}, TypeError,
+     r"Blocks.reshard_after_forward=1 must be True or False"),
+    (lambda: {"blocks": zerojax.Blocks(remat="some")}, ValueError,
+     r"Blocks\(remat='some'\): use 'none' \(activations kept\), 'dots'"),
+    (lambda: {"blocks": zerojax.Blocks(stacked=("nonexistent",))}, ValueError,
      r"no submodule is named 'nonexistent'; the submodules are \['Dense_0'"),
 ])
 def test_bad_config_raises_and_leaves_state_unchanged(kwargs, error, match):
   state, _, _ = _state()
   before = _snapshot(state)
-  kwargs = dict(kwargs)
-  stage = kwargs.pop("stage", 3)
   with pytest.raises(error, match=match):
+    kwargs = dict(kwargs() if callable(kwargs) else kwargs)
+    stage = kwargs.pop("stage", 3)
     zerojax.shard(state, stage=stage, **kwargs)
   for a, b in zip(before, _snapshot(state)):
     np.testing.assert_array_equal(a, b)
@@ -202,7 +213,7 @@ def test_mesh_without_the_axis():
   mesh = Mesh(np.array(jax.devices()), ("batch",), axis_types=(AxisType.Auto,))
   with pytest.raises(ValueError, match=r"no axis 'data'"):
     zerojax.shard(state, stage=1, mesh=mesh)
-  z = zerojax.shard(state, stage=1, mesh=mesh, axis_name="batch")
+  z = zerojax.shard(state, stage=1, mesh=mesh, axes=zerojax.Axes(data="batch"))
   assert z.num_shards == 8
   assert z.mesh is mesh     # an Auto mesh is kept as it is
 
@@ -301,7 +312,7 @@ def test_statistics_of_a_path_that_ends_another_go_with_their_own_chunk():
   plain = train_state.TrainState.create(apply_fn=None, params=params,
                                         tx=optax.adam(1e-2))
   state = zerojax.shard_shape(plain, stage=3, chunk_size=64,
-                              offload_optimizer=True, offload_fraction=0.5)
+                              offload=zerojax.Offload(fraction=0.5))
   big, small = (np.prod(c.shape) for c in sorted(
       state.layout.chunks, key=lambda c: -np.prod(c.shape)))
   kinds = {(int(np.prod(x.shape)), x.sharding.memory_kind)

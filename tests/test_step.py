@@ -11,6 +11,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
+from models import zopts
 from models import (assert_matches_reference, make_problem, reference_run,
                     zero_run)
 
@@ -40,8 +41,8 @@ def _zero_run(kind, mesh=None, **fields):
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=TX)
   stacked = ("blocks",) if kind == "scan_transformer" else ()
-  state = zerojax.shard(state, mesh=mesh, stacked=stacked, chunk_size=2048,
-                        **fields)
+  state = zerojax.shard(state, mesh=mesh, chunk_size=2048,
+                        **zopts({"stacked": stacked, **fields}))
   state, losses = zero_run(state, loss_fn, batches)
   return losses, zerojax.gather_params(state), state
 
@@ -90,7 +91,7 @@ def _transformer_on(devices, **fields):
               axis_types=(AxisType.Auto,))
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), mesh=mesh,
-                        chunk_size=2048, **fields)
+                        chunk_size=2048, **zopts(fields))
   return state, loss_fn, batches[0]
 
 
@@ -138,7 +139,7 @@ def test_one_device_keeps_each_leaf_a_chunk(tmp_path):
   _assert_close("transformer", "float32", CLIP, losses,
                 zerojax.gather_params(state))
   for fields in (dict(chunk_size=2048), dict(offload_optimizer=True)):
-    packed = zerojax.shard_shape(plain, mesh=one, stage=3, **fields)
+    packed = zerojax.shard_shape(plain, mesh=one, stage=3, **zopts(fields))
     assert len(packed.layout.chunks) < leaves, fields
   zerojax.checkpoint.save(tmp_path, state)
   zerojax.checkpoint.wait(tmp_path)
@@ -200,8 +201,7 @@ def test_float16_skips_the_overflowing_step_and_recovers():
   model, params, loss_fn, batches = make_problem("mlp")
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=3,
-                        compute_dtype="float16",
-                        loss_scale=zerojax.DynamicLossScale(init_scale=256.0))
+                        precision=zerojax.Precision(compute="float16", loss_scale=zerojax.DynamicLossScale(init_scale=256.0)))
   step = zerojax.train_step(loss_fn)
   state, m = step(state, batches[0])
   assert not bool(m["skipped"]) and float(m["loss_scale"]) == 256.0
@@ -272,7 +272,7 @@ def test_step_rejects_plain_train_state():
 def _mlp_state(mesh=None, **fields):
   model, params, loss_fn, batches = make_problem("mlp")
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, **fields)
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, **zopts(fields))
   return state, model, loss_fn, batches
 
 

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
 from zerojax.hlo import count_collectives
+from models import zopts
 from models import (TPTransformer, assert_matches_reference, lm_batches,
                     lm_loss_fn, reference_run)
 
@@ -48,8 +49,9 @@ def _train_state(scan=False):
 def _state(stage, scan=False, mesh=None, **fields):
   return zerojax.shard(_train_state(scan), stage=stage,
                        mesh=_mesh() if mesh is None else mesh,
-                       model_axis="model",
-                       stacked=("blocks",) if scan else (), **fields)
+                       **zopts({"model_axis": "model",
+                                "stacked": ("blocks",) if scan else (),
+                                **fields}))
 
 
 def _run(state, loss_fn, batches):
@@ -189,7 +191,7 @@ def test_tensor_parallel_checkpoint_restores_across_model_degrees(tmp_path):
                        (_mesh((2, 2, 2), ("replica", "data", "model")),
                         {"replica_axis": "replica", "hpz": True})]:
     back = zerojax.checkpoint.restore(str(tmp_path), like=like, mesh=mesh,
-                                      **fields)
+                                      **zopts(fields))
     rows = {c.model_shards for c in back.layout.chunks}
     assert rows == ({0} if "model_axis" in fields else {0, mesh.shape["model"]})
     back, losses, _ = _run(back, loss_fn, batches[1:])
@@ -216,12 +218,12 @@ def _boxed(names, shape=(4, 6)):
     ({"model_axis": "tensor"}, None, "have no axis 'tensor'"),
     ({"model_axis": "data"}, None, "also the data or replica axis"),
     ({"model_axis": "model", "offload_optimizer": "disk", "offload_dir": "/tmp"},
-     None, "does not combine with offload_optimizer='disk'"),
-    ({"model_axis": 3}, None, "must be a mesh axis name"),
-    ({}, None, "no model_axis was given"),
+     None, "does not combine with the disk tier"),
+    ({"model_axis": 3}, None, "Axes.model=3 must be a mesh axis name"),
+    ({}, None, "no model axis was given: pass axes=zerojax.Axes\\(model="),
     ({"model_axis": "model"}, _boxed(("model", "model")), "on dims \\[0, 1\\]"),
     ({"model_axis": "model"}, _boxed((None, ("data", "model"))),
-     "keeps a dim split over model_axis='model' alone"),
+     "keeps a dim split over the model axis 'model' alone"),
     ({"model_axis": "model"}, _boxed(("model", None), (3, 6)),
      "whose 3 does not divide into 2 model devices"),
 ])
@@ -233,7 +235,8 @@ def test_bad_tensor_parallel_input_is_refused(fields, params, match):
     ts = train_state.TrainState.create(apply_fn=lambda v, x: x,
                                        params=params, tx=TX)
   with pytest.raises((ValueError, TypeError), match=match):
-    zerojax.shard(ts, stage=3, mesh=_mesh(), **fields)
+    # (the flat fields as the options: `zopts` builds the Axes group)
+    zerojax.shard(ts, stage=3, mesh=_mesh(), **zopts(fields))
   assert all(np.isfinite(np.asarray(x)).all()
              for x in jax.tree_util.tree_leaves(nn.meta.unbox(ts.params)))
 
@@ -250,11 +253,10 @@ def test_create_with_tensor_parallelism_equals_init_then_shard():
   for stage, dtype in [(3, "float32"), (2, "bfloat16")]:
     made = zerojax.create(init_fn, jax.random.key(7), apply_fn=model.apply,
                           tx=TX, stage=stage, mesh=_mesh(),
-                          model_axis="model", compute_dtype=dtype)
+                          axes=zerojax.Axes(model="model"), precision=dtype)
     plain = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=jax.jit(init_fn)(jax.random.key(7)),
-        tx=TX), stage=stage, mesh=_mesh(), model_axis="model",
-                          compute_dtype=dtype)
+        tx=TX), stage=stage, mesh=_mesh(), axes=zerojax.Axes(model="model"), precision=dtype)
     assert made.layout == plain.layout
     assert any(c.model_shards == M for c in made.layout.chunks)
     for a, b in zip(jax.tree_util.tree_leaves(made),
@@ -303,7 +305,7 @@ def test_an_nnx_model_split_over_model_trains_as_plain_optax():
   ref_params = nnx.to_pure_dict(ref_params)
   for stage in (1, 3):
     state = zerojax.shard(model, tx=TX, stage=stage, mesh=mesh,
-                          model_axis="model")
+                          axes=zerojax.Axes(model="model"))
     assert [c.model_shards for c in state.layout.chunks].count(M) == 1
     step = zerojax.train_step(loss_fn)
     losses = []
@@ -466,7 +468,7 @@ def test_the_split_is_read_from_logical_names_and_from_placed_arrays():
   def layout(p):
     return zerojax.shard(train_state.TrainState.create(
         apply_fn=None, params=p, tx=TX), stage=3, mesh=mesh,
-                         model_axis="model").layout
+                         axes=zerojax.Axes(model="model")).layout
 
   want = layout(params)
   assert any(c.model_shards == M for c in want.chunks)

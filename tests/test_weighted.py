@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import assert_matches_reference, make_problem, reference_run
+from models import zopts, assert_matches_reference, make_problem, reference_run
 
 # momentum SGD: Adam turns a near-zero gradient (a rare token's embedding row)
 # into a full step, so float32 sums in another order would move it visibly
@@ -63,7 +63,7 @@ def _reference():
 def _run(mesh=None, **fields):
   model, params, batches = _problem()
   state = zerojax.shard(train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, **fields)
+      apply_fn=model.apply, params=params, tx=TX), mesh=mesh, **zopts(fields))
   step = zerojax.train_step(_weighted(model), weighted=True)
   losses, weights = [], []
   for b in batches:

@@ -13,7 +13,9 @@ is internal: importable, but free to change.
 """
 from zerojax import compat as _compat
 _compat.gpu_flags_at_import()   # before anything here could start jax
-from zerojax.config import DynamicLossScale, ZeroConfig  # noqa: E402
+from zerojax.config import ZeroConfig  # noqa: E402
+from zerojax.groups import (Axes, Blocks, DynamicLossScale, Offload,
+                            Precision, Quantize)
 from zerojax.evaluation import eval_step
 from zerojax import checkpoint, deepspeed, losses, nn
 from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
@@ -26,8 +28,8 @@ from zerojax.gathered import gather_model, gather_params
 from zerojax.state import ZeroTrainState, shard, shard_shape
 from zerojax.step import train_step
 
-__all__ = ["DynamicLossScale", "MemoryReport", "OffloadPlan", "Plan",
-           "ZeroConfig",
+__all__ = ["Axes", "Blocks", "DynamicLossScale", "MemoryReport", "Offload",
+           "OffloadPlan", "Plan", "Precision", "Quantize", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
            "deepspeed",
            "estimate_memory", "eval_step", "gather_model", "gather_params",

@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 import jax
 
 from zerojax import costmodel, frozen, reshard
-from zerojax.config import shard_axes
+from zerojax.config import ZeroConfig, shard_axes
 from zerojax.costmodel import Candidate, figures_for
+from zerojax.groups import Blocks
 from zerojax.planner import offload_ladder, plan_offload
 from zerojax.state import (ZeroTrainState, device_budget_bytes, loaded_master,
                            place, plan_state, shard_shape)
@@ -44,20 +45,25 @@ _CLOSE = 0.02   # modelled times this close are a tie
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """`zerojax.plan`'s answer: `zerojax.shard(state, **plan.config_fields)`
+  """`zerojax.plan`'s answer: `zerojax.shard(state, **plan.options)`
   applies it. `candidates`: every configuration compiled, in the order
-  tried; `chosen`: the one picked; `figures`: the device figures the model
-  used, of `device_kind`."""
+  tried; `chosen`: the one picked; `config`: the whole configuration it
+  stands for; `figures`: the device figures the model used, of
+  `device_kind`."""
   chosen: Candidate
   candidates: tuple
   device_budget: int
   host_budget: Optional[int]
   device_kind: str
   figures: dict
+  config: ZeroConfig
 
   @property
-  def config_fields(self) -> dict:
-    return dict(self.chosen.fields)
+  def options(self) -> dict:
+    """The options the plan chose (`stage`, `offload`, `quantize`, and
+    `blocks` with its remat): `zerojax.shard(state, **plan.options)`."""
+    return {k: v for k, v in self.config.options().items()
+            if k in ("stage", "offload", "quantize", "blocks")}
 
   def __str__(self) -> str:
     mib = lambda b: f"{b / 2 ** 20:,.1f}"
@@ -97,7 +103,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
          has_aux: bool = False,
          mutable: tuple = (), weighted: bool = False,
          allow_quantized: bool = False, figures: Optional[dict] = None,
-         **config_fields) -> Plan:
+         **options) -> Plan:
   """Chooses the ZeRO configuration of `state` for `loss_fn` on `batch`
   whose compiled step fits `device_budget` (and `host_budget`) bytes per
   device and is fastest modelled (see the module docstring).
@@ -119,11 +125,11 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
       change the numerics.
     figures: `DEVICE_FIGURES` entries to override (`flops16`, `flops32`,
       `link`, `node_link`, `pcie`, `host_update`, `disk`).
-    **config_fields: further `ZeroConfig` fields every candidate keeps
-      (`compute_dtype`, `accum_steps`, `frozen`, ...).
+    **options: further `ZeroConfig` options every candidate keeps
+      (`precision`, `accum_steps`, `frozen`, ...).
 
   Returns:
-    A `Plan`; `zerojax.shard(state, **plan.config_fields, ...)` applies it.
+    A `Plan`; `zerojax.shard(state, **plan.options, ...)` applies it.
 
   Raises:
     ValueError: nothing fits; the error names the candidate that needs the
@@ -135,19 +141,21 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
   host = _budget(host_budget, "host_budget")
   if not callable(loss_fn):
     raise TypeError(f"plan() takes the loss function, got {loss_fn!r}.")
-  taken = {"stage", "remat", "offload_optimizer", "offload_params",
-           "offload_fraction", "quantize_weights", "quantize_grads",
-           "placement", "device_budget", "update_on"} & set(config_fields)
+  taken = sorted({"stage", "offload", "quantize", "device_budget"}
+                 & set(options))
+  blocks = options.get("blocks")
+  if isinstance(blocks, Blocks) and blocks.remat != "none":
+    taken.append("blocks=Blocks(remat=...)")
   if taken:
-    raise ValueError(f"plan() chooses {sorted(taken)} itself; leave them "
-                     "out (pass the fields every candidate keeps).")
+    raise ValueError(f"plan() chooses {taken} itself; leave them out (pass "
+                     "the options every candidate keeps).")
   batch = jax.eval_shape(lambda b: b, batch)
   step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
                     weighted=weighted)
   if not isinstance(state, ZeroTrainState):
     state = shard_shape(state, 3, mesh, **({} if tx is None else {"tx": tx}),
-                        **config_fields)
-  elif config_fields or tx is not None or mesh is not None:
+                        **options)
+  elif options or tx is not None or mesh is not None:
     raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
                     "config from it; pass only the budgets and options.")
   used = figures_for(state.mesh.devices.flat[0].device_kind, figures)
@@ -176,7 +184,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
       offload = plan_offload(full, loss_fn, batch, device,
                              has_aux=has_aux, mutable=mutable,
                              weighted=weighted)
-      least = {**fields, **offload.config_fields}
+      least = {**fields, **offload.fields}
       if _explicit(least) != most.fields:
         trial(least)
   if offload_dir is not None and not any(c.fits for c in tried):
@@ -209,7 +217,8 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
   fastest = min(c.modelled_s for c in fitting)
   chosen = min((c for c in fitting if c.modelled_s <= fastest * (1 + _CLOSE)),
                key=Candidate._simplicity)
-  return Plan(chosen, tuple(tried), device, host, *used)
+  return Plan(chosen, tuple(tried), device, host, *used,
+              config=state.config.replace(**{**_CHOSEN, **chosen.fields}))
 
 
 # what the plan chooses: reset before each candidate's own fields
@@ -234,7 +243,7 @@ def _tree_parts(state: ZeroTrainState) -> tuple:
 def _as_configured(state: ZeroTrainState, fields: dict) -> ZeroTrainState:
   """`state` laid out with `fields` over its config (`_CHOSEN` reset), as
   `jax.ShapeDtypeStruct`s carrying their shardings."""
-  config = dataclasses.replace(state.config, **{**_CHOSEN, **fields})
+  config = state.config.replace(**{**_CHOSEN, **fields})
   params, opt_state, dims = _tree_parts(state)
   _, shapes, where = plan_state(
       params, opt_state, 0, state.extras, state.static_extras, tx=state.tx,
@@ -268,7 +277,7 @@ def place_as_chosen(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
                            frozen.restored(layout, state.rest), axes)
   _, opt_shapes, dims = _tree_parts(state)
   opt_state = reshard.opt_to_tree(layout, state.opt_state, opt_shapes, axes)
-  config = dataclasses.replace(cfg, **{**_CHOSEN, **chosen.config_fields})
+  config = chosen.config
   return place(params, opt_state, state.step, state.extras,
                state.static_extras, tx=state.tx, apply_fn=state.apply_fn,
                config=config, mesh=state.mesh, release=True, model_dims=dims)

@@ -241,16 +241,16 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
     at = [p for p in modules if p[-1] == name]
     if not at:
       raise ValueError(
-          f"per_use={tuple(names)!r}: no submodule is named {name!r}; the "
+          f"Blocks(per_use={tuple(names)!r}): no submodule is named {name!r}; the "
           f"submodules are {sorted({p[-1] for p in modules})[:40]}.")
     if len(at) > 1:
       raise ValueError(
-          f"per_use={tuple(names)!r}: {name!r} names {len(at)} submodules "
+          f"Blocks(per_use={tuple(names)!r}): {name!r} names {len(at)} submodules "
           f"({', '.join('/'.join(p) for p in at[:4])}); name a module used "
           "once in the tree (e.g. its parent).")
     if name in stacked:
       raise ValueError(
-          f"per_use={tuple(names)!r}: {name!r} is a stacked module, gathered "
+          f"Blocks(per_use={tuple(names)!r}): {name!r} is a stacked module, gathered "
           "per layer already (with its block wrapped in "
           "zerojax.nn.layerwise); leave it out of per_use.")
     path = at[0]
@@ -259,7 +259,7 @@ def named_units(params: Any, names: Sequence[str], stacked: Sequence[str] = (),
     above = [f for f in fenced if unit_depth(path, f)]
     if above or inside:
       raise ValueError(
-          f"per_use={tuple(names)!r}: {name!r} is "
+          f"Blocks(per_use={tuple(names)!r}): {name!r} is "
           f"{'inside' if above else 'around'} "
           f"{(above or inside)[0]!r}, a stacked module or repeated block, "
           "which is gathered on its own already; name a module beside it.")

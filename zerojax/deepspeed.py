@@ -91,10 +91,9 @@ NO_OPS = {
     "comms_logger": "compiled programs show their collectives",
     "zero_allow_untested_optimizer": "zerojax checks any optax "
                                      "transformation at shard()",
-    "zero_force_ds_cpu_optimizer": "the update runs where offload_optimizer "
-                                   "says",
+    "zero_force_ds_cpu_optimizer": "the update runs where offload= says",
     "activation_checkpointing": "configures DeepSpeed's checkpointing API; "
-                                "zerojax's per-block remat is remat=",
+                                "zerojax's per-block remat is Blocks(remat=)",
     "sparse_gradients": "gradients are dense chunks",
     "optimizer": "zerojax.deepspeed.optimizer(config) reads it",
     "scheduler": "zerojax.deepspeed.optimizer(config) reads it",

@@ -40,10 +40,10 @@ def check_directory(directory: str) -> str:
   error naming it and the fix otherwise."""
   path = os.path.abspath(os.fspath(directory))
   if not os.path.exists(path):
-    raise FileNotFoundError(f"offload_dir={directory!r} does not exist; "
+    raise FileNotFoundError(f"Offload(dir={directory!r}) does not exist; "
                             "create it (on a local NVMe disk) first.")
   if not os.path.isdir(path):
-    raise NotADirectoryError(f"offload_dir={directory!r} is not a directory.")
+    raise NotADirectoryError(f"Offload(dir={directory!r}) is not a directory.")
   probe = os.path.join(path, f".zerojax-probe-{os.getpid()}")
   try:
     fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -55,7 +55,7 @@ def check_directory(directory: str) -> str:
       os.unlink(probe)
   except OSError as e:
     raise PermissionError(
-        f"offload_dir={directory!r} cannot take the disk tier's files "
+        f"Offload(dir={directory!r}) cannot take the disk tier's files "
         f"({e.strerror or e}); choose a writable directory with room for "
         "the offloaded optimizer state.") from None
   return path

@@ -205,9 +205,9 @@ def spill(state) -> Any:
   abstract_state = all(isinstance(x, jax.ShapeDtypeStruct)
                        for x in jax.tree_util.tree_leaves(state))
   if jax.process_count() > 1:
-    raise ValueError("offload_optimizer='disk' runs in one process for now "
+    raise ValueError("Offload('disk') runs in one process for now "
                      f"(this job has {jax.process_count()}); use "
-                     "offload_optimizer=True (host memory) across processes.")
+                     "offload='host' (host memory) across processes.")
   chunks = disk_chunks(state.layout, cfg)
   target = None if abstract_state else files(cfg)
   flat, treedef = full_leaves(state.opt_state)

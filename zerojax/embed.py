@@ -5,7 +5,8 @@ block at a time, at the lookup and at the head.
     x = wte(tokens)                                  # the lookup
     ...
     losses = wte.cross_entropy(hidden, targets)      # the tied head + loss
-    state = zerojax.shard(state, stage=3, stacked=("blocks", "wte"))
+    state = zerojax.shard(state, stage=3,
+                          blocks=zerojax.Blocks(stacked=("blocks", "wte")))
 
 A tied embedding is used at both ends of the model. Held gathered for the
 step (what stage 3 does with a chunk no block gathers), the whole `[vocab,
@@ -54,9 +55,9 @@ def _say_unstacked(layout, config, path: tuple) -> None:
     return
   zero_nn.say_once(
       f"zerojax: BlockedEmbed {'/'.join(path)} is not in "
-      f"stacked={tuple(config.stacked)!r}, so the step holds its whole table "
-      "(and gradient) as it would nn.Embed's. Add its name, stacked=(..., "
-      f"{path[-1]!r}), to gather it one vocabulary block at a time.")
+      f"Blocks(stacked={tuple(config.stacked)!r}), so the step holds its whole table "
+      "(and gradient) as it would nn.Embed's. Add its name, Blocks(stacked=(..., "
+      f"{path[-1]!r})), to gather it one vocabulary block at a time.")
 
 
 class _Blocks:
@@ -276,7 +277,7 @@ class BlockedEmbed(_Blocks, nn.Module):
 
 class NnxBlockedEmbed(_Blocks, nnx.Module):
   """`BlockedEmbed` as a Flax NNX module (`nnx.Embed`'s place); list its
-  attribute path in `stacked=` (`stacked=("wte",)` for `model.wte`).
+  attribute path in `Blocks(stacked=...)` (`("wte",)` for `model.wte`).
 
   Args:
     num_embeddings, features, blocks, embedding_init: as `BlockedEmbed`'s.

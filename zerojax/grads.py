@@ -517,7 +517,7 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
             and layout.chunks[c].stack in config.stacked]
   if stacks:
     zero_nn.say_once(
-        f"zerojax: stacked={tuple(config.stacked)!r} at stage 3, but no "
+        f"zerojax: Blocks(stacked={tuple(config.stacked)!r}) at stage 3, but no "
         f"layer of {_names(layout, stacks)} was called as a module inside "
         "its scan, so the step gathers all its layers at once for the "
         "whole step (memory grows with depth).")

@@ -264,7 +264,7 @@ class ChunkLayout:
                if not any(unit_depth(i.names, s) for i in infos)]
     if unknown:
       # a typo would silently turn per-layer chunking off
-      raise ValueError(f"stacked={tuple(stacked)!r}: no submodule is named "
+      raise ValueError(f"Blocks(stacked={tuple(stacked)!r}): no submodule is named "
                        f"{', '.join(map(repr, unknown))}; the submodules are "
                        f"{sorted(modules)[:40]}.")
     group_keys = list(dict.fromkeys(k for k in keys if k is not None))

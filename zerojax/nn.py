@@ -5,7 +5,8 @@ opt-in it does the work of, `layerwise`, kept as an override.
     Block = zerojax.nn.layerwise(Block)             # the one line
     x, _ = nn.scan(Block, variable_axes={"params": 0},
                    split_rngs={"params": True}, length=L)(name="blocks")(x, None)
-    state = zerojax.shard(state, stage=3, stacked=("blocks",))
+    state = zerojax.shard(state, stage=3,
+                          blocks=zerojax.Blocks(stacked=("blocks",)))
 
 Without zerojax (init, evaluation on a plain tree) the wrapped block behaves
 exactly like the block. Inside a zerojax stage-3 step, the scanned subtree
@@ -852,7 +853,7 @@ _RECOMPUTED = frozenset({
 
 
 def keep_activations(prim, *_, **__) -> bool:
-  """The remat policy of `ZeroConfig.remat="none"` (activations kept): every
+  """The remat policy of `Blocks(remat="none")` (activations kept): every
   result is saved for the backward pass but those of elementwise and layout
   primitives (`_RECOMPUTED`), which the backward computes again inside its
   own fused kernels. So the block's matmul, reduction and attention outputs

@@ -308,7 +308,7 @@ def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> Non
         "as adam's eps=1e-8 is 0 in float16, so 0/0): it would turn "
         "parameters to NaN wherever a gradient is zero. Keep the parameters "
         "in float32 and compute in float16 (zerojax.shard(..., "
-        "compute_dtype='float16'): the update then runs on the float32 "
+        "precision='fp16'): the update then runs on the float32 "
         "master).")
   culprit, reason = tx, why
   while True:

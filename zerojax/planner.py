@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 from zerojax import offload
+from zerojax.groups import Offload
 from zerojax.memory import compiled_footprint, per_device_bytes
 from zerojax.policy import policy
 from zerojax.state import ZeroTrainState, device_budget_bytes, state_shardings
@@ -69,8 +70,9 @@ class OffloadPlan:
   """The planner's answer.
 
   Attributes:
-    offload_optimizer, offload_params, offload_fraction: the setting; pass
-      `plan.config_fields` to `zerojax.shard` / `zerojax.create`.
+    offload_optimizer, offload_params, offload_fraction: the setting
+      (`plan.fields`); pass `offload=plan.offload` to `zerojax.shard` /
+      `zerojax.create`.
     offloaded_chunks: how many chunks have their optimizer state on host.
     device_bytes: per-device device memory of the compiled step (derived,
       see the module docstring).
@@ -94,10 +96,18 @@ class OffloadPlan:
   tried: dict
 
   @property
-  def config_fields(self) -> dict:
+  def fields(self) -> dict:
     return {"offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params,
             "offload_fraction": self.offload_fraction}
+
+  @property
+  def offload(self) -> Optional[Offload]:
+    """The setting as the `offload=` option (None: nothing offloaded)."""
+    if not (self.offload_optimizer or self.offload_params):
+      return None
+    return Offload("host", self.offload_optimizer, self.offload_params,
+                   self.offload_fraction)
 
 
 def offload_ladder(state: ZeroTrainState) -> list:
@@ -149,7 +159,7 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
       so the analysis matches what will run).
 
   Returns:
-    An `OffloadPlan`; `zerojax.shard(..., **plan.config_fields)`.
+    An `OffloadPlan`; `zerojax.shard(..., offload=plan.offload)`.
 
   Raises:
     ValueError: when even the most offload of the ladder does not fit,
@@ -233,13 +243,13 @@ def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
                         device_budget_bytes(cfg, state.mesh),
                         has_aux=has_aux, mutable=mutable, weighted=weighted)
   except ValueError as e:
-    raise ValueError(f"placement='auto', device_budget={cfg.device_budget!r}: "
+    raise ValueError(f"offload='auto', device_budget={cfg.device_budget!r}: "
                      f"{e}") from None
-  planned = state.replace(config=dataclasses.replace(
-      cfg, placement="planned", **plan.config_fields))
-  _log.info("zerojax: placement='auto' planned %s: step %s device bytes "
+  planned = state.replace(config=cfg.replace(placement="planned",
+                                             **plan.fields))
+  _log.info("zerojax: offload='auto' planned %s: step %s device bytes "
             "per device, budget %s; optimizer state of %d of %d chunks on "
-            "host.", _describe(plan.config_fields), f"{plan.device_bytes:,}",
+            "host.", _describe(plan.fields), f"{plan.device_bytes:,}",
             f"{plan.budget_bytes:,}", plan.offloaded_chunks,
             len(state.layout.chunks))
   return jax.device_put(planned, state_shardings(planned))
@@ -247,8 +257,7 @@ def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
 
 def _abstract_state(state, fields) -> ZeroTrainState:
   """`state` as ShapeDtypeStructs with the shardings of `fields`' offload."""
-  config = dataclasses.replace(state.config, **fields)
-  state = state.replace(config=config)
+  state = state.replace(config=state.config.replace(**fields))
   return jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
       state, state_shardings(state))

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import (disk_tier, frontend, frozen, memory, meshes, offload,
                      reshard, tensor_parallel)
-from zerojax.config import shard_axes
+from zerojax.config import expand, shard_axes
 from zerojax.policy import policy
 from zerojax.state import (ZeroTrainState, compute_chunks,
                            config_and_mesh, fresh_state, per_leaf, plan_layout,
@@ -74,7 +74,7 @@ class _GroupProgram:
 def create(init_fn: Callable, rng: jax.Array, *,
            apply_fn: Optional[Callable] = None,
            tx: optax.GradientTransformation, stage: int = 3,
-           mesh: Optional[Mesh] = None, **config_fields) -> ZeroTrainState:
+           mesh: Optional[Mesh] = None, **options) -> ZeroTrainState:
   """Builds a ZeroTrainState without ever materialising the full parameters
   or optimizer state on one device (see the module docstring).
 
@@ -85,10 +85,10 @@ def create(init_fn: Callable, rng: jax.Array, *,
       made replicated beside the chunks.
     rng: the PRNG key handed to `init_fn`.
     apply_fn, tx: as for `TrainState.create` (no `apply_fn` for NNX).
-    stage, mesh, **config_fields: as for `zerojax.shard`.
+    stage, mesh, **options: as for `zerojax.shard`.
   """
   chunks, rest_program, assemble = _create_programs(
-      init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
+      init_fn, rng, apply_fn, tx, stage, mesh, options)
   made = [pair for make in chunks for pair in make(rng)]
   master = tuple(m for m, _ in made)
   return disk_tier.spill(assemble(master, _compute(made), rest_program(rng)))
@@ -103,7 +103,7 @@ def _compute(made: list) -> tuple:
 def create_footprint(init_fn: Callable, rng: jax.Array, *,
                      apply_fn: Optional[Callable] = None,
                      tx: optax.GradientTransformation, stage: int = 3,
-                     mesh: Optional[Mesh] = None, **config_fields) -> dict:
+                     mesh: Optional[Mesh] = None, **options) -> dict:
   """Per-device bytes `create` needs at its peak, from the compiled programs:
   the chunks made so far plus the running program's argument + output +
   temp - alias (see `zerojax.compiled_footprint`).
@@ -113,7 +113,7 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
     order `create` runs them}.
   """
   chunks, rest_program, assemble = _create_programs(
-      init_fn, rng, apply_fn, tx, stage, mesh, config_fields)
+      init_fn, rng, apply_fn, tx, stage, mesh, options)
   held, peak, prints = 0, 0, []
 
   def run(program, *args):
@@ -145,13 +145,13 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
   return {"peak": peak, "programs": prints}
 
 
-def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, config_fields):
+def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, options):
   if not callable(init_fn):
     raise TypeError(f"init_fn={init_fn!r} must be a function rng -> params "
                     "(linen) or rng -> nnx.Module.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"tx={tx!r} must be an optax GradientTransformation.")
-  config, mesh = config_and_mesh(stage, mesh, config_fields)
+  config, mesh = config_and_mesh(stage, mesh, expand(options))
   boxed_init, extras_fn, static_extras = frontend.initialiser(init_fn, rng)
   axes = shard_axes(config)
   boxed = jax.eval_shape(boxed_init, rng)

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import (disk_tier, frontend, frozen, meshes, offload, optim,
                      optstate, precision, reshard, tensor_parallel)
 from zerojax import deepspeed
-from zerojax.config import (FIELDS, OFFLOAD_FIELDS, ZeroConfig, shard_axes,
-                            with_loss_scale)
+from zerojax.config import ZeroConfig, expand, shard_axes, with_loss_scale
+from zerojax.groups import Blocks
 from zerojax.chunking import (beside, named_units, repeated_blocks,
                               scanned_stacks, unit_depth)
 from zerojax.layout import ChunkLayout, path_names
@@ -190,17 +190,21 @@ def _trainable(config: ZeroConfig, params) -> list:
   return [not bool(f) for f in frozen]
 
 
-def _front_door(stage, config, strategy, fields: dict) -> tuple:
+def _front_door(stage, config, strategy, options: dict) -> tuple:
   """`(stage, config fields)` of `shard`'s arguments: a whole `config=`
   (e.g. `ZeroConfig.from_deepspeed`) or a Lightning `strategy=` name, the
-  other fields on top of it; stage 3 when nothing says otherwise."""
+  options on top of it; stage 3 when nothing says otherwise."""
   if config is not None and strategy is not None:
     raise TypeError("pass config= or strategy=, not both.")
+  if isinstance(stage, str) and stage == "auto" and config is None \
+      and strategy is None:
+    _check_auto(options)
+  fields = expand(options)
   if config is not None:
     if not isinstance(config, ZeroConfig):
       raise TypeError(f"config={config!r} must be a ZeroConfig (e.g. "
                       "ZeroConfig.from_deepspeed(ds_config)).")
-    base = {f: getattr(config, f) for f in FIELDS}
+    base = config.fields()
   elif strategy is not None:
     if not isinstance(strategy, str):
       raise TypeError(f"strategy={strategy!r} must be a Lightning strategy "
@@ -208,9 +212,6 @@ def _front_door(stage, config, strategy, fields: dict) -> tuple:
     base = with_loss_scale(deepspeed.config_fields(deepspeed.strategy(
         strategy)))
   elif isinstance(stage, str) and stage == "auto":
-    if "placement" in fields:
-      raise ValueError(f"stage='auto' chooses the placement too; drop "
-                       f"placement={fields['placement']!r}.")
     # laid out at stage 3 until the first step chooses (`zerojax.plan`)
     return 3, {**fields, "placement": "plan"}
   else:
@@ -223,10 +224,22 @@ def _front_door(stage, config, strategy, fields: dict) -> tuple:
   return chosen, {**base, **fields}
 
 
+def _check_auto(options: dict) -> None:
+  """stage="auto" chooses the offload, the quantized collectives and the
+  blocks' remat itself (`zerojax.plan`): giving them is refused."""
+  given = [k for k in ("offload", "quantize") if k in options]
+  blocks = options.get("blocks")
+  if isinstance(blocks, Blocks) and blocks.remat != "none":
+    given.append(f"blocks=Blocks(remat={blocks.remat!r})")
+  if given:
+    raise ValueError(f"stage='auto' chooses {', '.join(given)} itself (the "
+                     "plan's choice); drop them, or give a stage.")
+
+
 def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
           *, tx: Optional[optax.GradientTransformation] = None, optimizer=None,
           config: Optional[ZeroConfig] = None, strategy: Optional[str] = None,
-          **config_fields) -> ZeroTrainState:
+          **options) -> ZeroTrainState:
   """Turns a Flax `TrainState`, or an NNX model, into a ZeRO `ZeroTrainState`.
 
   Args:
@@ -246,21 +259,21 @@ def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
     config: a whole `ZeroConfig`, e.g. `ZeroConfig.from_deepspeed(ds)`.
     strategy: or a Lightning DeepSpeed strategy name
       (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`).
-    **config_fields: further `ZeroConfig` fields (`compute_dtype`,
-      `accum_steps`, `clip_norm`, `chunk_size`, `frozen`, `stacked`, ...),
-      over `config`'s or `strategy`'s.
+    **options: `ZeroConfig`'s options (`offload="host"`,
+      `precision="bf16"`, `accum_steps`, `clip_norm`, `frozen`, ...), over
+      `config`'s or `strategy`'s.
 
   Returns:
     The sharded state; the input state (or model) is left untouched.
 
   Example:
-    >>> state = zerojax.shard(state, stage=3, compute_dtype="bf16")
+    >>> state = zerojax.shard(state, stage=3, precision="bf16")
     >>> state = zerojax.shard(nnx_model, stage=3, tx=optax.adamw(1e-3))
   """
-  stage, config_fields = _front_door(stage, config, strategy, config_fields)
-  state = _from_front_end(state, tx, optimizer, config_fields)
+  stage, fields = _front_door(stage, config, strategy, options)
+  state = _from_front_end(state, tx, optimizer)
   config, mesh, extras, static_extras = _check_train_state(
-      state, stage, mesh, config_fields)
+      state, stage, mesh, fields)
   dims, params, opt_state = _model_split(state, config, mesh)
   placed = place(params, opt_state, state.step, extras,
                  static_extras, tx=state.tx, apply_fn=state.apply_fn,
@@ -273,17 +286,17 @@ def shard_shape(state: Any, stage: Optional[int] = None,
                 tx: Optional[optax.GradientTransformation] = None,
                 optimizer=None, config: Optional[ZeroConfig] = None,
                 strategy: Optional[str] = None,
-                **config_fields) -> ZeroTrainState:
+                **options) -> ZeroTrainState:
   """What `shard` returns, as `jax.ShapeDtypeStruct`s carrying their
   shardings and memory kinds: nothing is allocated or moved. For planning
   and ahead-of-time compiles (`zerojax.plan_offload`, `step.lower`); `state`
   may itself hold `ShapeDtypeStruct`s (`jax.eval_shape` of the init), or be
   an NNX model (`nnx.eval_shape` of its constructor). Arguments as for
   `shard`."""
-  stage, config_fields = _front_door(stage, config, strategy, config_fields)
-  state = _from_front_end(state, tx, optimizer, config_fields)
+  stage, fields = _front_door(stage, config, strategy, options)
+  state = _from_front_end(state, tx, optimizer)
   config, mesh, extras, static_extras = _check_train_state(
-      state, stage, mesh, config_fields)
+      state, stage, mesh, fields)
   dims, params, opt_state = _model_split(state, config, mesh)
   _, shapes, where = plan_state(params, opt_state, state.step, extras,
                                 static_extras, tx=state.tx, apply_fn=state.apply_fn,
@@ -303,7 +316,7 @@ def _model_split(state, config, mesh) -> tuple:
           tensor_parallel.unboxed(state.opt_state))
 
 
-def _from_front_end(state, tx, optimizer, config_fields):
+def _from_front_end(state, tx, optimizer):
   """A `TrainState`: `state` itself, or the one an NNX model becomes."""
   if frontend.is_nnx(state):
     return frontend.from_nnx(state, tx=tx, optimizer=optimizer)
@@ -313,7 +326,7 @@ def _from_front_end(state, tx, optimizer, config_fields):
   return state
 
 
-def _check_train_state(state, stage, mesh, config_fields) -> tuple:
+def _check_train_state(state, stage, mesh, fields) -> tuple:
   """(config, mesh, extras, static extras) of a `shard` call's arguments."""
   if isinstance(state, ZeroTrainState):
     raise ValueError("this state is already a ZeroTrainState; shard() takes "
@@ -323,54 +336,43 @@ def _check_train_state(state, stage, mesh, config_fields) -> tuple:
   if missing:
     raise TypeError(f"shard() takes a flax TrainState; {type(state).__name__} "
                     f"has no {', '.join(missing)}.")
-  config, mesh = config_and_mesh(stage, mesh, config_fields)
+  config, mesh = config_and_mesh(stage, mesh, fields)
   return (config, mesh) + extra_fields(state)
 
 
-def config_and_mesh(stage, mesh, config_fields) -> tuple:
-  """`(ZeroConfig, mesh)` of the stage, mesh and config fields a user passed
-  to `shard`, `create` or `checkpoint.restore`, checked where they enter:
-  unknown fields and a mesh without the data axis are refused, an Explicit
-  mesh is used through its Auto copy, offload needs host memory."""
-  unknown = sorted(set(config_fields) - set(FIELDS))
-  if unknown:
-    raise TypeError(f"unknown ZeroConfig field(s) {unknown}; known: "
-                    f"{', '.join(FIELDS)}.")
-  config = ZeroConfig(stage=stage, **config_fields)
+def config_and_mesh(stage, mesh, fields: dict) -> tuple:
+  """`(ZeroConfig, mesh)` of the stage, mesh and config fields (`expand`ed
+  from the options a user passed to `shard`, `create` or
+  `checkpoint.restore`), checked where they enter: a mesh without the
+  config's axes is refused, an Explicit mesh is used through its Auto copy,
+  offload needs host memory."""
+  config = ZeroConfig.from_fields(stage=stage, **fields)
   mesh = meshes.auto_mesh(mesh if mesh is not None
                           else meshes.default_mesh(config.axis_name))
   if config.placement in ("auto", "plan"):
-    config = _most_offload(config, mesh, config_fields)
-  for field in ("axis_name", "replica_axis", "model_axis"):
-    name = getattr(config, field)
-    if name is not None and name not in mesh.axis_names:
-      raise ValueError(f"mesh axes {mesh.axis_names} have no axis {name!r}; "
-                       f"pass {field}= one of them or build the mesh with "
-                       "that axis.")
+    config = _most_offload(config, mesh)
+  for field, name in (("axis_name", "data"), ("replica_axis", "replica"),
+                      ("model_axis", "model")):
+    axis = getattr(config, field)
+    if axis is not None and axis not in mesh.axis_names:
+      raise ValueError(f"mesh axes {mesh.axis_names} have no axis {axis!r}; "
+                       f"pass axes=zerojax.Axes({name}=...) one of them or "
+                       "build the mesh with that axis.")
   if config.offload_optimizer or config.offload_params:
     offload.check_backend(mesh)
   return config, mesh
 
 
-def _most_offload(config: ZeroConfig, mesh, config_fields) -> ZeroConfig:
-  """placement="auto" before its first step: everything offloadable on host
+def _most_offload(config: ZeroConfig, mesh) -> ZeroConfig:
+  """offload="auto" before its first step: everything offloadable on host
   (the planner's last rung), so that the state fits before the plan; the
   device budget's fraction checked against what the devices report."""
-  chosen = OFFLOAD_FIELDS + (("remat", "quantize_weights", "quantize_grads")
-                            if config.placement == "plan" else ())
-  given = [f for f in chosen if f in config_fields]
-  if given and config.placement == "plan":
-    raise ValueError(f"stage='auto' chooses {', '.join(given)} itself (the "
-                     "plan's choice); drop them, or give a stage.")
-  if given:
-    raise ValueError(f"placement='auto' sets {', '.join(given)} itself (the "
-                     "planner's choice); drop them, or use placement='manual'.")
   device_budget_bytes(config, mesh)
   if not offload.has_host_memory(mesh):
     return config   # nothing to offload, the plan agrees
-  return dataclasses.replace(config, offload_optimizer=True,
-                             offload_params=config.stage == 3,
-                             offload_fraction=1.0)
+  return config.replace(offload_optimizer=True,
+                        offload_params=config.stage == 3,
+                        offload_fraction=1.0)
 
 
 def device_budget_bytes(config: ZeroConfig, mesh) -> int:

@@ -375,7 +375,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     if state.config.disk and not donate:
       raise ValueError(
           "train_step(donate=False) keeps the input state, but a disk-tier "
-          "state (offload_optimizer='disk') has its statistics rewritten in "
+          "state (Offload('disk')) has its statistics rewritten in "
           "their files by every step; use donate=True (the default), and "
           "checkpoint.save to keep a state to go back to.")
     return shard_batch(state, batch, state.config.accum_steps)

@@ -69,22 +69,22 @@ def model_dims(params: Any, model_axis: Optional[str], mesh,
       if used:
         raise ValueError(
             f"parameter {name} is split over mesh axis {used[0]!r} (spec "
-            f"{spec}), but no model_axis was given: pass model_axis="
-            f"{used[0]!r} for tensor parallelism beside ZeRO, or build the "
+            f"{spec}), but no model axis was given: pass axes=zerojax."
+            f"Axes(model={used[0]!r}) for tensor parallelism beside ZeRO, or build the "
             "mesh without that axis.")
       dims.append(None)
       continue
     split = [d for d, e in enumerate(spec) if model_axis in _axes(e)]
     if len(split) > 1:
       raise ValueError(
-          f"parameter {name} is split over model_axis={model_axis!r} on dims "
+          f"parameter {name} is split over the model axis {model_axis!r} on dims "
           f"{split} (spec {spec}); zerojax keeps a weight split on one dim "
           "only. Split it on one dim.")
     if split and len(_axes(spec[split[0]])) > 1:
       raise ValueError(
           f"parameter {name} splits dim {split[0]} over {spec[split[0]]} "
-          f"(spec {spec}); zerojax keeps a dim split over model_axis="
-          f"{model_axis!r} alone (ZeRO itself shards over the data axis). "
+          f"(spec {spec}); zerojax keeps a dim split over the model "
+          f"axis {model_axis!r} alone (ZeRO itself shards over the data axis). "
           f"Give that dim {model_axis!r} only.")
     dims.append(split[0] if split else None)
   return tuple(dims)

@@ -20,6 +20,7 @@ import numpy as np
 
 from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path, cut_chunks,
                                         layout_from_json)
+from zerojax.config import ZeroConfig
 from zerojax.layout import path_names
 from zerojax.state import shard
 
@@ -97,8 +98,9 @@ def restore_into(values: dict, like, *, partial: bool, cast: bool,
       "kept): %s%s", len(mine) - len(new), len(mine), source, len(new),
       _few(new) or "none",
       f"; {len(dropped)} saved left out: {_few(dropped)}" if dropped else "")
-  return shard(like.replace(params=merged),
-               3 if stage is None else stage, mesh, **config_fields)
+  config = ZeroConfig.from_fields(stage=3 if stage is None else stage,
+                                  **config_fields)
+  return shard(like.replace(params=merged), mesh=mesh, config=config)
 
 
 def _take(saved, mine):

@@ -3,7 +3,6 @@ shardings when the chunk layout is the saved one, else repacked."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 from typing import Any, Callable, Optional
 
@@ -25,7 +24,7 @@ from zerojax.checkpoint._partial import (differs, host_params, params_part,
 from zerojax.checkpoint._integrity import (check_arrays, check_step,
                                            read_meta, saved_steps, verify)
 from zerojax.checkpoint._save import wait
-from zerojax.config import DISK, OFFLOAD_FIELDS, shard_axes
+from zerojax.config import DISK, OFFLOAD_FIELDS, expand, shard_axes
 from zerojax.layout import path_names
 from zerojax.reshard import leaf_spec
 from zerojax.state import (ZeroTrainState, cast_compute, check_tx, config_and_mesh,
@@ -146,7 +145,7 @@ def _check_dtypes(saved: dict, abstract, cast: bool) -> None:
 def restore(directory: Any, *, like: Any, step: Optional[int] = None,
             mesh: Optional[Mesh] = None, stage: Optional[int] = None,
             tx: Any = None, cast: bool = False, partial: bool = False,
-            **config_fields) -> ZeroTrainState:
+            **options) -> ZeroTrainState:
   """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
   differ from those at save time (any device count, any stage).
 
@@ -173,12 +172,13 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
       keep its values (listed once), and the saved leaves `like` lacks are
       an error unless `partial=True`. The optimizer state and step are then
       `like`'s (`_partial`).
-    **config_fields: further ZeroConfig overrides. An explicit `frozen=`
-      replaces the saved one (`frozen=None` trains every leaf): leaves
-      unfrozen start with zero optimizer statistics, and the chunks are
-      repacked. `replica_axis=None` (a mesh of one axis) also turns off a
-      saved `hpz`, which needs a replica axis.
+    **options: `ZeroConfig` options over the saved ones; a group given
+      replaces the saved group. An explicit `frozen=` replaces the saved
+      one (`frozen=None` trains every leaf): leaves unfrozen start with
+      zero optimizer statistics, and the chunks are repacked. `axes=` of a
+      mesh of one axis also turns off a saved `hpz`.
   """
+  config_fields = expand(options)
   if frontend.is_nnx(like):
     like = frontend.from_nnx(like, tx=tx)
   elif tx is not None:
@@ -209,8 +209,7 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
                         source=f"checkpoint {path}", stage=stage, mesh=mesh,
                         **config_fields)
   if isinstance(like, ZeroTrainState):
-    fields = {f.name: getattr(like.config, f.name)
-              for f in dataclasses.fields(like.config)}
+    fields = like.config.fields()
     abstract = params_shapes(like.layout)
     static_extras = like.static_extras
   elif hasattr(like, "params") and hasattr(like, "tx"):
