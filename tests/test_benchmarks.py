@@ -185,14 +185,6 @@ def test_async_pairs_variadic_ops_and_unknown_loops():
       "collective-permute": {"ops": 1, "bytes_per_iteration": 8 * F32}}
   rs = next(op for op in report.ops if op.kind == "reduce-scatter")
   assert rs.dtypes == ("bf16",) and rs.group_size == 4
-  rows = {r["collective"]: r for r in _table(hlo.markdown_table(report),
-                                              "collective")}
-  for kind, row in report.summary().items():
-    assert _number(rows[kind]["count / step"]) == row["count"]
-    assert _number(rows[kind]["bytes / step"]) == row["bytes"]
-  (permute,) = [r for k, r in rows.items() if k.startswith("collective-permute")]
-  assert permute["count / step"] == "?"           # no known trip count
-  assert _number(permute["bytes / step"]) == 8 * F32
 
 
 @pytest.mark.parametrize("shape, expected", [

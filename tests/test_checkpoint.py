@@ -20,7 +20,6 @@ from flax.training import train_state
 from jax.sharding import AxisType, Mesh
 
 import zerojax
-from zerojax import optstate
 from models import make_problem, zero_run as _train
 
 STEPS = 6
@@ -147,31 +146,21 @@ def test_tree_form_checkpoints_still_restore(problem, saved, tmp_path):
                          ckpt.export_params(state, with_opt_state=True))
 
 
-def test_view_shaped_checkpoints_still_restore(problem, saved, tmp_path):
-  """Format "zerojax-2" (written before 2026-11-23): the chunk form with the
-  optimizer statistics in view shape (`[layers, 1, length]`), which the
-  current state keeps in chunk shape; restored by repacking, exactly."""
+def test_a_retired_format_is_refused_naming_how_to_carry_it_over(
+    problem, saved, tmp_path):
+  """Format "zerojax-2" (two days' view-shaped statistics, before
+  2026-11-23) is no longer read: its metadata is refused, naming it."""
   plain, _, _ = problem
   directory, _, _ = saved
-  state = zerojax.checkpoint.restore(directory, like=plain)
-  ckpt = zerojax.checkpoint
-  views = jax.jit(lambda o: optstate.as_views(state.layout, o))(state.opt_state)
-  assert any(np.shape(v) != np.shape(o) for v, o in zip(
-      jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(state.opt_state)))
-  mgr = ocp.CheckpointManager(str(tmp_path))
-  mgr.save(SPLIT, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(ckpt._format.chunk_form(state.replace(opt_state=views))),
-      meta=ocp.args.JsonSave({"format": "zerojax-2", "num_shards": 8,
-                              "config": ckpt._format.config_json(state.config),
-                              "layout": ckpt._format.layout_json(state.layout)})))
-  mgr.wait_until_finished()
-  back = ckpt.restore(str(tmp_path), like=plain)
-  assert int(back.step) == SPLIT and back.layout == state.layout
-  jax.tree_util.tree_map(np.testing.assert_array_equal, back.opt_state,
-                         state.opt_state)
-  jax.tree_util.tree_map(np.testing.assert_array_equal,
-                         ckpt.export_params(back, with_opt_state=True),
-                         ckpt.export_params(state, with_opt_state=True))
+  shutil.copytree(directory, tmp_path / "old")
+  meta = tmp_path / "old" / str(SPLIT) / "meta" / "metadata"
+  doc = json.loads(meta.read_text())
+  doc["format"] = "zerojax-2"
+  doc.pop("sha256", None)
+  meta.write_text(json.dumps(doc))
+  with pytest.raises(ValueError, match=r"format 'zerojax-2', the chunk form "
+                     r"with statistics in view shape.*commit 10ce0d6"):
+    zerojax.checkpoint.restore(str(tmp_path / "old"), like=plain)
 
 
 def test_export_equals_gather_and_plain_orbax_reads_it(saved):

@@ -90,9 +90,6 @@ def with_gpu_flags(xla_flags: str = "") -> str:
   return " ".join([xla_flags.strip()] + extra).strip()
 
 
-with_gpu_overlap_flags = with_gpu_flags   # its name before cuBLAS was added
-
-
 def _has_gpu_plugin() -> bool:
   """Whether a CUDA or ROCm plugin of jax is installed (without starting a
   backend)."""

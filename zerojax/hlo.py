@@ -428,19 +428,6 @@ def count_collectives(program: Any) -> CommReport:
   return CommReport(tuple(ops), devices)
 
 
-def markdown_table(report: CommReport) -> str:
-  """A small markdown table of `report.summary()`."""
-  lines = ["| collective | ops in HLO | count / step | bytes / step |",
-           "|---|---:|---:|---:|"]
-  for kind, row in report.summary().items():
-    lines.append(f"| {kind} | {row['ops']} | {row['count']} | "
-                 f"{row['bytes']:,} |")
-  for kind, row in report.unknown_trip_summary().items():
-    lines.append(f"| {kind} (in loop bodies, per iteration) | {row['ops']} | "
-                 f"? | {row['bytes_per_iteration']:,} |")
-  return "\n".join(lines)
-
-
 # ---- host <-> device moves (a program lowered for a GPU) -----------------------
 _PLACEMENT = re.compile(r'annotate_device_placement\((%[\w.]+)(?:#\d+)?\).*'
                         r'_xla_buffer_placement = "(\w+)"\}\} : '

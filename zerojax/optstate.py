@@ -1,8 +1,8 @@
 """The optax state over chunk views: which of its leaves holds which chunk's
 statistic (`owners`, the one answer the step, the shardings, `reshard` and
-the checkpoint read), the chunk shape it is stored in (`stored`) and the
-view shape `tx` sees (`as_views`), and the check of a `TrainState`'s own
-optimizer state against `tx` (`check_tree_state`).
+the checkpoint read), the chunk shape it is stored in (`stored`), and the
+check of a `TrainState`'s own optimizer state against `tx`
+(`check_tree_state`).
 """
 from __future__ import annotations
 
@@ -115,11 +115,6 @@ def stored(layout: ChunkLayout, view_state: Any) -> Any:
   GPT-2-medium save); the step reshapes to views inside its program, where
   a reshape costs nothing. Inside jit or eval_shape."""
   return _reshaped(layout, view_state, lambda c: layout.chunks[c].shape)
-
-
-def as_views(layout: ChunkLayout, state: Any) -> Any:
-  """Inverse of `stored`: the state `tx` sees. Inside jit or eval_shape."""
-  return _reshaped(layout, state, layout.view_shape)
 
 
 def _reshaped(layout: ChunkLayout, tree: Any, shape_of) -> Any:

@@ -21,10 +21,9 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
           (`frozen_names`), the device count at save, the chunk layout
           (`layout_json`), a checksum per saved array and the SHA-256 of
           the metadata itself (`_integrity`).
-Formats "zerojax-2" (statistics in view shape, written before 2026-11-23:
-restored by repacking) and "zerojax-1" (the ordinary tree form, written
-before 2026-11-22), and plain orbax checkpoints of a flax TrainState are
-still read.
+Format "zerojax-1" (the ordinary tree form, written before 2026-11-22) and
+plain orbax checkpoints of a flax TrainState are still read; "zerojax-2"
+(two days' view-shaped statistics) is refused naming how to carry it over.
 Never imports `step`.
 
 The package: `_format` (what is on disk: layout and config JSON, cutting

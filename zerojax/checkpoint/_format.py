@@ -15,9 +15,12 @@ from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
 from zerojax.state import ZeroTrainState
 
 FORMAT = "zerojax-3"   # chunk form (the package docstring)
-VIEW_FORMAT = "zerojax-2"   # chunk form, statistics in view shape
-CHUNK_FORMATS = (FORMAT, VIEW_FORMAT)
+CHUNK_FORMATS = (FORMAT,)
 READ_FORMATS = CHUNK_FORMATS + ("zerojax-1",)   # "zerojax-1": the tree form
+# formats no longer read, and how to carry such a checkpoint over
+RETIRED_FORMATS = {"zerojax-2": "the chunk form with statistics in view shape, "
+                   "written for two days before 2026-11-23: restore it with "
+                   "zerojax 0.1 at commit 10ce0d6 and save it again"}
 
 
 def params_shapes(layout) -> Any:
@@ -196,7 +199,7 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
   master = [np.asarray(x) for x in saved_list(loaded.pop("master", []))]
   rest = iter(saved_rest(loaded.pop("rest", [])))
 
-  def leaf(x, i):   # a saved statistic may be in view shape (zerojax-2)
+  def leaf(x, i):
     return layout.host_leaf(
         i, np.reshape(x, layout.chunks[layout.leaves[i].chunk].shape))
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zerojax.checkpoint._format import (CHUNK_FORMATS, READ_FORMATS, by_path,
+from zerojax.checkpoint._format import (CHUNK_FORMATS, READ_FORMATS,
+                                        RETIRED_FORMATS, by_path,
                                         saved_list)
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
@@ -138,6 +139,9 @@ def read_meta(step_dir: str) -> dict:
   if "sha256" in meta and meta["sha256"] != _digest(meta):
     raise ValueError(f"checkpoint metadata {path} fails its checksum: it was "
                      "changed after the save.")
+  if meta["format"] in RETIRED_FORMATS:
+    raise ValueError(f"checkpoint metadata {path} has format "
+                     f"{meta['format']!r}, {RETIRED_FORMATS[meta['format']]}.")
   if meta["format"] not in READ_FORMATS:
     raise ValueError(f"checkpoint metadata {path} has format "
                      f"{meta['format']!r}, which this zerojax does not know "

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import (disk_tier, frontend, meshes, optstate, precision,
                      reshard, tensor_parallel)
 from zerojax.checkpoint._format import (
-    CHUNK_FORMATS, VIEW_FORMAT, as_dtype, by_path, config_from_json,
+    CHUNK_FORMATS, as_dtype, by_path, config_from_json,
     cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
     non_empty, params_shapes, saved_list, saved_rest, shape_signature)
 from zerojax.checkpoint._partial import (differs, host_params, params_part,
@@ -261,7 +261,6 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
   if meta is not None and meta.get("format") in CHUNK_FORMATS:
     state = _restore_chunk_form(path, saved, meta["layout"],
                                 meta.get("checksums"),
-                                in_views=meta["format"] == VIEW_FORMAT,
                                 **target)
   else:
     state = _restore_tree_form(path, saved, **target)
@@ -309,12 +308,11 @@ def _leaf_shardings(tree, mesh, axis_name):
 
 
 def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
-                        static_extras, config, mesh, model_dims,
-                        in_views: bool = False) -> ZeroTrainState:
+                        static_extras, config, mesh,
+                        model_dims) -> ZeroTrainState:
   """A chunk-form checkpoint: read straight into the target shardings when
-  the target's chunk layout is the saved one, else (or when its statistics
-  are in view shape, `in_views`) cut into the ordinary tree on the host and
-  repacked. `sums`: the saved arrays' checksums, checked as they are read."""
+  the target's chunk layout is the saved one, else cut into the ordinary
+  tree on the host and repacked. `sums`: the saved arrays' checksums, checked as they are read."""
   # The optimizer probes that check like.tx (a compile: seconds, once per
   # process and tx) run beside the checks and the read, which need only the
   # saved labels.
@@ -331,7 +329,7 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
     def saved_opt():
       views = like.tx.init(layout_saved.views(
           [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
-      return views if in_views else optstate.stored(layout_saved, views)
+      return optstate.stored(layout_saved, views)
     views = jax.eval_shape(saved_opt)
     _check_opt_state(shape_signature(saved["opt_state"]),
                      shape_signature(non_empty(views)))
@@ -344,7 +342,7 @@ def _restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
                                        model_dims=model_dims)
     # the same chunks, and the leaves outside them stored alike (frozen
     # weights in the same dtype, or int8 pairs): read as they are
-    same = (layout_json(layout) == saved_layout and not in_views
+    same = (layout_json(layout) == saved_layout
             and _stored_form(saved.get("rest", [])) == _stored_form(
                 shapes.rest))
     loaded = (_read_chunks(path, saved, shapes, where, mesh, sums) if same
