@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # (jax reads the device count only when it starts a backend: in main)
-import gpt2_medium as gpt2  # noqa: E402
+import gpt2_medium  # noqa: E402
+from gpt2 import GPT  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -55,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "directory")
   p.add_argument("--base-steps", type=int, default=30,
                  help="without --base: steps of the pretraining run")
-  p.add_argument("--preset", choices=["auto", *gpt2.PRESETS], default="auto",
+  p.add_argument("--preset", choices=["auto", *gpt2_medium.PRESETS],
+                 default="auto",
                  help="the base's preset (default: cpu here, medium on a GPU)")
   p.add_argument("--text", metavar="FILE", help="fine-tune on this file's "
                  "lines, as bytes (the base must be byte-level too)")
@@ -93,7 +95,7 @@ def pretrain(args, directory: str) -> None:
     flags += ["--text", args.text]
   if args.seq:
     flags += ["--seq", str(args.seq)]
-  gpt2.main(flags)
+  gpt2_medium.main(flags)
 
 
 class PaddedBatches:
@@ -139,7 +141,7 @@ def is_frozen(params):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  gpt2.simulate_cpu_devices(args.devices)
+  gpt2_medium.simulate_cpu_devices(args.devices)
   backend, devices = jax.default_backend(), jax.devices()
   base = args.base
   if base is None:
@@ -149,13 +151,13 @@ def main(argv=None) -> dict:
   # the base's model, as gpt2_medium.py resolves it, with adapters added
   flags = ["--preset", args.preset] + (["--text", args.text] if args.text
                                        else [])
-  cfg, run = gpt2.resolve(gpt2.parse_args(flags + (
+  cfg, run = gpt2_medium.resolve(gpt2_medium.parse_args(flags + (
       ["--seq", str(args.seq)] if args.seq else [])), backend, len(devices))
   cfg = dataclasses.replace(cfg, lora_rank=args.rank)
   precision = args.precision if args.precision != "auto" else run["precision"]
   compute_dtype = {"fp32": "float32", "bf16": "bfloat16"}[precision]
   seq, batch = run["seq"], args.batch or 4 * len(devices)
-  model = gpt2.GPT(cfg)
+  model = GPT(cfg)
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, args.lr, max(1, args.steps // 10), args.steps + 1,
       end_value=args.lr / 10), weight_decay=0.0)

@@ -2,7 +2,7 @@
 
 The job to start first, like DeepSpeed's GPT-2 tutorial or Colossal-AI's
 "Train GPT with Gemini". The training loop is an ordinary Flax loop; the ZeRO
-part is the `zerojax.shard(...)` and `zerojax.train_step(...)` lines.
+part is the `zerojax.create(...)` and `zerojax.train_step(...)` lines.
 
     python examples/gpt2_medium.py                 # see --help: depends on the machine
     python examples/gpt2_medium.py --preset tiny --steps 3
@@ -14,28 +14,20 @@ Multi-host: one process per host, the same flags everywhere plus
 `--coordinator HOST:PORT --num-processes N --process-id I`; under SLURM or
 Open MPI with several tasks no flag is needed.
 
-The model's blocks are a `flax.linen.scan` under the submodule "blocks", and
-`stacked=("blocks",)` tells zerojax their leaves carry a layer axis, so the
-blocks are chunked per layer. Parameters stay float32 (the ZeRO master); the
-model computes in the dtype of the parameters it is handed, which is
-zerojax's `compute_dtype` (`--precision`). Softmax and cross-entropy run in
-float32 whatever the precision. On a GPU in half precision the attention is
-cuDNN's flash attention (`--attention`).
-
-One file on purpose (past STYLE.md's ~400 lines): it is the script users
-copy, so model, data, loop and measurements sit together.
+The model (`gpt2.py`) is GPT-2 with its blocks one `flax.linen.scan` under
+"blocks", which `Blocks(stacked=("blocks",))` chunks per layer. Parameters
+stay float32 (the ZeRO master); the model computes in the dtype it is handed
+(`--precision`). The ZeRO flags become zerojax's options in one place,
+`zero_options`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import os
 import time
-from typing import Any, Optional
 
-import numpy as np
 
 # ---- configuration (no jax here: the CPU device count must be set first) ----
 PRESETS = {
@@ -49,7 +41,6 @@ PRESETS = {
     "medium": dict(layers=24, width=1024, heads=16, vocab=50257, ctx=1024,
                    micro_batch=8, seq=1024, steps=100, lr=3e-4),
 }
-BYTE_VOCAB = 256
 
 _HELP = __doc__.split("\n\n")[0] + """
 
@@ -66,120 +57,66 @@ make a CPU step several seconds.)
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="model size: tiny (CI), cpu (default without an "
-                 "accelerator), small (124M), medium (355M, default on "
-                 "GPU/TPU). Default: auto.")
-  p.add_argument("--layers", type=int, help="override the preset's depth")
-  p.add_argument("--width", type=int, help="override the preset's width "
-                 "(heads become width // 64)")
-  p.add_argument("--remat", action="store_true",
-                 help="with --no-layerwise: rematerialise each block in the "
-                 "backward pass (nn.remat). zerojax's layerwise blocks always "
-                 "rematerialise (that is what keeps gathered layers from "
-                 "piling up).")
-  p.add_argument("--no-layerwise", dest="layerwise", action="store_false",
-                 help="do not wrap the block with zerojax.nn.layerwise: "
-                 "stage 3 then gathers every layer at the start of the step")
-  p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
-                 help="ZeRO stage (default 3)")
-  p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
-                 default="auto", help="compute dtype (zerojax compute_dtype; "
-                 "the master stays fp32; fp16 gets dynamic loss scaling). "
-                 "auto: bf16 on GPU/TPU, fp32 on CPU.")
-  p.add_argument("--batch", type=int, help="global batch in sequences "
-                 "(default: the preset's per-device micro-batch x devices x "
-                 "--accum); must be a multiple of devices x --accum")
-  p.add_argument("--seq", type=int, help="tokens per sequence (default: "
-                 "the preset's; beyond the preset's context the position "
-                 "table grows to fit)")
-  p.add_argument("--steps", type=int, help="optimizer steps (default: the "
-                 "preset's)")
-  p.add_argument("--accum", type=int, default=1,
-                 help="micro-batches per step (gradient accumulation)")
-  p.add_argument("--lr", type=float, help="peak learning rate (default: "
-                 "the preset's); linear warm-up, then cosine decay to lr/10")
-  p.add_argument("--warmup", type=int,
-                 help="warm-up steps (default: 10%% of --steps)")
-  p.add_argument("--weight-decay", type=float, default=0.1,
-                 help="AdamW weight decay on kernels and embeddings (never "
-                 "on biases or LayerNorm parameters)")
-  p.add_argument("--clip", type=float, default=1.0,
-                 help="clip gradients to this global norm; 0 disables")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--text", metavar="FILE", help="train on this file's bytes "
-                 "(vocab 256). Default: random tokens drawn from a Zipf law "
-                 "over the vocabulary, so the loss has somewhere to fall to "
-                 "(its entropy is printed).")
-  p.add_argument("--json", metavar="PATH", help="write config, per-step "
-                 "metrics and memory figures to PATH")
-  p.add_argument("--devices", type=int, default=8, help="without an "
-                 "accelerator: simulate this many CPU devices (default 8)")
-  p.add_argument("--coordinator", metavar="HOST:PORT",
-                 help="multi-host: address of process 0")
-  p.add_argument("--num-processes", type=int)
-  p.add_argument("--process-id", type=int)
-  p.add_argument("--mesh", metavar="replica=R,data=D",
-                 help="hybrid sharding for multi-node runs: the stage shards "
-                 "over data (the GPUs of a node) and replicates over replica "
-                 "(the nodes); R x D must be the device count (default: every "
-                 "device on data)")
-  p.add_argument("--tp", type=int, default=1, metavar="M",
-                 help="tensor parallelism beside ZeRO: attention heads and "
-                 "MLP split over a 'model' axis of M devices, ZeRO over the "
-                 "other N/M ('data'); a mesh (data=N/M, model=M)")
-  p.add_argument("--embed-blocks", type=int, default=0, metavar="K",
-                 help="the tied embedding as a zerojax.nn.BlockedEmbed of K "
-                 "vocabulary blocks: no logits in memory (the head's loss "
-                 "runs block by block), and at stage 3 one block of the "
-                 "table gathered at a time (0: nn.Embed)")
-  p.add_argument("--attention", choices=["auto", "einsum", "cudnn"],
-                 default="auto", help="einsum: scores written out, softmax "
-                 "in fp32; cudnn: jax.nn.dot_product_attention's cuDNN flash "
-                 "attention (NVIDIA GPU, bf16/fp16; 1.57x the einsum's "
-                 "tokens/s at stage 3 on one H200, benchmarks/results). "
-                 "auto: cudnn on a GPU in half precision, else einsum")
-  p.add_argument("--hpz", action="store_true",
-                 help="with --mesh: ZeRO++ hpZ, the fp32 master and optimizer "
-                 "state sharded over replica x data too; each step gathers "
-                 "the parameters over replica once, then only within data")
-  p.add_argument("--quantize-weights", choices=["int8", "int4"],
-                 help="ZeRO++ qwZ: send parameter gathers as int8 (or int4) "
-                 "blocks with a float32 scale each")
-  p.add_argument("--quantize-grads", choices=["int8", "int4"],
-                 help="ZeRO++ qgZ: send gradient reduce-scatters quantized, "
-                 "by all-to-all, summed in float32")
-  p.add_argument("--quantize-block", type=int, default=256,
-                 help="elements per quantization block (default 256)")
-  p.add_argument("--offload", nargs="?", const="host",
-                 choices=["host", "disk"],
-                 help="ZeRO-Offload: keep fp32 master shards and optimizer "
-                 "state in pinned host memory between steps (--offload or "
-                 "--offload host; stage >= 1); --offload disk "
-                 "(ZeRO-Infinity) keeps the optimizer state in files under "
-                 "--offload-dir instead, streamed through host memory a "
-                 "chunk at a time and updated on the host")
-  p.add_argument("--offload-dir", metavar="DIR",
-                 help="with --offload disk: an existing directory on a fast "
-                 "local disk for its files (scratch)")
-  p.add_argument("--sub-group-size", type=int, metavar="N",
-                 help="with --offload disk: stream each device's shard of a "
-                 "chunk N elements at a time (DeepSpeed's sub_group_size), "
-                 "bounding host memory below the largest chunk; default "
-                 "a whole chunk")
-  p.add_argument("--update-on", choices=["device", "host"],
-                 help="with --offload host: run the offloaded optimizer "
-                 "update on the host, where its state lives (only the "
-                 "gradient goes to the host; stage 3, or bf16 at stages "
-                 "1-2). Default device; --offload disk updates on the host")
-  p.add_argument("--checkpoint-dir", metavar="DIR",
-                 help="save an (asynchronous) orbax checkpoint here every "
-                 "--save-every steps and at the end")
-  p.add_argument("--save-every", type=int, default=0,
-                 help="steps between checkpoints (0: only at the end)")
-  p.add_argument("--resume", action="store_true",
-                 help="continue from the newest checkpoint in "
-                 "--checkpoint-dir (any device count or stage)")
+  add = p.add_argument
+  add("--preset", choices=["auto", *PRESETS], default="auto",
+      help="tiny (CI), cpu (default without an accelerator), small (124M), "
+      "medium (355M, default on GPU/TPU)")
+  add("--layers", type=int, help="override the preset's depth")
+  add("--width", type=int, help="override its width (heads: width // 64)")
+  add("--remat", action="store_true",
+      help="with --no-layerwise: nn.remat each block")
+  add("--no-layerwise", dest="layerwise", action="store_false",
+      help="do not wrap the block in zerojax.nn.layerwise")
+  add("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
+  add("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+      help="compute dtype (the master stays fp32); auto: bf16 on GPU/TPU")
+  add("--batch", type=int, help="global batch in sequences (default: the "
+      "preset's micro-batch x devices x --accum)")
+  add("--seq", type=int, help="tokens per sequence (default: the preset's)")
+  add("--steps", type=int, help="optimizer steps (default: the preset's)")
+  add("--accum", type=int, default=1, help="micro-batches per step")
+  add("--lr", type=float, help="peak learning rate; warm-up, cosine to lr/10")
+  add("--warmup", type=int, help="warm-up steps (default: 10%% of --steps)")
+  add("--weight-decay", type=float, default=0.1,
+      help="AdamW decay on kernels and embeddings")
+  add("--clip", type=float, default=1.0, help="global-norm clip; 0: none")
+  add("--seed", type=int, default=0)
+  add("--text", metavar="FILE", help="train on this file's bytes (default: "
+      "random tokens from a Zipf law, whose entropy is printed)")
+  add("--json", metavar="PATH", help="write config, metrics and memory here")
+  add("--devices", type=int, default=8,
+      help="without an accelerator: simulated CPU devices")
+  add("--coordinator", metavar="HOST:PORT", help="multi-host: process 0")
+  add("--num-processes", type=int)
+  add("--process-id", type=int)
+  add("--mesh", metavar="replica=R,data=D", help="hybrid sharding: the "
+      "stage shards over data (a node's GPUs), replicates over replica")
+  add("--tp", type=int, default=1, metavar="M", help="tensor parallelism: "
+      "heads and MLP split over a 'model' axis of M devices")
+  add("--embed-blocks", type=int, default=0, metavar="K", help="the tied "
+      "embedding as a zerojax.nn.BlockedEmbed of K vocabulary blocks")
+  add("--attention", choices=["auto", "einsum", "cudnn"], default="auto",
+      help="cudnn: flash attention (NVIDIA GPU, half precision); auto: "
+      "cudnn where it can run")
+  add("--hpz", action="store_true", help="with --mesh: ZeRO++ hpZ")
+  add("--quantize-weights", choices=["int8", "int4"], help="ZeRO++ qwZ")
+  add("--quantize-grads", choices=["int8", "int4"], help="ZeRO++ qgZ")
+  add("--quantize-block", type=int, default=256,
+      help="elements per quantization block")
+  add("--offload", nargs="?", const="host", choices=["host", "disk"],
+      help="ZeRO-Offload: optimizer state in pinned host memory (host), or "
+      "in files under --offload-dir (disk, ZeRO-Infinity)")
+  add("--offload-dir", metavar="DIR", help="with --offload disk: a local "
+      "disk's directory for its files")
+  add("--sub-group-size", type=int, metavar="N", help="with --offload disk: "
+      "stream N elements of a shard at a time")
+  add("--update-on", choices=["device", "host"], help="with --offload host: "
+      "where the offloaded update runs")
+  add("--checkpoint-dir", metavar="DIR", help="save orbax checkpoints here")
+  add("--save-every", type=int, default=0, help="steps between checkpoints "
+      "(0: only at the end)")
+  add("--resume", action="store_true",
+      help="continue from the newest checkpoint in --checkpoint-dir")
   args = p.parse_args(argv)
   if args.resume and not args.checkpoint_dir:
     p.error("--resume needs --checkpoint-dir")
@@ -230,295 +167,14 @@ if __name__ == "__main__":
   simulate_cpu_devices(parse_args().devices)
 
 # pylint: disable=wrong-import-position
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import zerojax  # noqa: E402
-
-
-# ---- the model -----------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-  vocab: int
-  ctx: int
-  layers: int
-  width: int
-  heads: int
-  remat: bool = False
-  layerwise: bool = True
-  tp: int = 1        # devices of the "model" axis the heads and MLP split over
-  embed_blocks: int = 0   # > 0: the tied embedding as a BlockedEmbed
-  # "einsum": the scores written out, softmax in fp32; "cudnn":
-  # jax.nn.dot_product_attention's cuDNN flash attention (half precision on
-  # an NVIDIA GPU; the fp32 init traces XLA's)
-  attention: str = "einsum"
-  lora_rank: int = 0   # > 0: LoRA adapters beside the attention and MLP kernels
-
-
-class LoRADense(nn.Module):
-  """`nn.Dense` (its `kernel` and `bias`, so a pretrained checkpoint fits)
-  plus a low-rank update `x @ lora_a @ lora_b` (LoRA, Hu et al. 2021);
-  `lora_b` starts at zero, so the model starts as the pretrained one."""
-  features: int
-  rank: int
-  kernel_init: Any = nn.initializers.lecun_normal()
-  bias_init: Any = nn.initializers.zeros
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    kernel = self.param("kernel", self.kernel_init, (d, self.features))
-    bias = self.param("bias", self.bias_init, (self.features,))
-    a = self.param("lora_a", nn.initializers.normal(1 / math.sqrt(d)),
-                   (d, self.rank))
-    b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
-    x, kernel, bias, a, b = nn.dtypes.promote_dtype(x, kernel, bias, a, b)
-    return x @ kernel + bias + (x @ a) @ b
-
-
-def _dense(cfg: "GPTConfig", features: int, kernel_init, bias_init=None,
-           name: str = None):
-  """The block's dense layer: `nn.Dense`, or with `cfg.lora_rank` a
-  `LoRADense` holding the same `kernel` and `bias`."""
-  bias_init = bias_init or nn.initializers.zeros
-  if cfg.lora_rank:
-    return LoRADense(features, cfg.lora_rank, kernel_init, bias_init, name=name)
-  return nn.Dense(features, kernel_init=kernel_init, bias_init=bias_init,
-                  name=name)
-
-
-def _split(init, cfg: GPTConfig, spec: tuple):
-  """`init`, annotated with the mesh axes per dim of its weight under tensor
-  parallelism (Megatron's split: column-parallel into the heads and the
-  MLP's hidden layer, row-parallel out of them); zerojax reads these boxes
-  (`model_axis="model"`) and GSPMD adds the model's own all-reduces."""
-  return nn.with_partitioning(init, spec) if cfg.tp > 1 else init
-
-
-def _normal(std):
-  return nn.initializers.normal(stddev=std)
-
-
-class CausalSelfAttention(nn.Module):
-  cfg: GPTConfig
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, d = x.shape
-    cfg = self.cfg
-    h = cfg.heads
-    # dtype=None everywhere: compute in the dtype of the parameters handed in.
-    # columns head-major (each head's q, k, v side by side), so a column
-    # split over "model" gives each device whole heads
-    qkv = _dense(cfg, 3 * d, _split(_normal(0.02), cfg, (None, "model")),
-                 _split(nn.initializers.zeros, cfg, ("model",)), name="qkv")(x)
-    q, k, v = jnp.split(qkv.reshape(b, t, h, 3 * (d // h)), 3, axis=3)
-    if cfg.attention == "cudnn":
-      half = q.dtype in (jnp.bfloat16, jnp.float16)
-      y = jax.nn.dot_product_attention(
-          q, k, v, is_causal=True,
-          implementation="cudnn" if half else "xla").reshape(b, t, d)
-    else:
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-      causal = jnp.tril(jnp.ones((t, t), bool))
-      scores = jnp.where(causal, scores / math.sqrt(d // h), -1e9)
-      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-      y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-    # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
-    return _dense(cfg, d, _split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
-                                 cfg, ("model", None)), name="proj")(y)
-
-
-class MLP(nn.Module):
-  cfg: GPTConfig
-
-  @nn.compact
-  def __call__(self, x):
-    d, cfg = x.shape[-1], self.cfg
-    x = _dense(cfg, 4 * d, _split(_normal(0.02), cfg, (None, "model")),
-               _split(nn.initializers.zeros, cfg, ("model",)), name="fc")(x)
-    x = nn.gelu(x, approximate=True)
-    return _dense(cfg, d, _split(_normal(0.02 / math.sqrt(2 * cfg.layers)),
-                                 cfg, ("model", None)), name="proj")(x)
-
-
-class Block(nn.Module):
-  """Pre-LayerNorm transformer block, written as a scan body (carry, _)."""
-  cfg: GPTConfig
-
-  @nn.compact
-  def __call__(self, x, _):
-    x = x + CausalSelfAttention(self.cfg, name="attn")(nn.LayerNorm(name="ln_1")(x))
-    x = x + MLP(self.cfg, name="mlp")(nn.LayerNorm(name="ln_2")(x))
-    return x, None
-
-
-class GPT(nn.Module):
-  cfg: GPTConfig
-
-  @nn.compact
-  def __call__(self, tokens, targets=None):
-    """Next-token logits; with `targets`, the mean cross entropy (what
-    `--embed-blocks` computes without the logits)."""
-    cfg = self.cfg
-    if cfg.embed_blocks:
-      # zerojax.nn.BlockedEmbed: nn.Embed by vocabulary blocks, a layer stack
-      # (stacked=("blocks", "wte")) gathered one block at a time at stage 3
-      wte = zerojax.nn.BlockedEmbed(cfg.vocab, cfg.width, cfg.embed_blocks,
-                                    embedding_init=_normal(0.02), name="wte")
-    else:
-      wte = nn.Embed(cfg.vocab, cfg.width, embedding_init=_normal(0.02),
-                     name="wte")
-    wpe = nn.Embed(cfg.ctx, cfg.width, embedding_init=_normal(0.01), name="wpe")
-    x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))
-    if cfg.layerwise:
-      # zerojax's one-line opt-in: at stage 3 each layer's chunk is gathered
-      # right before it runs and again in the backward pass.
-      block = zerojax.nn.layerwise(Block, prevent_cse=False)
-    else:
-      block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
-    # One scanned block: parameters get a leading layer axis, which
-    # zerojax's stacked=("blocks",) chunks per layer.
-    blocks = nn.scan(block, variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=cfg.layers,
-                     metadata_params={nn.PARTITION_NAME: None})  # layers unsplit
-    x, _ = blocks(cfg, name="blocks")(x, None)
-    x = nn.LayerNorm(name="ln_f")(x)
-    if targets is None:
-      return wte.attend(x)  # tied output embedding: x @ wte.T
-    if cfg.embed_blocks:
-      return wte.cross_entropy(x, targets).mean()
-    return cross_entropy(wte.attend(x), targets)
-
-
-def cross_entropy(logits, targets):
-  logits = logits.astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def decay_mask(params):
-  """AdamW decays kernels and embeddings, never biases or LayerNorm scales.
-  By name, not ndim: scanned leaves carry an extra layer axis."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"),
-      params)
-
-
-# ---- data ----------------------------------------------------------------------
-class Batches:
-  """Global batches {"tokens", "targets"} of int32 [batch, seq], host numpy.
-
-  Every process draws the same global batch (same seed); the step keeps the
-  slices its devices hold.
-  """
-
-  def __init__(self, vocab: int, batch: int, seq: int, seed: int,
-               text: Optional[str] = None):
-    self.batch, self.seq = batch, seq
-    self.rng = np.random.default_rng(seed)
-    if text is not None:
-      with open(text, "rb") as f:
-        self.corpus = np.frombuffer(f.read(), np.uint8).astype(np.int32)
-      if len(self.corpus) < seq + 2:
-        raise ValueError(f"--text {text} has {len(self.corpus)} bytes; it "
-                         f"needs more than --seq + 1 = {seq + 1}.")
-      self.probs = None
-      self.description = f"bytes of {text} ({len(self.corpus):,} bytes)"
-    else:
-      # Zipf's law over a shuffled vocabulary: the frequencies of words.
-      ranks = np.arange(1, vocab + 1, dtype=np.float64)
-      self.probs = self.rng.permutation(1.0 / ranks / np.sum(1.0 / ranks))
-      self.entropy = float(-np.sum(self.probs * np.log(self.probs)))
-      self.description = (f"random tokens, Zipf over {vocab} ids (entropy "
-                          f"{self.entropy:.2f} nats; uniform would be "
-                          f"{math.log(vocab):.2f})")
-
-  def __next__(self) -> dict:
-    if self.probs is not None:
-      windows = self.rng.choice(len(self.probs), size=(self.batch, self.seq + 1),
-                                p=self.probs).astype(np.int32)
-    else:
-      starts = self.rng.integers(0, len(self.corpus) - self.seq, size=self.batch)
-      windows = self.corpus[starts[:, None] + np.arange(self.seq + 1)]
-    return {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
-
-
-# ---- measurements --------------------------------------------------------------
-def memory_summary(state, step, batch) -> dict:
-  """Bytes per device: the state's arrays (zerojax.memory_report), and the
-  compiled step's footprint (arguments + outputs + temporaries - donated
-  aliases, zerojax.compiled_footprint)."""
-  report = zerojax.memory_report(state)
-  compiled = zerojax.compiled_footprint(step.lower(state, batch).compile())
-  return {"persistent_bytes_per_device": int(report.persistent),
-          "persistent_by_kind": report.by_kind(),   # device, pinned_host, disk
-          "compiled_footprint_bytes_per_device": int(compiled["footprint"]),
-          "compiled": compiled, "report": str(report)}
-
-
-# Dense 16-bit peak per chip, TFLOP/s (vendor datasheets).
-_PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989),
-                ("H200", 989), ("H800", 989), ("A100", 312), ("L40S", 362),
-                ("TPU v5p", 459), ("TPU v5 lite", 197), ("TPU v4", 275))
-
-
-def peak_tflops(device_kind: str) -> Optional[float]:
-  return next((p for k, p in _PEAK_TFLOPS if k in device_kind), None)
-
-
-def flops_per_token(cfg: GPTConfig, params: int, seq: int) -> float:
-  """Training FLOPs per token (PaLM appendix B): 6 x matmul parameters
-  (the position table is a lookup) + 12 x layers x width x seq (attention)."""
-  return 6 * (params - cfg.ctx * cfg.width) + 12 * cfg.layers * cfg.width * seq
-
-
-def _mib(n) -> str:
-  return "n/a" if n is None else f"{n / 2**20:,.2f} MiB"
-
-
-# ---- setup ---------------------------------------------------------------------
-def init_distributed(args) -> None:
-  """jax.distributed for multi-host runs; a no-op on one host."""
-  env_world = max(int(os.environ.get("SLURM_NTASKS", "1")),
-                  int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-  if args.coordinator is None and env_world <= 1:
-    return
-  # Hosts without accelerators need a CPU collectives backend.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if args.coordinator is not None:
-    jax.distributed.initialize(args.coordinator, args.num_processes,
-                               args.process_id)
-  else:
-    jax.distributed.initialize()  # reads SLURM / Open MPI variables
-
-
-def make_mesh(spec, devices, tp: int = 1):
-  """`(mesh, replica axis)` of the `--mesh replica=R,data=D` and `--tp M`
-  flags: (replica R, data D), with a "model" axis of M after them under
-  `--tp` ((data N/M, model M) without `--mesh`); `(None, None)` with
-  neither: every device on the data axis."""
-  model = ((tp,), ("model",)) if tp > 1 else ((), ())
-  if not spec:
-    if tp == 1:
-      return None, None
-    return jax.make_mesh((len(devices) // tp,) + model[0], ("data",) + model[1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2), None
-  try:
-    dims = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
-  except ValueError:
-    raise SystemExit(f"--mesh {spec!r}: write it as replica=R,data=D.") from None
-  want = len(devices) // tp
-  if set(dims) != {"replica", "data"} or dims["replica"] * dims["data"] != want:
-    raise SystemExit(f"--mesh {spec!r}: needs replica=R,data=D with R x D = "
-                     f"{want} devices" + (f" ({len(devices)} / --tp {tp})"
-                                          if tp > 1 else "") + ".")
-  shape = (dims["replica"], dims["data"]) + model[0]
-  mesh = jax.make_mesh(shape, ("replica", "data") + model[1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-  return mesh, "replica"
+from gpt2 import (BYTE_VOCAB, GPT, Batches, GPTConfig, decay_mask,  # noqa: E402
+                  describe, init_distributed, make_mesh, summarize)
 
 
 def resolve(args, backend: str, n_devices: int) -> tuple:
@@ -626,7 +282,6 @@ def main(argv=None) -> dict:
                          apply_fn=model.apply, tx=tx, mesh=mesh,
                          **zero_options(args, run, replica_axis,
                                         cfg.embed_blocks))
-  num_params = state.layout.num_chunked_elements
   if args.resume:
     state = zerojax.checkpoint.restore(args.checkpoint_dir, like=state,
                                        mesh=state.mesh)
@@ -638,32 +293,8 @@ def main(argv=None) -> dict:
   step = zerojax.train_step(loss_fn)
   data = Batches(cfg.vocab, run["batch"], run["seq"], args.seed, args.text)
   tokens_per_step = run["batch"] * run["seq"]
-  kind = devices[0].device_kind
-  layout = state.layout
-  chunks = (f"{len(layout.chunks)} chunks ("
-            f"{sum(1 for c in layout.chunks if c.layers)} stacked per layer), "
-            f"{layout.num_chunked_elements:,} elements + "
-            f"{layout.num_padding_elements:,} padding")
   config = {**vars(args), **run, "model": dataclasses.asdict(cfg),
-            "num_params": num_params, "devices": len(devices),
-            "processes": jax.process_count(), "backend": backend,
-            "device_kind": kind, "data": data.description,
-            "chunks": chunks, "mesh_shape": dict(state.mesh.shape)}
-  log(f"GPT-2 '{run['preset']}': {num_params:,} params, {cfg.layers} layers x "
-      f"{cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}")
-  hybrid = (f" (hybrid: sharded over data {state.num_shards}, replicated "
-            f"over replica {state.num_replicas})" if replica_axis else "")
-  if args.hpz:
-    hybrid = (f" (hpZ: state sharded over replica {state.num_replicas} x data "
-              f"{state.num_shards}, gathered within data)")
-  if args.tp > 1:
-    hybrid += (f" (tensor parallel: heads and MLP split over model {args.tp}, "
-               f"ZeRO over data {state.num_shards})")
-  log(f"ZeRO stage {args.stage} over {len(devices)} {backend} devices "
-      f"({kind}){hybrid}, {run['precision']} compute, batch {run['batch']} x "
-      f"{run['seq']} tokens, accum {args.accum}, lr {run['lr']:g}")
-  log(f"data: {data.description}")
-  log(f"chunks: {chunks}")
+            **describe(state, cfg, run, args, data, log)}
 
   records = []
   first = int(state.step) + 1
@@ -690,46 +321,8 @@ def main(argv=None) -> dict:
   if args.checkpoint_dir:
     zerojax.checkpoint.wait(args.checkpoint_dir)
 
-  # Step 1 includes compilation; throughput is measured on the rest.
-  steady = records[1:]
-  timing = {"first_step_s": records[0]["step_time_s"]}
-  if steady:
-    seconds = sum(r["step_time_s"] for r in steady)
-    timing["tokens_per_s"] = tokens_per_step * len(steady) / seconds
-    timing["step_time_s"] = seconds / len(steady)
-  memory = memory_summary(state, step, batch)
-  psi = layout.num_chunked_elements
-  split = layout.num_split_elements
-  expected = zerojax.estimate_memory(
-      psi, stage=args.stage, num_devices=state.num_state_shards,
-      compute_dtype=jnp.float32 if run["precision"] == "fp32" else jnp.bfloat16,
-      optimizer_bytes_per_param=8,   # AdamW: two fp32 moments
-      split_params=split, model_shards=args.tp)["persistent"]
-
-  floor = (f" (data entropy, the floor: {data.entropy:.4f})"
-           if data.probs is not None else "")
-  log(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
-      f"{len(records)} steps{floor}; first step (compile + run) "
-      f"{timing['first_step_s']:.1f} s")
-  if steady:
-    log(f"throughput {timing['tokens_per_s']:,.0f} tokens/s, "
-        f"{timing['step_time_s'] * 1e3:,.1f} ms/step (steps 2-{len(records)})")
-  log(f"memory per device: state {_mib(memory['persistent_bytes_per_device'])} "
-      f"(ZeRO-{args.stage} with AdamW should need {_mib(expected)} for "
-      f"{psi:,} parameters on {len(devices)} devices"
-      f"{', tensor parallel' if args.tp > 1 else ''}), "
-      f"compiled step {_mib(memory['compiled_footprint_bytes_per_device'])}")
-  log(memory["report"])
-  if backend != "cpu" and steady:
-    achieved = (timing["tokens_per_s"] * flops_per_token(cfg, num_params, run["seq"])
-                / len(devices) / 1e12)
-    peak = peak_tflops(kind)
-    timing["tflops_per_device"] = achieved
-    timing["mfu"] = achieved / peak if peak else None
-    log(f"{achieved:.1f} TFLOP/s per device, MFU " +
-        (f"{100 * achieved / peak:.1f}% of {peak} TFLOP/s (16-bit dense peak)"
-         if peak else f"unknown (no peak on record for {kind!r})"))
-
+  timing, memory = summarize(records, state, step, batch, cfg=cfg, run=run,
+                             stage=args.stage, data=data, log=log)
   result = {"config": config, "steps": records, "memory": memory,
             "timing": timing}
   if args.json and is_main:
