@@ -298,13 +298,6 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       checkpoint. `donate=False` keeps the input state intact whatever
       happens, at the cost of holding the old and the new state at once
       during the step (one more state's bytes per device).
-    Parameters stored in a 16-bit dtype with no float32 master (bfloat16
-      params, the default compute_dtype) are widened for the forward,
-      their gradients reduced in `reduce_dtype`, and optax updates the
-      16-bit parameters with those gradients, rounding the new values to
-      the parameters' dtype: within one ulp of plain optax doing the same.
-      For a float32 master, keep the params in float32 and set
-      `compute_dtype`.
     weighted: `loss_fn` returns `(sum, weight)` (or `((sum, weight), aux)`),
       e.g. `((token_loss * mask).sum(), mask.sum())`: the step's loss is
       Σ sum / Σ weight over the whole global batch (every device, every
@@ -312,6 +305,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       `jax.jit` on the whole batch; `metrics["weight"]` is Σ weight. A
       global batch of weight 0 is a skipped step (`metrics["skipped"]`,
       nothing changed; its loss NaN).
+
+  Parameters stored in a 16-bit dtype with no float32 master (bfloat16
+  params, the default precision) are widened for the forward, their
+  gradients reduced in `Precision.reduce`, and optax updates the 16-bit
+  parameters with those gradients, rounding the new values to the
+  parameters' dtype: within one ulp of plain optax doing the same. For a
+  float32 master, keep the params in float32 and set `precision=`.
 
   Returns:
     `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
@@ -326,8 +326,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     offload transfers included, lowered on any machine.
     `step.gathering(state, batch)` says how the step gathers each chunk
     (`gather_modes`: per layer, per block, whole step or replicated).
-    A state with `placement="auto"` is placed by its first step (see
-    `ZeroConfig.placement`); `lower` and `trace` take it as it is placed.
+    A state with `offload="auto"` is placed by its first step (see
+    `zerojax.Offload`); `lower` and `trace` take it as it is placed.
   """
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
