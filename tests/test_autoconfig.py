@@ -280,7 +280,7 @@ def test_a_host_budget_host_offload_misses_goes_to_disk(tmp_path):
   assert on_host.host_bytes > 0
   plan = zerojax.plan(plain, loss_fn, batch, device_budget=budget,
                       host_budget=on_host.host_bytes - 1,
-                      offload=zerojax.Offload(dir=str(tmp_path)), chunk_size=64)
+                      offload_dir=str(tmp_path), chunk_size=64)
   assert plan.chosen.fields["offload_optimizer"] == "disk"
   assert plan.chosen.fits and plan.chosen.disk_bytes > 0
   by_hand = zerojax.shard(plain, chunk_size=64, **plan.options)
