@@ -624,8 +624,6 @@ def zopts(kwargs: dict) -> dict:
   for name, group in (("axes", zerojax.Axes), ("precision", zerojax.Precision),
                       ("quantize", zerojax.Quantize),
                       ("blocks", zerojax.Blocks), ("offload", zerojax.Offload)):
-    if set(flat) & set(group.from_fields(
-        zerojax.ZeroConfig().fields()).fields() if group is not zerojax.Offload
-                         else zerojax.Offload().fields()):
+    if set(flat) & set(group().fields()):   # the fields it stands for
       out[name] = group.from_fields(fields)
   return out
