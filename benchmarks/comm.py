@@ -1,8 +1,8 @@
 """Collectives per training step, measured from the compiled HLO
-(`zerojax.hlo`), against ZeRO's communication volume.
+(`zerojax._plan.hlo`), against ZeRO's communication volume.
 
 Theory, Ψ parameters, b bytes per element of the compute dtype, in the
-per-op byte definitions of `zerojax.hlo` (all-gather: gathered output,
+per-op byte definitions of `zerojax._plan.hlo` (all-gather: gathered output,
 reduce-scatter: input, all-reduce: operand):
 
   stage 0 / plain DP       all-reduce Ψb                      (Ψ in all)
@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 from typing import Callable, Iterable
 
-from zerojax import hlo
+from zerojax._plan import hlo
 from benchmarks import variants as V
 from benchmarks.memory import sweep_options
 

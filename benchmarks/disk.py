@@ -48,11 +48,11 @@ import jax
 import jax.numpy as jnp
 
 import zerojax
-from zerojax import disk_tier
-from zerojax import disk_stream
+from zerojax._tiers import disk_tier
+from zerojax._train import disk_stream
 from benchmarks import memory, speed
 from benchmarks import variants as V
-from zerojax.hlo import host_moves, host_writes
+from zerojax._plan.hlo import host_moves, host_writes
 from benchmarks.user_models import CONFIGS
 
 CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)

@@ -159,7 +159,7 @@ def build(layers: int) -> dict:
   def run_plain():
     holder["state"], loss = compiled(holder["state"], placed)
     jax.block_until_ready(loss)
-  out["plain jit LoRA"] = (run_plain, zerojax.memory.per_device_bytes(plain),
+  out["plain jit LoRA"] = (run_plain, zerojax._state.memory.per_device_bytes(plain),
                            zerojax.compiled_footprint(compiled)["footprint"],
                            None)
   return out

@@ -199,7 +199,7 @@ def run(mode: str, log=print) -> dict:
         capture_output=True, text=True,
         timeout=1800)
     if proc.returncode:   # (the device is the children's: not asked here)
-      from zerojax import compat
+      from zerojax._core import compat
       rows.append({"variant": variant, "attention": attention,
                    "config": config, "batch_per_device": per_device,
                    "seq": seq, "xla_flags": compat.with_gpu_flags(
@@ -271,12 +271,12 @@ def read_rows(paths) -> list:
 
 
 def flags_beside_defaults(flags) -> str:
-  """A row's XLA flags as they differ from `zerojax.compat.with_gpu_flags`'
+  """A row's XLA flags as they differ from `zerojax.with_gpu_flags`'
   defaults: those added (but the simulated CPU device count), and the
   defaults it ran without ("" when the same; "?" when not recorded)."""
   if flags is None:
     return "?"
-  from zerojax import compat
+  from zerojax._core import compat
   given = {f.split("=", 1)[0]: f for f in flags.split()}
   defaults = {f.split("=", 1)[0]: f for f in compat.with_gpu_flags("").split()}
   added = [f for k, f in given.items() if defaults.get(k) != f
@@ -320,7 +320,7 @@ def goal_checks(rows: list) -> list:
 if __name__ == "__main__":
   # every variant with the GPU flags the example sets (read when jax
   # starts the backend, in _child; the row records the flags it ran with)
-  from zerojax import compat
+  from zerojax._core import compat
   os.environ["XLA_FLAGS"] = compat.with_gpu_flags(
       os.environ.get("XLA_FLAGS", ""))
   # PROFILE: a JSON path for the profile summary of this variant

@@ -3,11 +3,11 @@ axis, memory per device and step time, on the same 8 devices laid out as 2
 nodes of 4.
 
 The programs are compiled for the GPT config and their collectives read
-from the optimized HLO (`zerojax.hlo`), each op classed by its replica
+from the optimized HLO (`zerojax._plan.hlo`), each op classed by its replica
 groups: groups of D = 4 stay within a node (data axis), groups of R = 2
 (replica axis) and groups of all 8 devices cross nodes. Theory per device
 per step, stage 3, compute dtype of b bytes (fp32 here: b = 4), Ψ
-parameters (`bytes` as `zerojax.hlo` counts them: an all-gather's
+parameters (`bytes` as `zerojax._plan.hlo` counts them: an all-gather's
 output, a reduce-scatter's input, an all-reduce's operand):
 
   1-D ZeRO-3   across nodes: gathers 2·bΨ, reduce-scatter 4Ψ (every group
@@ -38,7 +38,7 @@ from __future__ import annotations
 import zerojax
 from benchmarks import models, speed
 from benchmarks import variants as V
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 
 R = 2   # nodes (the replica axis)
 MODES = {"zero-3 1-D": dict(replicas=1), "zero-3 HSDP": dict(replicas=R),

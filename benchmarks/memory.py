@@ -17,7 +17,7 @@ import gc
 from typing import Callable, Dict, Iterable, Optional
 
 import zerojax
-from zerojax import compat
+from zerojax._core import compat
 from benchmarks import variants as V
 
 FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
@@ -29,7 +29,7 @@ FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
 # optimisation: the HLO, its buffer assignment, memory_analysis() and the
 # collectives are the same as with the default options (tests check it),
 # compilation is about twice as fast.
-# (The options this XLA accepts: `zerojax.compat`.)
+# (The options this XLA accepts: `zerojax._core.compat`.)
 def analysis_options() -> dict:
   return compat.compiler_options({"xla_backend_optimization_level": 0})
 

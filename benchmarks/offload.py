@@ -9,7 +9,7 @@ offload, and the step-time cost of offload on CPU.
                   (the CPU backend does not split memory kinds itself); on
                   CPU the host <-> device copies compile to nothing, so no
                   transient device copy of an offloaded chunk is counted
-                  (see `zerojax.offload`)
+                  (see `zerojax._core.offload`)
   largest model   the budget is the device bytes of the config without
                   offload (the device that just fits it); depth is swept
                   at the config's width: two depths are compiled, the line
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from benchmarks import memory, models, speed
 from benchmarks import variants as V
-from zerojax.hlo import host_computations, host_moves
+from zerojax._plan.hlo import host_computations, host_moves
 
 VARIANT = "zero-3"
 OFFLOAD = {"offload_optimizer": True}

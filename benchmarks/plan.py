@@ -7,7 +7,7 @@ tokens a parameter (FLOPs dominate the step) and few (the state's bytes
 do, as in large-model training). Rows:
 
   ranking    per problem, each of `CANDIDATES` modelled as the plan models
-             it (`zerojax.autoconfig.measure`) and trained for real: the
+             it (`zerojax._plan.autoconfig.measure`) and trained for real: the
              Spearman rank correlation of modelled against measured step
              time (target >= 0.8 over at least 6 candidates);
   planning   `zerojax.plan` under a budget only stage 3 meets, timed,
@@ -46,7 +46,8 @@ from flax.training import train_state  # noqa: E402
 
 import zerojax  # noqa: E402
 from benchmarks import models  # noqa: E402
-from zerojax import autoconfig, costmodel  # noqa: E402
+from zerojax._plan import autoconfig  # noqa: E402
+from zerojax._plan import costmodel
 
 # name: (model, batch, sequence length)
 PROBLEMS = {

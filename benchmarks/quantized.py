@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from benchmarks import models
 from benchmarks import variants as V
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 from benchmarks.hybrid import _per_axis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

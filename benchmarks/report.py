@@ -182,7 +182,7 @@ def _comm_md(r: dict, mode: str) -> list:
   s = r["setup"]
   lines = [f"### Communication per step ({s['config']}: Ψ = "
            f"{s['num_params']:,}, fp32, {s['devices']} devices)", "",
-           "Counted in the optimized HLO (`zerojax/hlo.py`); bytes per "
+           "Counted in the optimized HLO (`zerojax/_plan/hlo.py`); bytes per "
            "device: all-gather = gathered output, reduce-scatter = input, "
            "all-reduce = operand. Ops in loop bodies (the scanned layers) "
            "count once per iteration.", "",
@@ -369,7 +369,7 @@ def _checkpoint_md(r: dict, mode: str) -> list:
            "`StandardCheckpointer` of the unsharded flax `TrainState` on one "
            "device. `save`, `restore`: the second call of the process (what "
            "each later call costs); `first ...`: the first, which for a "
-           "zerojax restore includes the optimizer probes (`zerojax.optim`, "
+           "zerojax restore includes the optimizer probes (`zerojax._core.optim`, "
            "compiled once per process and tx, as `shard()` does). host MiB: "
            "peak resident memory during the call above the resident memory "
            "before it (the state itself is not counted by a save). Each "
@@ -418,7 +418,7 @@ def _throughput_md(r: dict, mode: str) -> list:
            "softmax; `cudnn`: `jax.nn.dot_product_attention`'s cuDNN flash "
            "attention; plain DP, remat: each block rematerialised as stage "
            "3's are. A row's XLA flags are those it ran with beside "
-           "`zerojax.compat.with_gpu_flags`' defaults (\"without\": a "
+           "`zerojax.with_gpu_flags`' defaults (\"without\": a "
            "default it ran without). Ratios are against plain DP and GSPMD "
            "FSDP of the same attention, config, batch and flags. "
            f"`python -m benchmarks.run --{mode}`"

@@ -9,10 +9,10 @@ The GPT's attention heads and MLP are split over "model" with
 are split, Ψ_u = Ψ − Ψ_s (embeddings, norms, the row-split layers' biases)
 are whole. A device then holds Ψ' = Ψ_u + Ψ_s/M parameters' worth of rows,
 and ZeRO shards those over data. Collectives are read from the optimized
-HLO (`zerojax.hlo`) and classed by their replica groups: groups of D = 4
+HLO (`zerojax._plan.hlo`) and classed by their replica groups: groups of D = 4
 run over data, groups of M = 2 over model, groups of all 8 span both (on
 the 1-D mesh every group is all 8: that is its data axis). Theory per
-device per step, fp32 (b = 4 bytes), `bytes` as `zerojax.hlo` counts
+device per step, fp32 (b = 4 bytes), `bytes` as `zerojax._plan.hlo` counts
 them (an all-gather's output, a reduce-scatter's input, an all-reduce's
 operand):
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import zerojax
 from benchmarks import models, speed
 from benchmarks import variants as V
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 
 M = 2   # devices of the model axis
 MODES = {"zero-3 1-D": ("zero-3", 1), "zero-3 TP": ("zero-3", M),

@@ -4,7 +4,7 @@ Llama.
 `transformers`' `FlaxGPT2LMHeadModule` (the `hf` extra: transformers 4.x,
 whose Flax models version 5 dropped) is linen code nobody wrote for zerojax:
 its blocks are a setup-time list named `h/0`, `h/1`, ... (found as units by
-`zerojax.chunking.repeated_blocks`), called with Python flags
+`zerojax._core.chunking.repeated_blocks`), called with Python flags
 (`deterministic=True`), its projections are `Conv1D` kernels stored
 `[out, in]`, and the head reads the embedding table through
 `self.variables`. The loss wraps it as a user's training code does (mask

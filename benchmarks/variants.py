@@ -88,7 +88,7 @@ class Variant:
   def persistent_bytes(self) -> int:
     """Per-device bytes of the state: the first shard of every array (real
     arrays) or the same from shapes and shardings (abstract state)."""
-    return zerojax.memory.per_device_bytes(self.state)
+    return zerojax._state.memory.per_device_bytes(self.state)
 
   def release(self):
     for x in jax.tree_util.tree_leaves(self.state):

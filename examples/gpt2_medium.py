@@ -151,17 +151,17 @@ def simulate_cpu_devices(n: int) -> None:
   """Asks XLA for `n` host devices. Only the CPU platform reads this flag,
   and only when jax starts it, so it is set before any device is used; it does
   nothing on a machine whose default backend is a GPU or TPU. The GPU
-  compiler's flags (`zerojax.compat.GPU_FLAGS`: prefetch of the next
+  compiler's flags (`zerojax._core.compat.GPU_FLAGS`: prefetch of the next
   layer's gather, reduce-scatter beside the backward, matmuls on cuBLAS)
   are set alike; the CPU compiler ignores them."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + f" --xla_force_host_platform_device_count={n}").strip()
-  os.environ["XLA_FLAGS"] = compat.with_gpu_flags(flags)
+  os.environ["XLA_FLAGS"] = zerojax.with_gpu_flags(flags)
 
 
 # (imports jax, which reads XLA_FLAGS only when it starts a backend)
-from zerojax import compat  # noqa: E402
+import zerojax  # noqa: E402
 
 if __name__ == "__main__":
   simulate_cpu_devices(parse_args().devices)
@@ -172,7 +172,6 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import zerojax  # noqa: E402
 from gpt2 import (BYTE_VOCAB, GPT, Batches, GPTConfig, decay_mask,  # noqa: E402
                   describe, init_distributed, make_mesh, summarize)
 

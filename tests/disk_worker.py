@@ -48,7 +48,7 @@ def problem(width: int = 64, layers: int = 3):
 
 def kill(live: str, ckpt: str) -> None:
   import zerojax
-  from zerojax import disk
+  from zerojax._tiers import disk
   state, loss_fn, batches, fields = problem()
   state = zerojax.shard(state, offload=zerojax.Offload("disk", dir=live),
                         **fields)
@@ -84,7 +84,7 @@ def rss(live: str) -> None:
   import time
   import jax
   import zerojax
-  from zerojax import disk_stream
+  from zerojax._train import disk_stream
   state, loss_fn, batches, fields = problem(width=1024, layers=4)
   state = zerojax.shard(state, offload=zerojax.Offload("disk", dir=live),
                         **fields)

@@ -615,7 +615,7 @@ def zopts(kwargs: dict) -> dict:
   group touched is built from them (`Group.from_fields`), the others and
   every other keyword (mesh, tx, stage, ...) pass as they are."""
   import zerojax
-  from zerojax.config import FIELDS, OPTIONS
+  from zerojax._options.config import FIELDS, OPTIONS
   flat = {k: v for k, v in kwargs.items() if k in FIELDS and k not in OPTIONS}
   if not flat:
     return dict(kwargs)

@@ -13,7 +13,8 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 import zerojax
-from zerojax import autoconfig, costmodel
+from zerojax._plan import autoconfig
+from zerojax._plan import costmodel
 from models import zopts, Transformer, lm_batches, lm_loss_fn
 
 

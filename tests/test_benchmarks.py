@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from zerojax import hlo
+from zerojax._plan import hlo
 # starts processes (or runs for minutes): the full suite's, not the fast tier's
 pytestmark = pytest.mark.slow
 
@@ -801,7 +801,7 @@ def test_spearman_ranks_with_ties_at_their_mean_rank():
 
 def test_plan_suite_labels_and_reports_each_problem(tmp_path):
   from benchmarks import plan as suite
-  from zerojax import costmodel
+  from zerojax._plan import costmodel
   rows = [{"problem": p, "candidate": costmodel.label(f), "fields": f,
            "device_bytes": 2 ** 20 * (4 - f["stage"]), "host_bytes": 0,
            "wire_bytes": 2 ** 20, "pcie_bytes": 0, "host_update_bytes": 0,

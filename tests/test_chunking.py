@@ -1,12 +1,13 @@
-"""zerojax.chunking: the chunk-size search against an independent greedy
+"""zerojax._core.chunking: the chunk-size search against an independent greedy
 packing, which sibling submodules are units (repeated blocks), and which
 submodules look like layer stacks."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import (beside, named_units, repeated_blocks,
-                              scanned_stacks, search_chunk_size, unit_depth)
+from zerojax._core.chunking import (beside, named_units, repeated_blocks,
+                                    scanned_stacks, search_chunk_size,
+                                    unit_depth)
 
 
 def _block(width, hidden=None):

@@ -14,8 +14,9 @@ from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import collectives, compat
-from zerojax.layout import ChunkLayout
+from zerojax._comm import collectives
+from zerojax._core import compat
+from zerojax._core.layout import ChunkLayout
 from models import zopts, ScannedLM, lm_loss_fn
 
 

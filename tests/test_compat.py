@@ -1,4 +1,4 @@
-"""zerojax.compat: compile options this XLA lacks are dropped, not fatal."""
+"""zerojax._core.compat: compile options this XLA lacks are dropped, not fatal."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 import jax
 import numpy as np
 
-from zerojax import compat
+from zerojax._core import compat
 
 
 def test_compiler_options_keeps_what_xla_accepts_and_drops_the_rest():
@@ -48,7 +48,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from zerojax import compat
+from zerojax._core import compat
 mesh = Mesh(np.array(jax.devices()), ("d",))
 n, got = 2 ** 17, []   # 512 KiB per device: copied off the thread that asks
 

@@ -1,4 +1,4 @@
-"""The disk tier's raw files (`zerojax.disk`): arrays come back bit for bit,
+"""The disk tier's raw files (`zerojax._tiers.disk`): arrays come back bit for bit,
 the stream overlaps reads and writes with updates while holding at most two
 items besides the one updated, and a missing, unwritable or full directory
 gives a clear error, never a silent partial write."""
@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from zerojax import disk
+from zerojax._tiers import disk
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32])

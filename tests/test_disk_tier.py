@@ -19,8 +19,8 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax import disk_tier
-from zerojax.state import loaded_master
+from zerojax._tiers import disk_tier
+from zerojax._state.state import loaded_master
 import disk_worker
 from models import zopts
 from models import (OFFLOADED_UPDATE_CASES,
@@ -172,7 +172,7 @@ def test_the_disk_tier_matches_the_host_tier_on_a_replica_mesh(hpz, tmp_path,
   host, host_losses = zero_run(_shard(3, offload_optimizer=True,
                                       update_on="host", **fields),
                                loss_fn, batches[:1])
-  from zerojax import disk as disk_files
+  from zerojax._tiers import disk as disk_files
   write, writes = disk_files.ChunkFiles.write, []
 
   def counted(self, key, array, at=None):
@@ -306,7 +306,7 @@ def test_bad_directories_are_refused_with_nothing_left(tmp_path):
 def test_a_full_disk_is_an_error_never_a_partial_tier(tmp_path, monkeypatch):
   """At `shard`: the files written so far are removed. During a step: the
   step raises (the state is then gone, as the message says)."""
-  from zerojax import disk
+  from zerojax._tiers import disk
   full_at = {"writes": 3}   # the directory's probe, then two files
   write = disk.os.pwrite
 

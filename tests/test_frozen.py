@@ -1,4 +1,4 @@
-"""Frozen weights (`zerojax.frozen`): stored once in the compute dtype, split
+"""Frozen weights (`zerojax._core.frozen`): stored once in the compute dtype, split
 over the data axis at stage 3 and gathered per block, with no gradient; the
 training they give equals plain optax with the frozen leaves' updates
 zeroed."""
@@ -126,7 +126,7 @@ def test_frozen_weights_are_stored_once_in_the_compute_dtype(stage,
   state, params, _, _, _ = _sharded(stage, compute_dtype)
   whole = _frozen_bytes(params, compute_dtype)
   ideal = whole / 8 if stage == 3 else whole
-  held = sum(zerojax.memory.per_device_bytes(x) for x in state.rest)
+  held = sum(zerojax._state.memory.per_device_bytes(x) for x in state.rest)
   assert ideal <= held <= 1.10 * ideal
   for x in state.rest:
     assert x.dtype == jnp.dtype(compute_dtype)
@@ -285,9 +285,9 @@ def test_create_stores_frozen_weights_as_shard_does(compute_dtype):
 
 def _dequantized(params, block=256):
   """`params` with every frozen matrix replaced by what int8 blocks of it
-  give back (`zerojax.quantize`'s encode; values times absmax / 127, a
+  give back (`zerojax._comm.quantize`'s encode; values times absmax / 127, a
   block's extremes its absmax)."""
-  from zerojax import quantize
+  from zerojax._comm import quantize
   q = quantize.Quantization("int8", block)
   mask = _is_frozen(params)
 

@@ -1,4 +1,4 @@
-"""The configuration's groups (zerojax/groups.py) and ZeroConfig's options:
+"""The configuration's groups (zerojax/_options/groups.py) and ZeroConfig's options:
 the short spellings, the round trip through the flat fields, and the old
 flat names refused naming their new spelling. Each group's own refusals
 are tested beside the feature it configures (test_offload, test_disk_tier,
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.config import NEW_SPELLING, OPTIONS, ZeroConfig
+from zerojax._options.config import NEW_SPELLING, OPTIONS, ZeroConfig
 
 
 def test_there_are_a_dozen_options():

@@ -15,7 +15,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 from models import zopts
 from models import (ScannedLM, assert_matches_reference, lm_batches,
                     lm_loss_fn, make_problem, reference_run, zero_run)

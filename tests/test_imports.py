@@ -1,7 +1,9 @@
 """The package's imports run one way: read from the source (no module is
 imported), the module-level imports between zerojax's modules form no
-circle, and an import deferred into a function (the usual way to break a
-circle) is one of those listed here, each with its reason."""
+circle, an import deferred into a function (the usual way to break a
+circle) is one of those listed here, each with its reason, the packages
+import only the layers below their own (LAYERS, docs/design.md's package
+map), and no package takes another's private names."""
 import ast
 import pathlib
 
@@ -13,14 +15,16 @@ ROOT = pathlib.Path(zerojax.__file__).parent
 DEFERRED = {
     # `placement="auto"` plans at a step's first call, and the planner
     # compiles steps (`train_step`) to plan
-    ("zerojax.step", "zerojax.planner"),
+    ("zerojax._train.step", "zerojax._plan.planner"),
     # `shard(stage="auto")` chooses at a step's first call, and `plan`
     # compiles steps to choose
-    ("zerojax.step", "zerojax.autoconfig"),
-    # `zerojax.nn.BlockedEmbed` is public in nn and defined in embed, which
-    # is built on nn's gathers (a module `__getattr__`)
-    ("zerojax.nn", "zerojax.embed"),
+    ("zerojax._train.step", "zerojax._plan.autoconfig"),
 }
+
+# zerojax's packages and its top-level modules, lowest first: each imports
+# (at module level) only those before it
+LAYERS = ["deepspeed", "_online_softmax", "losses", "_options", "_comm",
+          "_core", "_tiers", "nn", "_state", "_train", "_plan", "checkpoint"]
 
 
 def _modules() -> dict:
@@ -98,3 +102,57 @@ def test_deferred_imports_are_the_listed_ones():
           reach.add(y)
           todo.append(y)
     assert a in reach, (a, b)
+
+
+def _package(module: str) -> str:
+  """The layer a module belongs to: its package or top-level module under
+  zerojax ("" for zerojax itself)."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_package_is_a_layer():
+  found = {_package(m) for m in _modules()} - {""}
+  assert found == set(LAYERS), found ^ set(LAYERS)
+
+
+def test_packages_import_only_the_layers_below():
+  top, _ = _edges()
+  upward = sorted((a, b) for a, b in top
+                  if _package(a) and _package(a) != _package(b)
+                  and LAYERS.index(_package(b)) > LAYERS.index(_package(a)))
+  assert not upward, upward
+
+
+def _private_uses(tree, modules: dict) -> set:
+  """(zerojax module, private name) pairs a module's source takes: by
+  `from m import _x` or by `m._x` on a module it imported."""
+  bound, out = {}, set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module in modules:
+      for a in node.names:
+        name = f"{node.module}.{a.name}"
+        if name in modules:
+          bound[a.asname or a.name] = name
+        elif a.name.startswith("_"):
+          out.add((node.module, a.name))
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name in modules and a.asname:
+          bound[a.asname] = a.name
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in bound and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      out.add((bound[node.value.id], node.attr))
+  return out
+
+
+def test_no_package_takes_another_packages_private_names():
+  modules = _modules()
+  taken = sorted(
+      (name, f"{other}.{attr}")
+      for name, path in modules.items()
+      for other, attr in _private_uses(ast.parse(path.read_text()), modules)
+      if _package(other) != _package(name))
+  assert not taken, taken

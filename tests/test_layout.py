@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zerojax.chunking import repeated_blocks
-from zerojax.layout import ChunkLayout
+from zerojax._core.chunking import repeated_blocks
+from zerojax._core.layout import ChunkLayout
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.bool_]
 

@@ -22,7 +22,7 @@ def _state(stage, dtype, accum):
 
 
 def _design_table(psi, n, stage, half):
-  """docs/design.md's table, written out independently of zerojax.memory."""
+  """docs/design.md's table, written out independently of zerojax._state.memory."""
   if stage == 0:
     return 12 * psi
   if stage in (1, 2):

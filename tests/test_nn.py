@@ -48,7 +48,7 @@ def test_layerwise_matches_plain_optax(layerwise, scan, offload):
                             "stage": 3, **offload,
                             "stacked": ("blocks",) if scan else ()}))
   if not scan:   # every block has chunks of its own, opted in or not, and
-    # so do the modules beside them (`zerojax.peruse`; the root's
+    # so do the modules beside them (`zerojax.nn._peruse`; the root's
     # LayerNorm_0 by its root path, its name being the blocks' too)
     assert {c.stack for c in state.layout.chunks} == {
         "Embed_0", "/LayerNorm_0", "blocks_0", "blocks_1", "blocks_2"}
@@ -271,8 +271,8 @@ def test_prefetch_holds_one_more_block_at_any_depth():
 
 def test_prefetch_default_is_on_where_collectives_overlap():
   mesh = jax.make_mesh((8,), ("data",))
-  assert zerojax.config.prefetches(zerojax.ZeroConfig(), mesh) is False
-  assert zerojax.config.prefetches(zerojax.ZeroConfig(blocks=zerojax.Blocks(prefetch=True)), mesh)
+  assert zerojax._options.config.prefetches(zerojax.ZeroConfig(), mesh) is False
+  assert zerojax._options.config.prefetches(zerojax.ZeroConfig(blocks=zerojax.Blocks(prefetch=True)), mesh)
 
 
 @pytest.mark.slow
@@ -422,7 +422,7 @@ def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
   modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
   assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
   # the embedding and final norm, modules beside the blocks, too small to
-  # compare gathering them per use with holding them (`zerojax.peruse`)
+  # compare gathering them per use with holding them (`zerojax.nn._peruse`)
   assert {k: v.split(" (")[0] for k, v in modes.items()
           if not k.startswith("blocks")} == {"Embed_0": "whole step",
                                              "LayerNorm_0": "whole step"}
@@ -684,7 +684,7 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
 
 @pytest.mark.slow
 def test_a_per_use_module_is_gathered_once_per_call(monkeypatch):
-  """Held (the comparison of `zerojax.peruse` off), the bridge's chunks are gathered once for the step; per use, at
+  """Held (the comparison of `zerojax.nn._peruse` off), the bridge's chunks are gathered once for the step; per use, at
   its forward call and again in its backward pass (one more all-gather per
   chunk), the rest of the program unchanged. Whether that lowers the
   footprint is up to XLA's scheduler: the compiled footprints, measured
@@ -694,7 +694,7 @@ def test_a_per_use_module_is_gathered_once_per_call(monkeypatch):
   model, held, x = _bridged_state(())
   _, per_use, _ = _bridged_state(("bridge",))
   loss_fn = lambda p, b: model.apply({"params": p}, b)
-  monkeypatch.setattr(zerojax.peruse, "WORTH_COMPARING", float("inf"))
+  monkeypatch.setattr(zerojax.nn._peruse, "WORTH_COMPARING", float("inf"))
   text = {k: zerojax.train_step(loss_fn).lower(s, x).compile().as_text()
           for k, s in (("held", held), ("per use", per_use))}
   bridge_chunks = sum(1 for c in per_use.layout.chunks if c.stack == "bridge")
@@ -818,7 +818,7 @@ def test_create_equals_init_then_shard_and_stays_sharded():
       assert a.sharding == b.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(len(c.leaves) == 1 for c in made.layout.chunks)
-  fp = zerojax.sharded_init.create_footprint(
+  fp = zerojax._state.sharded_init.create_footprint(
       init_fn, jax.random.key(7), apply_fn=model.apply, tx=tx, stage=2,
       precision="bfloat16", blocks=zerojax.Blocks(stacked=("blocks",)), mesh=one)
   assert len(fp["programs"]) == 3   # the chunks, the rest, the assembly
@@ -829,7 +829,7 @@ def test_create_peak_is_the_sharded_state_plus_one_leaf():
   model = ScannedLM(layers=4, width=256, vocab=512, layerwise=False)
   tokens = jnp.zeros((1, 8), jnp.int32)
   init_fn = lambda r: model.init(r, tokens)["params"]
-  fp = zerojax.sharded_init.create_footprint(
+  fp = zerojax._state.sharded_init.create_footprint(
       init_fn, jax.random.key(0), apply_fn=model.apply, tx=optax.adam(1e-3),
       stage=3, blocks=zerojax.Blocks(stacked=("blocks",)))
   leaves = jax.tree_util.tree_leaves(jax.eval_shape(init_fn, jax.random.key(0)))

@@ -1,4 +1,4 @@
-"""Flax NNX models through the NNX front end (`zerojax.frontend`): the same
+"""Flax NNX models through the NNX front end (`zerojax.nn._frontend`): the same
 one-line adoption, checked against a plain `nnx.Optimizer` loop on one
 device, a data-parallel BatchNorm reference, per-device dropout, evaluation
 and the errors."""
@@ -273,7 +273,7 @@ def test_nnx_create_equals_shard_of_the_built_model():
 
 
 def test_nnx_create_never_holds_the_whole_model():
-  fp = zerojax.sharded_init.create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
+  fp = zerojax._state.sharded_init.create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
                                              stage=3)
   params = jax.eval_shape(lambda r: nnx.to_pure_dict(
       nnx.state(_nnx_lm(r), nnx.Param)), jax.random.key(0))

@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax import offload
+from zerojax._core import offload
 from models import zopts, ScannedLM, lm_batches, lm_loss_fn, make_problem, zero_run
 
 

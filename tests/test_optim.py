@@ -104,20 +104,20 @@ def test_per_tensor_transformations_are_refused(tx, culprit):
 def test_probes_fall_back_when_xla_lacks_a_compile_option(monkeypatch):
   """A newer or older XLA without one of the probes' compile options must
   not make every tx look as if it failed on chunks."""
-  monkeypatch.setattr(zerojax.compat, "FAST_COMPILE",
+  monkeypatch.setattr(zerojax._core.compat, "FAST_COMPILE",
                       {"xla_zerojax_no_such_option": True})
-  assert zerojax.compat.compiler_options(backend="cpu") == {}
+  assert zerojax._core.compat.compiler_options(backend="cpu") == {}
   _, params, _, _ = make_problem("mlp")
   abstract = jax.eval_shape(lambda p: p, params)
   n = len(jax.tree_util.tree_leaves(abstract))
   tx = optax.adamw(1e-3, mask=_decay_mask)      # a new tx: probed afresh
-  labels = zerojax.optim.leaf_labels(tx, abstract, [True] * n)
+  labels = zerojax._core.optim.leaf_labels(tx, abstract, [True] * n)
   ndims = [x.ndim for x in jax.tree_util.tree_leaves(abstract)]
   assert [labels[ndims.index(d)] for d in ndims] == list(labels)
   assert len(set(labels)) == 2
-  zerojax.optim.check_elementwise(tx, abstract, [True] * n, labels)
+  zerojax._core.optim.check_elementwise(tx, abstract, [True] * n, labels)
   with pytest.raises(ValueError, match="'scale_by_trust_ratio'"):
-    zerojax.optim.check_elementwise(optax.lamb(1e-3), abstract, [True] * n,
+    zerojax._core.optim.check_elementwise(optax.lamb(1e-3), abstract, [True] * n,
                                     (0,) * n)
 
 
@@ -181,7 +181,7 @@ def test_probe_cost_is_a_few_programs_tracing_the_update_once(
   each half) traces tx.update once for all its steps, and no program packs
   chunks (packing happens on the host). A second check of the same tx and
   tree costs nothing."""
-  zerojax.compat.compiler_options(backend="cpu")  # its one-off checks
+  zerojax._core.compat.compiler_options(backend="cpu")  # its one-off checks
   _, params, _, _ = make_problem(kind)
   adam = optax.adam(1e-3)
   updates_traced = []
@@ -200,9 +200,9 @@ def test_probe_cost_is_a_few_programs_tracing_the_update_once(
 
   monkeypatch.setattr(jax.stages.Lowered, "compile", counting_compile)
   config = zerojax.ZeroConfig(stage=3, offload=zerojax.Offload(optimizer=offload))
-  zerojax.state.check_tx(tx, params, config)
+  zerojax._state.state.check_tx(tx, params, config)
   assert not any(compiled), "a probe program packs or unpacks chunks"
   assert len(updates_traced) == runs, "tx.update traced once per step"
   assert len(compiled) == programs
-  zerojax.state.check_tx(tx, params, config)
+  zerojax._state.state.check_tx(tx, params, config)
   assert (len(compiled), len(updates_traced)) == (programs, runs)

@@ -1,4 +1,4 @@
-"""zerojax.peruse: the modules beside a stage-3 model's blocks, held for the
+"""zerojax.nn._peruse: the modules beside a stage-3 model's blocks, held for the
 step or gathered at each use, whichever compiles smaller."""
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,8 @@ from flax import linen as nn, nnx
 from flax.training import train_state
 
 import zerojax
-from zerojax import memory, peruse
+from zerojax._state import memory
+from zerojax.nn import _peruse as peruse
 from models import (Bridged, NnxResidualBlock, ResidualBlock, ScannedLM,
                     assert_matches_reference, nnx_listed, reference_run,
                     zero_run)

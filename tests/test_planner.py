@@ -8,8 +8,8 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax import compat
-from zerojax.state import state_shardings
+from zerojax._core import compat
+from zerojax._state.state import state_shardings
 from models import make_problem
 
 CHUNK = 64          # the MLP's five leaves in five chunks of distinct sizes

@@ -16,10 +16,10 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 from models import zopts, make_problem
-from zerojax import quantize
-from zerojax.quantize import Quantization
+from zerojax._comm import quantize
+from zerojax._comm.quantize import Quantization
 
 LEVELS = {"int8": 127, "int4": 7}
 TX = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9))

@@ -84,7 +84,7 @@ def test_host_parameters_reach_each_device_as_its_part_only(monkeypatch):
   each leaf to its split (`reshard.leaf_spec`), so jax sends even a host
   leaf to them in parts: their compiled argument bytes per device are each
   leaf's part (whole only where no axis divides by the device count)."""
-  from zerojax import reshard
+  from zerojax._core import reshard
   state, _, _ = _state("transformer", tx=optax.sgd(0.1))
   host = jax.tree_util.tree_map(np.asarray, state.params)
   programs = []
@@ -118,13 +118,13 @@ def test_host_parameters_reach_each_device_as_its_part_only(monkeypatch):
 
 def test_gather_params_traces_once_per_state_structure(monkeypatch):
   traced = []
-  merge = zerojax.layout.ChunkLayout.merge
+  merge = zerojax._core.layout.ChunkLayout.merge
 
   def counting(self, *args, **kwargs):
     traced.append(1)
     return merge(self, *args, **kwargs)
 
-  monkeypatch.setattr(zerojax.layout.ChunkLayout, "merge", counting)
+  monkeypatch.setattr(zerojax._core.layout.ChunkLayout, "merge", counting)
   state, _, _ = _state("mlp", tx=optax.sgd(0.1))
   z = zerojax.shard(state, stage=3, chunk_size=300)
   traced.clear()   # (shard's optimizer probes unpack chunks too)

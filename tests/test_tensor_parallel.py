@@ -17,7 +17,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax.hlo import count_collectives
+from zerojax._plan.hlo import count_collectives
 from models import zopts
 from models import (TPTransformer, assert_matches_reference, lm_batches,
                     lm_loss_fn, reference_run)
@@ -324,7 +324,7 @@ def test_an_nnx_model_split_over_model_trains_as_plain_optax():
 def test_memory_report_counts_the_split_weights_per_model_device(stage, dtype):
   """Per device: a split weight's share is 1/M of a whole one's under the
   stage's table over the data axis (written out here, from the boxed
-  params, independently of `zerojax.memory`); the report's formula and its
+  params, independently of `zerojax._state.memory`); the report's formula and its
   measured bytes agree with it, padding aside."""
   _, params, _, _ = _problem()
   state = _state(stage, compute_dtype=dtype)

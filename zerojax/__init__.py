@@ -7,26 +7,28 @@
     params = zerojax.gather_params(state)
 
 The public surface is `__all__` (docs/design.md, "Public surface"); the
-modules `checkpoint`, `losses` and `nn`, and `compat.with_gpu_flags`, are
-public too. Everything else (the chunk layout, the policy, collectives)
-is internal: importable, but free to change.
+modules `checkpoint`, `deepspeed`, `losses` and `nn` are public too.
+Everything else lives in packages named with a leading underscore
+(docs/design.md, "Package map"): importable, but free to change.
 """
-from zerojax import compat as _compat
+from zerojax._core import compat as _compat
+from zerojax._core.compat import with_gpu_flags
 _compat.gpu_flags_at_import()   # before anything here could start jax
-from zerojax.config import ZeroConfig  # noqa: E402
-from zerojax.groups import (Axes, Blocks, DynamicLossScale, Offload,
-                            Precision, Quantize)
-from zerojax.evaluation import eval_step
+from zerojax._options.config import ZeroConfig  # noqa: E402
+from zerojax._options.groups import (Axes, Blocks, DynamicLossScale, Offload,
+                                     Precision, Quantize)
+from zerojax._train.evaluation import eval_step
 from zerojax import checkpoint, deepspeed, losses, nn
-from zerojax.layout import ChunkLayout   # internal: importable, not in __all__
-from zerojax.memory import (MemoryReport, compiled_footprint, estimate_memory,
-                            memory_report)
-from zerojax.planner import OffloadPlan, plan_offload
-from zerojax.autoconfig import Plan, plan
-from zerojax.sharded_init import create
-from zerojax.gathered import gather_model, gather_params
-from zerojax.state import ZeroTrainState, shard, shard_shape
-from zerojax.step import train_step
+# internal: importable, not in __all__
+from zerojax._core.layout import ChunkLayout
+from zerojax._state.memory import (MemoryReport, compiled_footprint,
+                                   estimate_memory, memory_report)
+from zerojax._plan.planner import OffloadPlan, plan_offload
+from zerojax._plan.autoconfig import Plan, plan
+from zerojax._state.sharded_init import create
+from zerojax._state.gathered import gather_model, gather_params
+from zerojax._state.state import ZeroTrainState, shard, shard_shape
+from zerojax._train.step import train_step
 
 __all__ = ["Axes", "Blocks", "DynamicLossScale", "MemoryReport", "Offload",
            "OffloadPlan", "Plan", "Precision", "Quantize", "ZeroConfig",
@@ -34,5 +36,5 @@ __all__ = ["Axes", "Blocks", "DynamicLossScale", "MemoryReport", "Offload",
            "deepspeed",
            "estimate_memory", "eval_step", "gather_model", "gather_params",
            "losses", "memory_report", "nn", "plan", "plan_offload", "shard",
-           "shard_shape", "train_step"]
+           "shard_shape", "train_step", "with_gpu_flags"]
 __version__ = "0.1.0"

@@ -32,6 +32,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from zerojax import _online_softmax as online_softmax
+
 
 def linear_cross_entropy(hidden: jax.Array, weight: jax.Array,
                          labels: jax.Array, *, vocab_axis: int = 0,
@@ -131,45 +133,6 @@ def _block(weight, i, size: int, vocab_axis: int):
   return (w if vocab_axis == 0 else w.T), ids, ids >= nominal
 
 
-def _logits(h, w, live):
-  """`h @ w.T` in float32, -inf where the row is not `live`."""
-  logits = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-  return jnp.where(live, logits, -jnp.inf)
-
-
-def _running_start(tokens: int) -> tuple:
-  """The running `(maximum, sum of exponentials, target logit)` per token
-  before any block (`_running_add`)."""
-  return (jnp.full((tokens,), -jnp.inf, jnp.float32),
-          jnp.zeros((tokens,), jnp.float32), jnp.zeros((tokens,), jnp.float32))
-
-
-def _running_add(carry: tuple, logits, hit) -> tuple:
-  """`carry` after one block of float32 `logits` `[tokens, rows]` (-inf
-  where a row is no word), `hit` marking each token's target: the running
-  maximum, the sum of exponentials rescaled to it (online softmax), the
-  target's logit."""
-  top, total, picked = carry
-  new_top = jnp.maximum(top, logits.max(axis=1))
-  total = (total * jnp.exp(top - new_top)
-           + jnp.exp(logits - new_top[:, None]).sum(axis=1))
-  return new_top, total, picked + jnp.where(hit, logits, 0.0).sum(axis=1)
-
-
-def _hit(ids, labels, live):
-  """`[tokens, rows]`: where a block's row (word `ids`, `live` if real) is
-  the token's label."""
-  return (ids[None, :] == labels[:, None]) & live
-
-
-def _running_losses(carry: tuple) -> tuple:
-  """`(losses, lse)` per token from the carry after the last block."""
-  top, total, picked = carry
-  lse = top + jnp.log(total)
-  return lse - picked, lse
-
-
 def _forward(size, vocab_axis, h, weight, labels):
   """`(losses, lse)`: per token the log-sum-exp over the vocabulary and the
   loss `lse - logits[label]`, one block at a time."""
@@ -177,11 +140,13 @@ def _forward(size, vocab_axis, h, weight, labels):
 
   def body(carry, i):
     w, ids, live = _block(weight, i, size, vocab_axis)
-    hit = _hit(ids, labels, live)
-    return _running_add(carry, _logits(h, w, live), hit), None
+    hit = online_softmax.hit(ids, labels, live)
+    logits = online_softmax.logits(h, w, live)
+    return online_softmax.running_add(carry, logits, hit), None
 
-  carry, _ = jax.lax.scan(body, _running_start(h.shape[0]), jnp.arange(blocks))
-  return _running_losses(carry)
+  carry, _ = jax.lax.scan(body, online_softmax.running_start(h.shape[0]),
+                          jnp.arange(blocks))
+  return online_softmax.running_losses(carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -206,8 +171,9 @@ def _blocked_bwd(size, vocab_axis, residuals, g):
   def body(carry, i):
     dh, dweight = carry
     w, ids, live = _block(weight, i, size, vocab_axis)
-    probs = jnp.exp(_logits(h, w, live) - lse[:, None])   # 0 where not live
-    hit = _hit(ids, labels, live)
+    # 0 where not live
+    probs = jnp.exp(online_softmax.logits(h, w, live) - lse[:, None])
+    hit = online_softmax.hit(ids, labels, live)
     dlogits = (probs - hit) * g[:, None]
     dh = dh + jnp.dot(dlogits, w.astype(jnp.float32))
     dw = jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())),

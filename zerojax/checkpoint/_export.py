@@ -6,14 +6,15 @@ from typing import Any, Optional
 
 import jax
 
-from zerojax import frozen, reshard
+from zerojax._core import frozen
+from zerojax._core import reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
 from zerojax.checkpoint._restore import open_step, restore_to_host
-from zerojax.config import shard_axes
-from zerojax.gathered import to_host
-from zerojax.state import ZeroTrainState, check_live, loaded_master
+from zerojax._options.config import shard_axes
+from zerojax._state.gathered import to_host
+from zerojax._state.state import ZeroTrainState, check_live, loaded_master
 
 
 def export_params(directory_or_state: Any, *, step: Optional[int] = None,

@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import disk_tier, frozen, optstate
-from zerojax.config import DynamicLossScale, ZeroConfig
-from zerojax.layout import Chunk, ChunkLayout, LeafInfo, path_names
-from zerojax.state import ZeroTrainState
+from zerojax._tiers import disk_tier
+from zerojax._core import frozen
+from zerojax._core import optstate
+from zerojax._options.config import DynamicLossScale, ZeroConfig
+from zerojax._core.layout import Chunk, ChunkLayout, LeafInfo, path_names
+from zerojax._state.state import ZeroTrainState
 
 FORMAT = "zerojax-3"   # chunk form (the package docstring)
 CHUNK_FORMATS = (FORMAT,)
@@ -161,7 +163,7 @@ def saved_list(x) -> list:
 
 def saved_rest(x) -> list:
   """A saved `rest` as the state holds it: each entry an array, or an int8
-  frozen matrix's pair `(values, absmax)` (`zerojax.frozen`), which orbax
+  frozen matrix's pair `(values, absmax)` (`zerojax._core.frozen`), which orbax
   may read back as a list or a dict."""
   return [tuple(saved_list(e)) if isinstance(e, (list, tuple, dict)) else e
           for e in saved_list(x)]
@@ -205,7 +207,7 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
 
   params = {}
   for i, info in enumerate(layout.leaves):
-    if info.chunk < 0:   # in its own dtype (`zerojax.frozen.restored`)
+    if info.chunk < 0:   # in its own dtype (`zerojax._core.frozen.restored`)
       entry = jax.tree_util.tree_map(np.asarray, next(rest))
       params[info.names] = emit(frozen.leaf(entry, info, np))
   for c, chunk in enumerate(layout.chunks):

@@ -20,9 +20,9 @@ import numpy as np
 
 from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path, cut_chunks,
                                         layout_from_json)
-from zerojax.config import ZeroConfig
-from zerojax.layout import path_names
-from zerojax.state import shard
+from zerojax._options.config import ZeroConfig
+from zerojax._core.layout import path_names
+from zerojax._state.state import shard
 
 _log = logging.getLogger("zerojax")
 

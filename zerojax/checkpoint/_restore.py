@@ -13,22 +13,30 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import (disk_tier, frontend, meshes, optstate, precision,
-                     reshard, tensor_parallel)
-from zerojax.checkpoint._format import (
-    CHUNK_FORMATS, as_dtype, by_path, config_from_json,
-    cut_chunks, describe_mismatch, frozen_mask, layout_from_json, layout_json,
-    non_empty, params_shapes, saved_list, saved_rest, shape_signature)
+from zerojax._tiers import disk_tier
+from zerojax.nn import _frontend as frontend
+from zerojax._core import meshes
+from zerojax._core import optstate
+from zerojax._core import precision
+from zerojax._core import reshard
+from zerojax._core import tensor_parallel
+from zerojax.checkpoint._format import (CHUNK_FORMATS, as_dtype, by_path,
+                                        config_from_json, cut_chunks,
+                                        describe_mismatch, frozen_mask,
+                                        layout_from_json, layout_json,
+                                        non_empty, params_shapes, saved_list,
+                                        saved_rest, shape_signature)
 from zerojax.checkpoint._partial import (differs, host_params, params_part,
                                          restore_into, saved_params)
-from zerojax.checkpoint._integrity import (check_arrays, check_step,
-                                           read_meta, saved_steps, verify)
+from zerojax.checkpoint._integrity import (check_arrays, check_step, read_meta,
+                                           saved_steps, verify)
 from zerojax.checkpoint._save import wait
-from zerojax.config import DISK, OFFLOAD_FIELDS, expand, shard_axes
-from zerojax.layout import path_names
-from zerojax.reshard import leaf_spec
-from zerojax.state import (ZeroTrainState, cast_compute, check_tx, config_and_mesh,
-                           extra_fields, place, plan_state)
+from zerojax._options.config import DISK, OFFLOAD_FIELDS, expand, shard_axes
+from zerojax._core.layout import path_names
+from zerojax._core.reshard import leaf_spec
+from zerojax._state.state import (ZeroTrainState, cast_compute, check_tx,
+                                  config_and_mesh, extra_fields, place,
+                                  plan_state)
 
 
 def open_step(directory: str, step: Optional[int]):

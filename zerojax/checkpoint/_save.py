@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from zerojax.checkpoint._format import (FORMAT, chunk_form, config_json,
                                         frozen_names, layout_json)
 from zerojax.checkpoint._integrity import check_step, checksums, seal
-from zerojax.state import ZeroTrainState, check_live
+from zerojax._state.state import ZeroTrainState, check_live
 
 _MANAGERS: dict = {}   # absolute directory -> CheckpointManager
 _KEEP: dict = {}       # absolute directory -> its manager's `keep`

@@ -1,0 +1,234 @@
+"""Choices that depend on the installed jax / XLA, probed once, in one place.
+
+XLA's compile options come and go between releases: an option an older XLA
+accepts (`xla_cpu_use_fusion_emitters`) is refused by a newer one with "No
+such compile option", which fails the whole compile. Options here only make
+compiles cheaper, never change results, so one this XLA lacks is dropped
+(logged once) rather than failing. The library, the tests and the
+benchmarks all ask `compiler_options` for theirs.
+
+`with_gpu_flags` is the other side: XLA flags (read once, when jax starts a
+backend) that let a GPU run ZeRO's collectives beside compute, and run its
+matmuls on cuBLAS.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Optional
+
+import jax
+import numpy as np
+
+_log = logging.getLogger("zerojax")
+
+# Compiles of programs that are analysed but never run, or run once on a few
+# elements (the optimizer probes): no LLVM optimisation (about half the
+# compile time), and no CPU fusion emitters where this XLA has them (a fifth
+# to two thirds less again). The HLO, buffer assignment and collectives are
+# unchanged; buffers can differ by a few hundred bytes without the emitters.
+FAST_COMPILE = {"xla_backend_optimization_level": 0,
+                "xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def _accepted(name: str, value, backend) -> bool:
+  """Whether this XLA compiles a trivial program with option `name`."""
+  try:
+    with jax.default_device(jax.local_devices(backend=backend)[0]):
+      jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(
+          compiler_options={name: value})
+  except Exception as e:  # noqa: BLE001 - XLA's error for an unknown option
+    _log.info("zerojax: this XLA refuses compile option %s=%r (%s); "
+              "compiling without it.", name, value, str(e).splitlines()[0])
+    return False
+  return True
+
+
+def compiler_options(options: Optional[dict] = None, backend=None) -> dict:
+  """The subset of `options` (default `FAST_COMPILE`) that this jax's XLA
+  accepts for `backend` (default: the default backend), each option probed
+  once."""
+  options = FAST_COMPILE if options is None else options
+  return {k: v for k, v in options.items() if _accepted(k, v, backend)}
+
+
+# XLA's GPU scheduler overlaps a collective with compute only when allowed to
+# (NVIDIA's JAX-Toolbox and MaxText set these for FSDP). For a stage-3 model
+# whose layers are scanned (`zerojax.nn.layerwise` under `nn.scan`) the
+# pipelined all-gather issues layer i+1's gather in iteration i of the layer
+# loop (a prefetch) and the pipelined reduce-scatter sends layer i's gradient
+# while layer i-1's backward runs; double buffering unrolls the loop by two
+# so that both buffers alternate. Only the GPU compiler reads them; XLA on
+# CPU accepts and ignores them (a flag XLA does not know aborts the process:
+# tests/test_compat.py starts one with them).
+GPU_OVERLAP_FLAGS = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+}
+# ... and every matmul on cuBLAS rather than XLA's Triton GEMM fusions (as
+# MaxText's GPU scripts set): GPT-2 medium's stage-3 step on one H100 took
+# 119.0 ms with Triton's, 108.2 ms without (2026-11-26, README "On GPUs"),
+# its tied head's three matmuls over a 50,257-row vocabulary ran at about
+# 235 TFLOP/s as Triton fusions.
+GPU_FLAGS = {**GPU_OVERLAP_FLAGS, "xla_gpu_enable_triton_gemm": "false"}
+
+
+def with_gpu_flags(xla_flags: str = "") -> str:
+  """`xla_flags` (an `XLA_FLAGS` value) with `GPU_FLAGS` added; a flag it
+  already sets keeps the caller's value. Put the result in
+  `os.environ["XLA_FLAGS"]` before jax first touches a device:
+
+      os.environ["XLA_FLAGS"] = zerojax.with_gpu_flags(
+          os.environ.get("XLA_FLAGS", ""))
+  """
+  named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
+  extra = [f"--{k}={v}" for k, v in GPU_FLAGS.items() if k not in named]
+  return " ".join([xla_flags.strip()] + extra).strip()
+
+
+def _has_gpu_plugin() -> bool:
+  """Whether a CUDA or ROCm plugin of jax is installed (without starting a
+  backend)."""
+  import importlib.util
+  return any(importlib.util.find_spec(name) is not None for name in (
+      "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+      "jax_rocm7_plugin"))
+
+
+def gpu_flags_action(backends_started: bool, platform: Optional[str],
+                     gpu_plugin: bool, xla_flags: str,
+                     jax_platforms: str) -> Optional[str]:
+  """What `zerojax` does with `GPU_FLAGS` at import: "set" them into
+  `XLA_FLAGS` (no backend started yet, a GPU plugin installed, not asked to
+  run on CPU only), "warn" (a GPU backend already started without them), or
+  nothing (None; CPU, TPU, or the flags already there)."""
+  named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
+  if all(k in named for k in GPU_FLAGS):
+    return None
+  if not backends_started:
+    wanted = {p.strip() for p in jax_platforms.split(",") if p.strip()}
+    if gpu_plugin and (not wanted or wanted & {"cuda", "rocm", "gpu"}):
+      return "set"
+    return None
+  return "warn" if platform == "gpu" else None
+
+
+def gpu_flags_at_import() -> None:
+  """Sets `GPU_FLAGS` in `XLA_FLAGS` where jax has not started a backend
+  and would start a GPU one (keeping any flag the user set); warns once
+  where a GPU backend runs without them. Called by `import zerojax`."""
+  import os
+  from jax._src import xla_bridge   # no public "backends started?"
+  started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+  flags = os.environ.get("XLA_FLAGS", "")
+  action = gpu_flags_action(
+      started, jax.default_backend() if started else None,
+      _has_gpu_plugin(), flags, os.environ.get("JAX_PLATFORMS", ""))
+  if action == "set":
+    os.environ["XLA_FLAGS"] = with_gpu_flags(flags)
+    _log.info("zerojax: set XLA GPU flags %s (zerojax._core.compat.GPU_FLAGS).",
+              sorted(GPU_FLAGS))
+  elif action == "warn":
+    _log.warning(
+        "zerojax: jax started its GPU backend before zerojax was imported, "
+        "without zerojax's XLA flags (collectives beside compute, matmuls on "
+        "cuBLAS: GPT-2 medium's stage-3 step took 119.0 ms instead of 108.2 "
+        "ms on one H100 without the cuBLAS one). Import zerojax first, or set "
+        "os.environ['XLA_FLAGS'] = zerojax.with_gpu_flags(...) before "
+        "jax starts.")
+
+
+def on_host(fn):
+  """`fn` run as a host computation inside a jitted program (XLA's
+  `_xla_compute_type = "host"`): its operands must be in host memory, and
+  its outputs are left there. jax 0.10's `compute_on` decorates a jitted
+  function; jax 0.11+'s also asks for each output's memory space."""
+  from jax.experimental.compute_on import compute_on
+  if "out_memory_spaces" not in inspect.signature(compute_on).parameters:
+    return compute_on("device_host")(jax.jit(fn))
+
+  def run(*args):
+    spaces = jax.tree_util.tree_map(lambda _: jax.memory.Space.Host,
+                                    jax.eval_shape(fn, *args))
+    return compute_on(fn, compute_type="device_host",
+                      out_memory_spaces=spaces)(*args)
+  return run
+
+
+# the custom call `write_on_host` lowers to where it cannot run (see there)
+ANALYSIS_TARGET = "zerojax_write_on_host"
+
+
+def write_on_host(fn, *operands) -> None:
+  """Inside a `jax.shard_map` manual over every mesh axis: `fn(*operands)`
+  called on the host for each device, with that device's operands as numpy
+  arrays that are views valid during the call only (`fn` consumes them
+  before it returns). An unordered side effect: the program keeps it, and
+  `jax.effects_barrier()` waits for it.
+
+  `jax.experimental.io_callback` would first copy its operands onto a CPU
+  device; on a CPU backend whose worker threads are all inside such
+  callbacks (simulated devices on a few cores), the copies of large
+  operands never run and the step hangs. This emits the same host callback
+  without that copy, through jax's own lowering (`emit_python_callback`);
+  where this jax lacks it, it falls back to `io_callback`. Lowered for a
+  platform this process has no backend of (`lowering_platforms=("cuda",)`
+  on a CPU machine), it is a custom call named `ANALYSIS_TARGET` with the
+  same operands: that text is for reading (its host moves), not for
+  running."""
+  prim = _write_on_host_p()
+  if prim is None:
+    from jax.experimental import io_callback
+    io_callback(lambda *xs: fn(*map(np.asarray, xs)), None, *operands,
+                ordered=False)
+    return
+  prim.bind(*operands, fn=fn)
+
+
+@functools.cache
+def _write_on_host_p():
+  """`write_on_host`'s primitive, or None where jax's internals differ."""
+  try:
+    from jax._src import callback, core
+    from jax._src.interpreters import mlir
+    effect, emit = callback._IOEffect, callback.emit_python_callback
+    op_sharding, custom_call = callback._callback_op_sharding, mlir.custom_call
+  except (ImportError, AttributeError):
+    _log.info("zerojax: jax's host callback internals moved; write_on_host "
+              "uses io_callback")
+    return None
+  optional = {"returns_token": False} if "returns_token" in (
+      inspect.signature(emit).parameters) else {}
+  prim = core.Primitive("zerojax_write_on_host")
+  prim.multiple_results = True
+
+  def call(*args, fn):
+    fn(*map(np.asarray, args))
+    return []
+
+  prim.def_impl(call)
+  prim.def_effectful_abstract_eval(lambda *avals, fn: ([], {effect}))
+
+  def lowering(ctx, *args, fn):
+    if ctx.module_context.get_backend(optional=True) is None:
+      # lowered for a platform this process has no backend of (a CUDA
+      # program's text on a CPU machine, for analysis): a callback cannot be
+      # registered, so it stands as a custom call of this name; never run
+      custom_call(ANALYSIS_TARGET, result_types=[], operands=list(args),
+                  has_side_effect=True)
+      return []
+
+    def host(*arrays):
+      fn(*arrays)
+      return ()
+    emit(ctx, host, None, list(args), ctx.avals_in, [], has_side_effect=True,
+         sharding=op_sharding(ctx.module_context.axis_context, None, []),
+         **optional)
+    return []
+
+  mlir.register_lowering(prim, lowering, cacheable=False)
+  return prim

@@ -1,0 +1,372 @@
+"""optax on flat chunks: which leaves the optimizer treats alike, and the
+checks that a transformation is element-wise (and separable by chunk, for
+offload). The optimizer state itself: `opt_state`.
+
+The user's `tx` never sees a chunk as a bare 1-D array. It sees the original
+parameter tree (`ChunkLayout.views`): each chunk is held by one of its own
+leaves, with that leaf's rank, and every other leaf is empty. Masks and
+labels written on the original tree (`optax.adamw(mask=...)`, `optax.masked`,
+`optax.multi_transform`) therefore decide per chunk as they would per leaf,
+provided a chunk only holds leaves the optimizer treats alike. `leaf_labels`
+finds those classes by running `tx` on a small surrogate of the tree, and
+`check_elementwise` refuses transformations that read whole tensors (LAMB's
+trust ratio, Adafactor's factored moments) instead of letting them be
+silently wrong on chunks.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax._core import compat
+from zerojax._core.layout import ChunkLayout
+
+_PROBE_STEPS = 3
+# compiled probe programs kept for reuse (least recently used dropped): one
+# `check_tx` compiles at most three (the tree, the two packings, two halves
+# of a packing); each holds its tx alive
+_PROGRAMS_KEPT = 8
+_programs: collections.OrderedDict = collections.OrderedDict()
+
+
+def _hashable(key) -> bool:
+  try:
+    hash(key)
+  except TypeError:  # a tx holding unhashable parts
+    return False
+  return True
+
+
+def _cached(probe):
+  """A probe's answer depends only on `tx` and the tree's structure, shapes
+  and dtypes: computed once per (tx, tree), since a probe costs a compile
+  (seconds) and `shard`, `create` and `restore` each run two."""
+  answers = {}
+
+  @functools.wraps(probe)
+  def cached(tx, abstract_params, *args):
+    leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+    key = (tx, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
+           tuple(tuple(a) if isinstance(a, list) else a for a in args))
+    if not _hashable(key):  # probe every time
+      return probe(tx, abstract_params, *args)
+    if key not in answers:
+      answers[key] = probe(tx, abstract_params, *args)
+    return answers[key]
+
+  return cached
+
+
+def _surrogate_shapes(abstract_params) -> list:
+  """Each leaf with every axis capped at 3: same rank, a few elements."""
+  return [tuple(min(d, 3) for d in np.shape(x))
+          for x in jax.tree_util.tree_leaves(abstract_params)]
+
+
+def _run(tx, params, grads_seq):
+  """Updates of `tx` over a sequence of gradients (plain optax semantics).
+
+  A step is one jitted function the probe's program calls, not inlined:
+  traced once for all steps of equal input types and kept as one call in
+  the traced program, not copied into it per step (tracing is a fifth to
+  a third of a probe's cost). XLA inlines the calls when it compiles: the
+  same program."""
+  @jax.jit
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return updates, state, optax.apply_updates(params, updates)
+
+  state = tx.init(params)
+  outs = []
+  for grads in grads_seq:
+    updates, state, params = step(grads, state, params)
+    outs.append(updates)
+  return outs
+
+
+def _run_probe(key, probe, *args):
+  """`probe(*args)` on a few-element surrogate, fetched as numpy. It runs on
+  the host CPU whatever the default backend, compiled as cheaply as XLA
+  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost).
+
+  `key` names what, beside the arguments' types, decides the program (the
+  tx, the tree or packings it runs on); a program is compiled once per key
+  and then run on other values: the tree's run serves `leaf_labels` (equal
+  values) and `check_elementwise` (random values), the packings' run
+  `check_elementwise` and `check_separable` (large gradients)."""
+  options = compat.compiler_options(backend="cpu")
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  key = (key, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
+         tuple(sorted(options.items())))
+  keep = _hashable(key)   # else compiled every time
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    compiled = _programs.get(key) if keep else None
+    if compiled is None:
+      compiled = jax.jit(probe).lower(*args).compile(compiler_options=options)
+    if keep:
+      _programs[key] = compiled
+      _programs.move_to_end(key)
+      while len(_programs) > _PROGRAMS_KEPT:
+        _programs.popitem(last=False)
+    return jax.device_get(compiled(*args))
+
+
+def _tree_updates(tx, treedef, params: list, grads: list) -> list:
+  """Per step, the update leaves of `tx` on the tree of `params` (leaves;
+  `grads`: per step, leaves)."""
+  unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
+  return _run_probe(
+      ("tree", tx, treedef),
+      lambda p, gs: [treedef.flatten_up_to(u)
+                     for u in _run(tx, unflat(p), [unflat(g) for g in gs])],
+      params, grads)
+
+
+def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
+  """Per run `(layout, only)`: per step, the update chunks of `tx` on the
+  views of the chunks in `only` (None: all; None for the others) packed
+  from `params` (leaves; `grads`: per step, leaves). One program for all
+  runs: a program's fixed cost is a good part of a small tree's probe.
+
+  The packing happens on the host: the compiled program then holds `tx` and
+  the views alone, not a pack and unpack per leaf and step."""
+  def probe(packed):
+    outs = []
+    for (layout, only), (chunks, chunk_grads) in zip(runs, packed):
+      views = lambda cs, layout=layout, only=only: layout.views(cs, only=only)
+      outs.append([layout.from_views(u, only) for u in
+                   _run(tx, views(chunks), [views(g) for g in chunk_grads])])
+    return outs
+
+  pack = lambda layout, leaves: [layout.pack_chunk(c, leaves, xp=np)
+                                 for c in range(len(layout.chunks))]
+  packed = [(pack(layout, params), [pack(layout, g) for g in grads])
+            for layout, _ in runs]
+  return _run_probe(("chunks", tx, runs), probe, packed)
+
+
+def _packings(surrogate, trainable, labels, stacked) -> tuple:
+  """The runs (`_chunk_updates`) of `tx` on all chunks of two packings of
+  the surrogate: many leaves per chunk (exposes per-tensor reductions) and
+  small padded chunks (exposes updates that move zeros)."""
+  size = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(surrogate))
+  return tuple((ChunkLayout.build(surrogate, num_shards=2, chunk_size=chunk_size,
+                                  trainable=trainable, labels=labels,
+                                  stacked=stacked), None)
+               for chunk_size in (size + 1, 5))
+
+
+def _is_float(leaf) -> bool:
+  return jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+@_cached
+def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
+  """Optimizer class of each leaf: leaves with equal labels are updated by the
+  same element-wise rule (same mask decisions, same hyper-parameters).
+
+  Every element of every leaf gets the same parameter and gradient values;
+  leaves whose updates then differ are treated differently by `tx`.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  shapes = _surrogate_shapes(abstract_params)
+  params = [np.full(s, 0.75, x.dtype) for s, x in zip(shapes, leaves)]
+  grads = [[np.full(s, v, x.dtype) if t else np.zeros(s, x.dtype)
+            for s, x, t in zip(shapes, leaves, trainable)]
+           for v in (0.3, -0.55, 0.9)]
+  outs = _tree_updates(tx, treedef, params, grads)
+  signatures = {}
+  labels = []
+  for i, (x, t) in enumerate(zip(leaves, trainable)):
+    if not (t and _is_float(x)):
+      labels.append(0)
+      continue
+    sig = tuple(
+        None if np.size(leaf) == 0 else
+        float(np.format_float_positional(np.ravel(np.asarray(leaf, np.float32))[0],
+                                         precision=6, unique=False, fractional=False))
+        for leaf in (o[i] for o in outs))
+    labels.append(signatures.setdefault(sig, len(signatures)))
+  return tuple(labels)
+
+
+def _transform_name(tx) -> str:
+  fn = getattr(tx, "update", None)
+  name = getattr(fn, "__qualname__", type(tx).__name__)
+  return name.split(".<locals>")[0]
+
+
+def _inner_transforms(tx) -> list:
+  """Transformations a combinator (chain, masked, ...) closes over; used only
+  to name the part of a refused `tx`, so a miss just names the whole."""
+  update = getattr(tx, "update", None)
+  cells = dict(zip(getattr(getattr(update, "__code__", None), "co_freevars", ()),
+                   getattr(update, "__closure__", None) or ()))
+  values = {}
+  for name, cell in cells.items():
+    try:
+      values[name] = cell.cell_contents
+    except ValueError:
+      continue
+  found = []
+  if "update_fns" in values:  # optax.chain keeps the parts' functions apart
+    update_fns = values["update_fns"]
+    init_fns = getattr(tx.init, "__closure__", None)
+    inits = next((c.cell_contents for c in init_fns or ()
+                  if isinstance(c.cell_contents, tuple) and
+                  len(c.cell_contents) == len(update_fns)), None)
+    if inits is not None:
+      found += [optax.GradientTransformation(i, u)
+                for i, u in zip(inits, update_fns)]
+  for value in values.values():
+    if isinstance(value, optax.GradientTransformation):  # also a tuple
+      value = (value,)
+    items = value if isinstance(value, (tuple, list)) else (
+        value.values() if isinstance(value, dict) else (value,))
+    found += [v for v in items
+              if isinstance(v, optax.GradientTransformation) and v is not tx]
+  return found
+
+
+def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
+  """(treedef, surrogate tree of ShapeDtypeStructs, parameter leaves,
+  per-step gradient leaves): random values, each axis capped at 3."""
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  shapes = _surrogate_shapes(abstract_params)
+  surrogate = jax.tree_util.tree_unflatten(
+      treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves)])
+  rng = np.random.default_rng(0)
+  draw = lambda s, x, k=1.0: (k * rng.normal(size=s)).astype(x.dtype)
+  params = [draw(s, x) if _is_float(x) else np.zeros(s, x.dtype)
+            for s, x in zip(shapes, leaves)]
+  grads = [[draw(s, x, grad_scale) if (t and _is_float(x)) else np.zeros(s, x.dtype)
+            for s, x, t in zip(shapes, leaves, trainable)]
+           for _ in range(_PROBE_STEPS)]
+  return treedef, surrogate, params, grads
+
+
+@_cached
+def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
+  """Why running `tx` on chunk views differs from running it on the tree.
+
+  Runs `tx` on a small surrogate tree (random values, each axis capped at
+  3) and on its two `_packings`.
+  """
+  treedef, surrogate, params, grads = _random_surrogate(abstract_params,
+                                                       trainable)
+  runs = _packings(surrogate, trainable, labels, stacked)
+  try:
+    reference = _tree_updates(tx, treedef, params, grads)
+    chunked = _chunk_updates(tx, runs, params, grads)
+  except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
+    return f"it fails on chunk views ({type(e).__name__}: {e})"
+  for (layout, _), outs in zip(runs, chunked):
+    why = _compare(layout, reference, outs)
+    if why is not None:
+      return why
+  return None
+
+
+def _compare(layout, reference, chunked) -> Optional[str]:
+  """`reference`: per step, the tree's update leaves; `chunked`: per step,
+  the update chunks; numpy arrays."""
+  for want, out_chunks in zip(reference, chunked):
+    for c, chunk in enumerate(layout.chunks):
+      pad = out_chunks[c][..., chunk.used:]
+      if chunk.padding and np.any(pad):
+        if chunk.dtype == np.float16 and not np.all(np.isfinite(pad)):
+          return _FLOAT16
+        return "it moves zero padding (its update of a zero is not zero)"
+    for i, info in enumerate(layout.leaves):
+      if info.chunk >= 0 and not np.allclose(
+          np.asarray(layout.host_leaf(i, out_chunks[info.chunk]), np.float32),
+          np.asarray(want[i], np.float32), rtol=1e-4, atol=1e-6):
+        return (f"its update of {info.path} depends on how leaves are packed "
+                "(it reads whole tensors, e.g. per-tensor norms or factored "
+                "moments)")
+  return None
+
+
+_FLOAT16 = "float16"   # `_compare`'s reason: a zero's update is not finite
+
+
+def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
+  """Raises ValueError naming the part of `tx` that cannot run on chunks."""
+  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if why is None:
+    return
+  if why == _FLOAT16:
+    raise ValueError(
+        f"optax transformation {_transform_name(tx)!r} computes a non-finite "
+        "update for a zero gradient on float16 parameters (an epsilon such "
+        "as adam's eps=1e-8 is 0 in float16, so 0/0): it would turn "
+        "parameters to NaN wherever a gradient is zero. Keep the parameters "
+        "in float32 and compute in float16 (zerojax.shard(..., "
+        "precision='fp16'): the update then runs on the float32 "
+        "master).")
+  culprit, reason = tx, why
+  while True:
+    for inner in _inner_transforms(culprit):
+      inner_why = _chunked_mismatch(inner, abstract_params, trainable, labels,
+                                    stacked)
+      if inner_why is not None:
+        culprit, reason = inner, inner_why
+        break
+    else:
+      break
+  raise ValueError(
+      f"optax transformation {_transform_name(culprit)!r} cannot run on flat "
+      f"ZeRO chunks: {reason}. zerojax refuses it rather than train wrongly. "
+      "Use an element-wise optimizer (sgd, momentum, adam, adamw, lion, "
+      "rmsprop, ...); clipping by global norm is fine.")
+
+
+@_cached
+def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
+  """Why updating chunks in two separate calls of `tx` differs from one call
+  over all of them (a transformation that reads every gradient at once:
+  `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
+  (x1000) so that clipping thresholds are crossed. The whole run is the
+  small padded packing's run of `_chunked_mismatch` (the same program)."""
+  _, surrogate, params, grads = _random_surrogate(
+      abstract_params, trainable, grad_scale=1e3)
+  runs = _packings(surrogate, trainable, labels, stacked)
+  layout = runs[1][0]
+  if len(layout.chunks) < 2:
+    return None
+  parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
+  try:
+    whole = _chunk_updates(tx, runs, params, grads)[1]
+    split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
+                           grads)
+  except Exception as e:  # noqa: BLE001 - any failure means "not separable"
+    return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
+  for part, outs in zip(parts, split):
+    for want, got in zip(whole, outs):
+      for c in part:
+        if not np.allclose(np.asarray(got[c], np.float32),
+                           np.asarray(want[c], np.float32), rtol=1e-4, atol=1e-6):
+          return ("its update of one chunk depends on the other chunks' "
+                  "gradients (e.g. clip_by_global_norm or apply_if_finite "
+                  "inside tx)")
+  return None
+
+
+def check_separable(tx, abstract_params, trainable, labels, stacked=()) -> None:
+  """Raises ValueError when `tx` cannot update chunks one at a time, as
+  optimizer offload does (`step`)."""
+  why = _split_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if why is not None:
+    raise ValueError(
+        f"offload_optimizer updates the offloaded chunks one at a time (so "
+        f"that one chunk's optimizer state is on the device at once), but "
+        f"optax transformation {_transform_name(tx)!r} cannot run that way: "
+        f"{why}. Clip with ZeroConfig(clip_norm=...) instead of inside tx "
+        "(it clips by the global norm before the update, as DeepSpeed's "
+        "gradient_clipping does), or turn offload_optimizer off.")

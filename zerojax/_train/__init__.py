@@ -1,0 +1,4 @@
+"""The step (internal; public as `zerojax.train_step` and `eval_step`): one
+jitted `shard_map` program per step (`step`), its gradients (`grads`), its
+optax update and re-gather (`update`), the disk tier's stream after it
+(`disk_stream`), and evaluation (`evaluation`)."""

@@ -1,0 +1,434 @@
+"""train_step(): one jitted program per step, each part as the configured
+`StagePolicy` says.
+
+  1. Gradients, loss and aux (`grads.grads_and_metrics`): one `shard_map`
+     over the data axis with ZeRO's gather / reduce-scatter / all-reduce.
+  2. The update on gradient and master shards: unscale, skip on overflow,
+     clip by the global norm, the user's optax update (`update.update`).
+     Element-wise work on arrays sharded over the data axis: no
+     communication but the scalar norms.
+  3. The re-gather (`StagePolicy.regather`, stages 1-2): `shard_map`
+     all-gathers the updated shards (cast to the compute dtype first) into
+     the replicated compute copy, or the replicated master
+     (`update.gather_updated`).
+  Under the disk tier, its chunks' updates then stream from their files
+  (`disk_stream.run`), outside the program.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax._train import disk_stream
+from zerojax._tiers import disk_tier
+from zerojax._state import memory
+from zerojax._core import offload
+from zerojax.nn import _peruse as peruse
+from zerojax._core import precision
+from zerojax import nn as zero_nn
+from zerojax._options.config import batch_axes, shard_axes
+from zerojax._train.grads import grads_and_metrics
+from zerojax._options.policy import policy
+from zerojax._state.state import ZeroTrainState, check_live, state_shardings
+from zerojax._train.update import forward_reads_master, gather_updated, update
+
+
+def _global_norm(grads, layout, summed: bool) -> jax.Array:
+  """The L2 norm over all gradient chunks, one read of each: a dot of each
+  chunk with itself over all its axes is one pass, where
+  `optax.tree.norm`'s square-then-sum writes a chunk-sized temporary first
+  on XLA's CPU backend (and clipping with optax would compute the norm a
+  second time). Not `jnp.vdot`: it flattens, and flattening a `[layers,
+  length]` chunk sharded on its last axis makes GSPMD gather it whole.
+
+  `summed`: the gradients were summed over devices (or micro-batches). If
+  not (one device, one micro-batch), a flat chunk's gradient is the
+  concatenate of its leaves' gradients, and XLA's CPU backend writes its
+  square out in full before the dot's reduction reads it (measured:
+  +12.6 MB of temporaries, +2 ms per 3.2M elements): such a chunk's norm
+  is then a dot per leaf, read where the backward left each leaf's
+  gradient (XLA folds a slice of a concatenate into its operand). The sum
+  is then taken in another order: the norm may differ in its last bits."""
+  def squares(g):
+    axes = tuple(range(g.ndim))
+    return jax.lax.dot_general(g, g, ((axes, axes), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+  def chunk_squares(c, g):
+    chunk = layout.chunks[c]
+    if summed or chunk.layers:
+      return squares(g)
+    return sum(squares(g[..., info.offset:info.offset + info.size])
+               for info in (layout.leaves[i] for i in chunk.leaves))
+  return jnp.sqrt(sum(chunk_squares(c, g) for c, g in enumerate(grads)))
+
+
+def _clip(grads, norm, max_norm) -> tuple:
+  """`optax.clip_by_global_norm(max_norm)` given the global `norm`: the same
+  select and the same arithmetic, so the same values."""
+  keep = norm < max_norm
+  return tuple(jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm)
+               for g in grads)
+
+
+def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
+          state: ZeroTrainState, batch, rng):
+  cfg = state.config
+  pol = policy(cfg)
+  shardings = state_shardings(state)
+  # Master chunks in host memory stay there: at stage 3 their gathers move
+  # them to the device (one layer at a time for layer chunks), and `_update`
+  # moves them along with their optimizer state.
+  loss_fn, mutable = state.frontend.loss(loss_fn, has_aux, mutable)
+  grads, loss, aux, fields, weight = grads_and_metrics(
+      loss_fn, has_aux, mutable, state, batch, rng, modes, weighted, held,
+      heard)
+
+  metrics = {"loss": loss}
+  if state.loss_scale is not None:
+    grads = tuple(g / state.loss_scale.scale for g in grads)
+  # A step with a non-finite gradient is skipped under loss scaling (where it
+  # is expected) or when asked for (`skip_nonfinite`); a weighted step whose
+  # global batch weighs nothing always (its loss is 0/0).
+  guard = state.loss_scale is not None or cfg.skip_nonfinite or weighted
+  finite = precision.all_finite(grads) if guard else None
+  if weighted:
+    finite = finite & (weight > 0)
+    metrics["weight"] = weight
+  summed = cfg.accum_steps > 1 or state.num_batch_shards > 1
+  grad_norm = _global_norm(grads, state.layout, summed)   # padding adds nothing
+  metrics["grad_norm"] = grad_norm
+  if cfg.clip_norm is not None:
+    grads = _clip(grads, grad_norm, cfg.clip_norm)
+
+  if forward_reads_master(state):
+    # Every chunk's update waits for the loss and the whole backward (the
+    # global norm reads every gradient), so that every read of what it
+    # replaces comes first and XLA updates the donated buffer in place
+    # instead of copying it at the start. Unordered otherwise: the loss,
+    # and a block's backward that only feeds an earlier chunk's gradient,
+    # read it too. Bit for bit the same values (`nn.tie`).
+    #
+    # A disk chunk's gradient is not held back: the sink writes it to its
+    # file as the backward produces it (`disk_stream.sink`).
+    after = zero_nn.tie(grad_norm, loss)
+    streamed = (offload.optimizer_chunks(state.layout, cfg) if cfg.disk
+                else frozenset())
+    grads = tuple(g if c in streamed else zero_nn.tie(g, after)
+                  for c, g in enumerate(grads))
+  if pol.update_slice:
+    # float32 stages 1-2: the replicated master is the compute copy; this
+    # device updates its own slice of it.
+    master = tuple(jax.lax.with_sharding_constraint(
+        m, NamedSharding(state.mesh, chunk.spec(shard_axes(cfg), cfg.model_axis)))
+                   for m, chunk in zip(state.master, state.layout.chunks))
+  else:
+    master = state.master
+  new_master, opt_state, to_gather, pending = update(state, grads, master,
+                                                      shardings, finite)
+  loss_scale = state.loss_scale
+  if loss_scale is not None:
+    loss_scale = precision.update(cfg.loss_scale, loss_scale, finite)
+    metrics["loss_scale"] = loss_scale.scale
+  if guard:
+    metrics["skipped"] = ~finite
+
+  compute = state.compute
+  if pol.regather:
+    gathered = gather_updated(state, to_gather)
+    if pol.compute_copy:   # a disk chunk's: after `_disk_update`
+      compute = tuple(state.compute[c] if g is None else g
+                      for c, g in enumerate(gathered))
+    else:
+      new_master = gathered
+  if isinstance(aux, dict):
+    metrics.update(aux)
+  elif aux is not None:
+    metrics["aux"] = aux
+  new_state = state.replace(
+      step=state.step + (finite.astype(jnp.int32) if guard else 1),
+      master=new_master, compute=compute, opt_state=opt_state,
+      loss_scale=loss_scale, extras={**state.extras, **fields})
+  new_state = offload.place(new_state, shardings)
+  if cfg.disk:
+    return new_state, metrics, disk_stream.step_inputs(state, pending, finite)
+  return new_state, metrics
+
+
+def check_state(state, caller: str, mutable: tuple = ()) -> None:
+  """A live ZeroTrainState that has the `mutable` fields, else a clear error."""
+  if not isinstance(state, ZeroTrainState):
+    raise TypeError(f"{caller} takes the ZeroTrainState from zerojax.shard(), "
+                    f"got {type(state).__name__}.")
+  check_live(state, caller)
+  missing = [m for m in mutable if m not in state.extras]
+  if missing:
+    static = [m for m in missing if m in dict(state.static_extras)]
+    where = (f"{static} are static (pytree_node=False) fields, which a step "
+             "cannot change" if static else
+             f"the state's own fields are {sorted(state.extras) or 'none'}")
+    raise ValueError(
+        f"mutable={mutable}: the state has no field {missing[0]!r} ({where}). "
+        "Keep it in a TrainState subclass before zerojax.shard, e.g. class "
+        "TrainState(train_state.TrainState): batch_stats: Any, created with "
+        "batch_stats=variables['batch_stats'].")
+
+
+def check_mutable(mutable, caller: str) -> tuple:
+  """`mutable` as a tuple of field names, else a TypeError."""
+  if isinstance(mutable, str):
+    mutable = (mutable,)
+  if not (isinstance(mutable, (tuple, list))
+          and all(isinstance(m, str) for m in mutable)):
+    raise TypeError(f"{caller}(mutable={mutable!r}) must be a tuple of field "
+                    "names of your TrainState, e.g. ('batch_stats',).")
+  return tuple(mutable)
+
+
+def check_signature(fn: Callable, with_rng: bool, mutable: tuple,
+                    caller: str) -> None:
+  """A TypeError naming the expected call when `fn` cannot take the
+  arguments the step passes: `(params, batch)`, `rng` third when the step
+  is given one, each `mutable` field by keyword."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):   # a builtin or C callable: not known
+    return
+  args = ("params", "batch") + (("rng",) if with_rng else ())
+  try:
+    signature.bind(*args, **{m: None for m in mutable})
+  except TypeError as e:
+    call = ", ".join(args + tuple(f"{m}=..." for m in mutable))
+    other = ("pass no rng to the step, or give the function an rng "
+             "parameter" if with_rng else
+             "pass the step an rng (step(state, batch, rng)), or drop the "
+             "function's third parameter")
+    raise TypeError(
+        f"{caller}: the function{signature} cannot be called as fn({call}) "
+        f"({e}); {other}.") from None
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape"):
+    return f"a 0-d array ({x!r})"
+  return f"a {type(x).__name__} ({x!r:.60})"
+
+
+def shard_batch(state, batch, accum_steps: int = 1):
+  """`batch` split over the data axis (and the replica axis: `batch_axes`),
+  checked: every array with the same leading (global batch) axis, a
+  multiple of devices x `accum_steps`. `ShapeDtypeStruct`s (an abstract
+  batch, for `.lower`) get the sharding."""
+  devices = state.num_batch_shards
+  per_step = devices * accum_steps
+  leaves = jax.tree_util.tree_leaves_with_path(batch)
+  if not leaves:
+    raise ValueError("the batch has no arrays.")
+  for path, x in leaves:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or not np.ndim(x):
+      raise ValueError(
+          f"batch{jax.tree_util.keystr(path)} is {_describe(x)}: every batch "
+          "value must be an array whose leading axis is the global batch "
+          "(pass a scalar as an array of shape [batch], or close over it in "
+          "loss_fn).")
+  sizes = {np.shape(x)[0] for _, x in leaves}
+  if len(sizes) != 1:
+    first = {}
+    for path, x in leaves:
+      first.setdefault(np.shape(x)[0], jax.tree_util.keystr(path))
+    raise ValueError(
+        "every batch array needs the same leading (global batch) axis; got "
+        + ", ".join(f"{n} (batch{k})" for n, k in sorted(first.items())) + ".")
+  if 0 in sizes:
+    raise ValueError("the batch is empty (leading size 0): a step on it "
+                     "would average over no examples; skip it.")
+  size = sizes.pop()
+  if size % per_step:
+    raise ValueError(
+        f"global batch {size} is not divisible by {devices} devices "
+        f"x accum_steps {accum_steps} = {per_step}; use a multiple of "
+        f"{per_step}.")
+  sharding = NamedSharding(state.mesh, P(batch_axes(state.config)))
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+      if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
+      batch)
+
+
+def train_step(loss_fn: Callable, *, has_aux: bool = False,
+               mutable: tuple = (), donate: bool = True,
+               weighted: bool = False) -> Callable:
+  """Builds the jitted ZeRO training step.
+
+  Args:
+    loss_fn: `loss_fn(params, batch)` or `loss_fn(params, batch, rng)`,
+      written on the full parameter tree and one device's slice of the batch
+      (one micro-batch of it under `accum_steps`); returns the floating
+      scalar loss, or `(loss, aux)` with `has_aux=True`. The step's loss and
+      gradient are the mean of these slices' losses: for a mean over
+      examples with equal slices that is the global batch's mean, but a
+      masked mean (`(l * mask).sum() / mask.sum()`) becomes a mean of the
+      slices' means, which differs when padding is uneven: use `weighted`.
+      aux is a pytree (a dict is merged into `metrics`) whose values are
+      scalars, averaged over devices and micro-batches, or per-example
+      arrays with the micro-batch's leading axis, concatenated in global
+      batch order.
+    has_aux: whether `loss_fn` returns `(loss, aux)`.
+    mutable: names of fields of the user's `TrainState` subclass that the
+      loss updates, e.g. `("batch_stats",)` for BatchNorm. `loss_fn` gets
+      each as a keyword argument after `batch` (and `rng`) and returns
+      `(loss, updates)`, or `(loss, (aux, updates))` with `has_aux`;
+      `updates` is a dict `{field: new value}` (Flax's `apply(...,
+      mutable=["batch_stats"])` returns one), each value with the field's
+      keys and shapes (cast to its dtypes); a declared field left out keeps
+      its value. Floating values are averaged over the data axis, as
+      Flax's examples `pmean` them; other values must agree across devices
+      (the first device's are kept). Under `accum_steps=k` the
+      micro-batches update in sequence, each reading the previous one's
+      values, as k plain steps of the model would. The updates are kept
+      when a step is skipped (a non-finite gradient), as PyTorch keeps
+      BatchNorm's running statistics. BatchNorm with `axis_name=` the data
+      axis (synchronised batch norm) works as written: the loss runs inside
+      a `shard_map` over that axis.
+    donate: the step donates the input state's buffers to the new state, so
+      the state is held once. A step that fails at run time (a host callback
+      raising, say) then leaves no usable input state: restore from a
+      checkpoint. `donate=False` keeps the input state intact whatever
+      happens, at the cost of holding the old and the new state at once
+      during the step (one more state's bytes per device).
+    weighted: `loss_fn` returns `(sum, weight)` (or `((sum, weight), aux)`),
+      e.g. `((token_loss * mask).sum(), mask.sum())`: the step's loss is
+      Σ sum / Σ weight over the whole global batch (every device, every
+      micro-batch, every replica), its gradient that ratio's, as under
+      `jax.jit` on the whole batch; `metrics["weight"]` is Σ weight. A
+      global batch of weight 0 is a skipped step (`metrics["skipped"]`,
+      nothing changed; its loss NaN).
+
+  Parameters stored in a 16-bit dtype with no float32 master (bfloat16
+  params, the default precision) are widened for the forward, their
+  gradients reduced in `Precision.reduce`, and optax updates the 16-bit
+  parameters with those gradients, rounding the new values to the
+  parameters' dtype: within one ulp of plain optax doing the same. For a
+  float32 master, keep the params in float32 and set `precision=`.
+
+  Returns:
+    `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
+    `state`. `batch` is a pytree of arrays with the global batch on the
+    leading axis (numpy arrays are fine). `metrics` holds `loss` (mean over
+    the global batch), `grad_norm` (global, before clipping), the aux values,
+    and under loss scaling `loss_scale` and `skipped`. `step.lower(state,
+    batch)` gives the lowered program (for `memory_analysis()`); state and
+    batch may be `jax.ShapeDtypeStruct`s (nothing is allocated).
+    `step.trace(state, batch)` gives the traced program, e.g. for
+    `.lower(lowering_platforms=("cuda",))`: what a GPU would run, host
+    offload transfers included, lowered on any machine.
+    `step.gathering(state, batch)` says how the step gathers each chunk
+    (`gather_modes`: per layer, per block, whole step or replicated).
+    A state with `offload="auto"` is placed by its first step (see
+    `zerojax.Offload`); `lower` and `trace` take it as it is placed.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
+  for name, value in (("has_aux", has_aux), ("donate", donate),
+                      ("weighted", weighted)):
+    if not isinstance(value, bool):
+      raise TypeError(f"train_step({name}={value!r}) must be True or False.")
+  mutable = check_mutable(mutable, "train_step")
+
+  @functools.lru_cache(maxsize=None)
+  def jitted_holding(held: frozenset):
+    """The step holding `held` (modules beside the blocks) for the step."""
+    return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
+                                     weighted, {}, held, None),
+                   donate_argnums=(0,) if donate else ())
+
+  programs: dict = {}   # the disk tier's, per state structure
+  choices: dict = {}    # `zerojax.nn._peruse`'s, per program: (held, why)
+
+  def chosen(state, batch, rng) -> tuple:
+    """`(held, why)` for this program (`zerojax.nn._peruse.choose`), once."""
+    key = (state.layout, state.config, state.mesh,
+           jax.tree_util.tree_structure(batch),
+           tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)),
+           rng is None)
+    if key not in choices:
+      def heard():
+        out = set()
+        jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
+                                  {}, frozenset(), out)).trace(state, batch,
+                                                               rng)
+        return frozenset(out)
+      footprint = lambda held: memory.compiled_footprint(jitted_holding(
+          held).lower(state, batch, rng).compile())["device"]
+      # (an NNX layout has no chunks beside its blocks: nothing to choose)
+      choices[key] = peruse.choose(state.layout, state.config, heard,
+                                   footprint)
+    return choices[key]
+
+  def jitted(state, batch, rng):
+    return jitted_holding(chosen(state, batch, rng)[0])
+
+  def prepare(state, batch):
+    check_state(state, "step()", mutable)
+    if state.config.disk and not donate:
+      raise ValueError(
+          "train_step(donate=False) keeps the input state, but a disk-tier "
+          "state (Offload('disk')) has its statistics rewritten in "
+          "their files by every step; use donate=True (the default), and "
+          "checkpoint.save to keep a state to go back to.")
+    return shard_batch(state, batch, state.config.accum_steps)
+
+  def step(state, batch, rng=None):
+    check_state(state, "step()", mutable)
+    check_signature(loss_fn, rng is not None,
+                    state.frontend.keywords(mutable), "step()")
+    if state.config.placement == "auto":
+      from zerojax._plan import planner   # it compiles steps: imports this module
+      state = planner.place_as_planned(state, loss_fn, batch,
+                                       has_aux=has_aux, mutable=mutable,
+                                       weighted=weighted)
+    elif state.config.placement == "plan":
+      from zerojax._plan import autoconfig   # it compiles steps too
+      state = autoconfig.place_as_chosen(state, loss_fn, batch,
+                                         has_aux=has_aux, mutable=mutable,
+                                         weighted=weighted)
+    batch = prepare(state, batch)
+    if state.config.disk:   # a running step only: `lower` needs no files
+      disk_tier.check_files(state)
+    out = jitted(state, batch, rng)(state, batch, rng)
+    if state.config.disk:
+      new_state, metrics, inputs = out
+      return disk_stream.run(new_state, inputs, programs), metrics
+    return out
+
+  def lower(state, batch, rng=None):
+    batch = prepare(state, batch)
+    return jitted(state, batch, rng).lower(state, batch, rng)
+
+  def trace(state, batch, rng=None):
+    # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to
+    # see them
+    batch = prepare(state, batch)
+    return jitted(state, batch, rng).trace(state, batch, rng)
+
+  step.lower, step.trace = lower, trace
+
+  def gathering(state, batch, rng=None) -> dict:
+    # a trace of its own, filling its own dict: the step's trace is cached
+    # after its first call, and a cached trace runs no Python
+    modes, batch = {}, prepare(state, batch)
+    held, why = chosen(state, batch, rng)
+    jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
+                              modes, held, None)).trace(state, batch, rng)
+    for name, reason in why.items():
+      modes[name] = f"{modes[name]} ({reason})"
+    return modes
+
+  step.gathering = gathering
+  return step
