@@ -549,7 +549,7 @@ class _PenalisedLM(nn.Module):
 
 
 def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
-  zerojax.nn._SAID.clear()   # (said once a process)
+  zerojax.nn._gather._SAID.clear()   # (said once a process)
   model = _PenalisedLM()
   batches = _batches(64, batch=16, seq=8, steps=3)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
@@ -593,7 +593,7 @@ def test_a_module_that_only_looks_like_a_stack_is_held(caplog):
   """Found by the tree alone (`chunking.scanned_stacks`), laid out per
   "layer", but never called as one layer inside a scan: held for the step,
   silently (nothing was asked), training as plain optax."""
-  zerojax.nn._SAID.clear()   # (said once a process)
+  zerojax.nn._gather._SAID.clear()   # (said once a process)
   model = _Convs()
   rng = np.random.default_rng(0)
   batches = [{"x": rng.normal(size=(16, 6, 6, 16)).astype(np.float32),
@@ -629,7 +629,7 @@ class _TwoShapes(nn.Module):
 
 
 def test_parameters_used_without_calling_their_module_are_held(caplog):
-  zerojax.nn._SAID.clear()   # (said once a process)
+  zerojax.nn._gather._SAID.clear()   # (said once a process)
   model = _TwoShapes()
   x = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
   params = model.init(jax.random.key(0), x[:1])["params"]

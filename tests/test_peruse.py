@@ -42,7 +42,7 @@ def test_the_smaller_of_held_and_per_use_is_chosen_and_trains_exactly(
   """The bridge gets chunks of its own without `per_use=`; the first step
   compiles it held and per use and keeps the smaller, says so once, and
   trains as plain optax."""
-  zerojax.nn._SAID.clear()   # (said once a process)
+  zerojax.nn._gather._SAID.clear()   # (said once a process)
   state, loss_fn, batches, (params, tx) = _bridged()
   assert "bridge" in {c.stack for c in state.layout.chunks}
   step = zerojax.train_step(loss_fn)

@@ -32,7 +32,6 @@ log-sum-exp over blocks), differentiated by JAX through the loop.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -43,6 +42,7 @@ from flax import nnx
 from zerojax import _online_softmax as online_softmax
 from zerojax._comm import collectives
 from zerojax import nn as zero_nn
+from zerojax.nn import _gather as gather
 from zerojax._options.policy import policy
 
 
@@ -223,7 +223,7 @@ class _Blocks:
       xs = (value, slot)
 
       def block(i, value, slot):
-        full = zero_nn._full_layer(layout, config, c, value, slot)
+        full = gather._full_layer(layout, config, c, value, slot)
         return layout.layer_tree(c, full)["embedding"]
 
     step = jax.checkpoint(lambda carry, i, *x: (body(carry, i, block(i, *x)),
@@ -252,7 +252,7 @@ class BlockedEmbed(_Blocks, nn.Module):
 
   def setup(self):
     self._check_shape()
-    if not zero_nn._chunk_keys(self.variables.get("params", {})):
+    if not gather._chunk_keys(self.variables.get("params", {})):
       self.embedding = self.param(
           "embedding", lambda key: self._initial(self.embedding_init, key))
 
@@ -264,11 +264,11 @@ class BlockedEmbed(_Blocks, nn.Module):
     if hasattr(self, "embedding"):
       return self.embedding, None
     params = self.variables["params"]
-    (c, key), = zero_nn._chunk_keys(params).items()   # one leaf, one chunk
+    (c, key), = gather._chunk_keys(params).items()   # one leaf, one chunk
     return None, (c, params[key], params.get(zero_nn.slot_key(c)))
 
   def _heard(self) -> None:
-    context = zero_nn._ACTIVE.get()
+    context = gather._ACTIVE.get()
     if context is not None and not self.is_initializing():
       path = tuple(self.scope.path)
       if path not in context.beside:   # a table beside the blocks is held
@@ -307,7 +307,7 @@ class NnxBlockedEmbed(_Blocks, nnx.Module):
     return None, (c, value[...], None if slot is None else slot[...])
 
   def _heard(self) -> None:
-    context = zero_nn._ACTIVE.get()
+    context = gather._ACTIVE.get()
     stack = getattr(self, zero_nn.STACK_ATTR, None)
     if context is not None and stack is not None:
       context[2].add(stack)

@@ -32,6 +32,7 @@ from zerojax import nn as zero_nn
 from zerojax._options.config import batch_axes
 from zerojax._core import outputs
 
+
 NNX_FIELD = "nnx_state"          # the TrainState field of non-parameter state
 FRONTEND_FIELD = "zerojax_frontend"  # the static field holding an `Nnx`
 

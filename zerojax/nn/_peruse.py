@@ -30,6 +30,7 @@ from zerojax._core.chunking import repeated_blocks
 from zerojax.nn import say_once
 from zerojax._options.policy import policy
 
+
 # the bytes the modules heard per use must gather, all together, for the
 # step to compile both ways: below it, what either way could save is less
 # than a second compile costs

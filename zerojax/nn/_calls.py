@@ -1,0 +1,183 @@
+"""A block's call inside a stage-3 step (`zerojax.nn`): its arguments split
+into traced arrays and static values (`_Arguments`), an unrolled block's
+call as a `custom_vjp` with tied gathers (`_unit_call`), and the remat
+policies `Blocks(remat=)` names (`keep_activations`, `_POLICIES`)."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+
+from zerojax.nn._gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
+                                _memory_spaces, _OPTED, _regathered_backward,
+                                _token)
+
+
+def _public_methods(block: type, base: type) -> list:
+  """The public methods the block's own classes (those below `base`, Flax's
+  module class) define, such as `Embed.attend` (and linen's `setup`, where
+  a module such as `nn.Embed` makes its parameters: mapped too, the
+  parameters it reads are the gathered ones)."""
+  names = []
+  for cls in block.__mro__:
+    if cls is base or cls is object or cls in _NNX_OBJECTS:
+      break
+    names += [name for name, value in vars(cls).items()
+              if not name.startswith("_") and inspect.isfunction(value)
+              and name not in names]
+  return names
+
+
+def _write(values: dict, tree: dict) -> None:
+  """`tree`'s leaves written over `values` (an NNX pure dict: list indices
+  are ints there, strings in a layout's names)."""
+  for key, sub in tree.items():
+    k = key if key in values else int(key)
+    if isinstance(sub, dict):
+      _write(values[k], sub)
+    else:
+      values[k] = sub
+
+
+# NNX objects (`nnx.Rngs`, modules) a block may be called with: the base
+# class is `nnx.Pytree` in flax 0.12, `nnx.Object` before
+_NNX_OBJECTS = tuple(t for t in (getattr(nnx, "Pytree", None),
+                                 getattr(nnx, "Object", None)) if t is not None)
+
+
+class _Arguments:
+  """A block call's arguments split into arrays, which `nn.remat` and
+  `custom_vjp` trace, and the rest (flags such as `deterministic=True`,
+  `None`), which they must not: closed over, as `static_argnums` would.
+  With `objects` (NNX), NNX objects (an `nnx.Rngs` handed to the call, as
+  Flax's NNX examples do) are a third kind, `objects`: their state goes
+  in and comes out of the traced call (`_nnx_unit`)."""
+
+  def __init__(self, args: tuple, kwargs: dict, objects: bool = False):
+    self.count, self.names = len(args), tuple(kwargs)
+    self.values = (*args, *kwargs.values())
+    self.kinds = tuple(
+        "object" if objects and isinstance(v, _NNX_OBJECTS) else
+        "array" if any(isinstance(x, (jax.Array, np.ndarray))
+                       for x in jax.tree_util.tree_leaves(v)) else "static"
+        for v in self.values)
+    self.arrays = self._of("array")
+    self.objects = self._of("object")
+
+  def _of(self, kind: str) -> tuple:
+    return tuple(v for v, k in zip(self.values, self.kinds) if k == kind)
+
+  @property
+  def any_static(self) -> bool:
+    return "static" in self.kinds
+
+  def call(self, method, module, arrays, objects=()):
+    """`method(module, *args, **kwargs)` with `arrays` (and `objects`) in
+    the arrays' (and objects') places."""
+    given = {"array": iter(arrays), "object": iter(objects)}
+    values = [v if k == "static" else next(given[k])
+              for v, k in zip(self.values, self.kinds)]
+    return method(module, *values[:self.count],
+                  **dict(zip(self.names, values[self.count:])))
+
+
+def _opted(method: Callable) -> Callable:
+  """`method` of a `layerwise` class, which `intercept` lets through."""
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    token = _OPTED.set(True)
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      _OPTED.reset(token)
+  return call
+
+
+def _unit_call(module, arguments: _Arguments, call: Callable):
+  """One call of an unrolled linen block inside a stage-3 step (the
+  explicit `layerwise` class's and the automatic path's, `intercept`):
+  `call(module, *arrays)`, the gathered, rematerialised block, as a
+  `custom_vjp` whose residuals are the block's shards and inputs, its
+  gathers tied to the block's input (forward) and to the output's
+  cotangent (backward), or with prefetch to the previous block's input and
+  the next block's output cotangent; see `zerojax.nn`'s docstring."""
+  values = arguments.arrays
+  chain = _ACTIVE.get().chain
+  # the forward gather waits for `token_in`: from the previous block's
+  # input when prefetching (`_Chain`), else from this block's own
+  token_in = None if chain is None else chain.take(module.parent)
+  link = _Link()
+  if token_in is None and _anchor(values) is not None:
+    token_in = jax.lax.stop_gradient(_token(values))
+
+  def gathered(run, module, values):
+    """`run` with the block's gathers waiting for `values[-1]`, and the
+    token (this block's input) the next block's gathers may wait for."""
+    token = _AFTER.set(values[-1])
+    try:
+      return run(module, *values[:-1]), _token(values[:-1])
+    finally:
+      _AFTER.reset(token)
+
+  def tied(module, *values):
+    """The primal (an evaluation, no backward pass), as the forward."""
+    return gathered(call, module, values)
+
+  spaces = []   # per variable of the block: its memory space
+  inputs = set()   # (shape, dtype) of the block's array arguments
+
+  def forward(module, *values):
+    spaces[:] = _memory_spaces(module.variables)
+    inputs.update(_avals(values[:-1]))
+    (out, vjp_fn), token = gathered(
+        lambda m, *v: nn.vjp(call, m, *v), module, values)
+    return (out, token), vjp_fn
+
+  def backward(vjp_fn, cotangents):
+    return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
+                                token_in)
+
+  out, token = nn.custom_vjp(tied, forward_fn=forward,
+                             backward_fn=backward)(module, *values, token_in)
+  if chain is not None:
+    chain.put(module.parent, token, link)
+  return out
+
+# Primitives whose results `keep_activations` does not keep: elementwise
+# arithmetic and layout changes, which XLA fuses into the kernels that read
+# them (recomputing them costs no pass of their own)
+_RECOMPUTED = frozenset({
+    "abs", "add", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp",
+    "concatenate", "conj", "convert_element_type", "copy", "cos",
+    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expand_dims",
+    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite",
+    "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "nextafter", "not", "or", "pad", "pow", "real", "reduce_precision", "rem",
+    "reshape", "rev", "round", "rsqrt", "select_n", "sign", "sin", "slice",
+    "split", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan",
+    "tanh", "transpose", "xor"})
+
+
+def keep_activations(prim, *_, **__) -> bool:
+  """The remat policy of `Blocks(remat="none")` (activations kept): every
+  result is saved for the backward pass but those of elementwise and layout
+  primitives (`_RECOMPUTED`), which the backward computes again inside its
+  own fused kernels. So the block's matmul, reduction and attention outputs
+  are kept and none of its FLOPs are spent twice, while neither a cast,
+  transpose or broadcast of the gathered parameters (a copy of the block,
+  which `everything_saveable` keeps) nor a chain of elementwise results
+  that XLA would fuse away is held from the forward pass to the backward."""
+  return prim.name not in _RECOMPUTED
+
+
+# `ZeroConfig.remat`: the remat policy of each choice (None: nothing saved
+# but the block's input); the gathered parameters are never saved
+# (`_regathering`)
+_POLICIES = {"none": keep_activations,
+             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+             "full": None}

@@ -1,0 +1,372 @@
+"""The gathers of per-block gathering (`zerojax.nn`): while a step traces
+the user's function (`active`), a block's chunk shards gathered into its
+parameter tree (`_gather_layer`, `_full_layer`), each gather tied to data
+it must wait for (`tie`, `_Chain` for prefetch), the backward's re-gather
+(`_regathered_backward`, `_regathering`), and the names of the chunk
+variables a step puts beside a model's own (`chunk_key`, ...)."""
+from __future__ import annotations
+
+import contextvars
+import logging
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax.core.tracers import current_trace
+
+from zerojax._comm import collectives
+from zerojax._core import frozen
+from zerojax._core.offload import HOST_SPACE
+from zerojax._options.policy import policy
+
+
+CHUNK_KEY = "__zerojax_chunk_"
+SLOT_KEY = "__zerojax_slot_"   # a gradient slot (offload_params; stage 2)
+FROZEN_KEY = "__zerojax_frozen_"   # a frozen weight's shard (`_core.frozen`)
+SCALE_KEY = "__zerojax_scale_"     # an int8 frozen matrix's absmax shard
+_ACTIVE = contextvars.ContextVar("zerojax_layerwise", default=None)
+# the array a unit's forward gather waits for (its block's input)
+_AFTER = contextvars.ContextVar("zerojax_after", default=None)
+# the block whose call `intercept` is running (its own call passes through)
+_BYPASS = contextvars.ContextVar("zerojax_bypass", default=None)
+# inside a `layerwise` block's call (Flax's lifts call the block's own
+# class there): `intercept` lets every call through
+_OPTED = contextvars.ContextVar("zerojax_opted", default=False)
+_log = logging.getLogger("zerojax")
+_SAID: set = set()   # messages said already (each is said once a process)
+
+
+def say_once(message: str, level: int = logging.WARNING) -> None:
+  """Logs `message` (a warning, unless `level` says otherwise) the first
+  time it is said."""
+  if message not in _SAID:
+    _SAID.add(message)
+    _log.log(level, message)
+
+
+# a class attribute of modules that gather their own chunks (`layerwise`
+# classes, `BlockedEmbed`): `intercept` leaves them alone
+GATHERS_ITSELF = "_zerojax_gathers_itself"
+
+
+class _Context(NamedTuple):
+  """What a step tells the blocks while it traces the user's function."""
+  layout: Any
+  config: Any
+  called: set     # module paths of the blocks that gathered (or would)
+  chain: Optional["_Chain"]   # prefetch's, or None
+  auto: dict      # {module path: its chunks}: blocks gathered per call
+                  # without an opt-in (`intercept`); empty when off
+  probing: bool   # the step's hearing trace: blocks heard run on zeros
+  heard: set      # module paths `intercept` heard (`called` has them too)
+  refused: dict   # {module path: why it is not gathered per call}
+  beside: frozenset   # module paths beside the blocks (`zerojax.nn._peruse`)
+
+
+def chunk_key(c: int) -> str:
+  return f"{CHUNK_KEY}{c}"
+
+
+def slot_key(c: int) -> str:
+  return f"{SLOT_KEY}{c}"
+
+
+def frozen_key(i: int) -> str:
+  """The key of leaf `i`'s shard, a frozen weight a block gathers itself."""
+  return f"{FROZEN_KEY}{i}"
+
+
+def scale_key(i: int) -> str:
+  """The key of the absmax shard of leaf `i`, an int8 frozen matrix."""
+  return f"{SCALE_KEY}{i}"
+
+
+@jax.custom_jvp
+def tie(x, after):
+  """`x`, bit for bit, computed from `after` too: XLA can then neither run
+  what reads the result before `after` exists, nor merge it with the same
+  computation on `x` elsewhere. It is `x & (x | t)` on the bits, `x` for
+  every `t`, which no XLA simplification knows, on every backend: XLA's
+  CPU backend drops optimization barriers before scheduling, and on a GPU
+  a barrier over the saved activations cost more time and memory than
+  these bit passes, which XLA fuses into a value's producers or readers
+  (docs/decisions.md, "the bit tie"). Differentiates as the identity in
+  `x`.
+  """
+  return _bit_tie(x, jnp.ravel(after)[0])
+
+
+def _bit_tie(x, t):
+  if x.dtype == jnp.bool_:   # no bit casts of bool: tie its bytes
+    return _bit_tie(x.astype(jnp.uint8), t).astype(jnp.bool_)
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}")
+  if jnp.issubdtype(t.dtype, jnp.floating):
+    t = jax.lax.bitcast_convert_type(
+        t, jnp.dtype(f"uint{8 * jnp.dtype(t.dtype).itemsize}"))
+  u = jax.lax.bitcast_convert_type(x, bits)
+  return jax.lax.bitcast_convert_type(u & (u | t.astype(bits)), x.dtype)
+
+
+@tie.defjvp
+def _tie_jvp(primals, tangents):
+  return tie(*primals), tangents[0]
+
+
+def _anchor(tree):
+  """The first non-empty numeric array of `tree`, or None."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if (dtype is not None and jnp.size(leaf) and
+        (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_)):
+      return leaf
+  return None
+
+
+def _token(values) -> Optional[jax.Array]:
+  """A float32 scalar computed from `values`' first array (None if they
+  hold none): what a gather that must wait for `values` is tied to."""
+  anchor = _anchor(values)
+  return None if anchor is None else jnp.ravel(anchor)[0].astype(jnp.float32)
+
+
+class _Link:
+  """One unrolled block call; `consumed` once the next block's forward
+  gather waits for its token (so its re-gather may wait for that block's
+  backward to start)."""
+
+  def __init__(self):
+    self.consumed = False
+
+
+class _Chain:
+  """Prefetch (`ZeroConfig.prefetch`) over one traced model call: the token
+  of the last unrolled block called, which the next block's forward gather
+  waits for. Only blocks called from the same module method in the same JAX
+  trace are chained (a block under another transformation starts afresh)."""
+
+  def __init__(self):
+    self.last = None   # (parent, trace, token, link)
+
+  def take(self, parent) -> Optional[jax.Array]:
+    """The previous block's token, if a block of `parent` (a linen module,
+    or an NNX block's path without its index) may wait for it."""
+    if self.last is None:
+      return None
+    last, trace, token, link = self.last
+    same = last is parent or (isinstance(parent, tuple) and last == parent)
+    if token is None or not same or trace != current_trace():
+      return None
+    link.consumed = True
+    return token
+
+  def put(self, parent, token, link: _Link) -> None:
+    self.last = (parent, current_trace(), token, link)
+
+
+def _avals(values) -> set:
+  """`(shape, dtype)` of each array in `values`."""
+  return {(jnp.shape(v), jnp.result_type(v))
+          for v in jax.tree_util.tree_leaves(values)}
+
+
+def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
+                         spaces: list, token_in) -> tuple:
+  """The backward of an unrolled block's call (linen or NNX): `vjp_fn`
+  (of the rematerialised, gathered block; its residuals are the block's
+  shards and inputs) applied to the output's cotangent, with the re-gather
+  waiting for that cotangent, and the cotangent of the previous block's
+  token appended. `cotangents` is `(output's, token's)`, `inputs` the
+  `(shape, dtype)`s of the block's array arguments, `spaces` the memory
+  space of each shard (the first of `vjp_fn`'s results)."""
+  cotangent, token_cotangent = cotangents
+  after = _anchor(cotangent)
+  if after is not None:   # the re-gathers wait for the cotangent...
+    # ...of the next block's output when it prefetches this block: its
+    # token's cotangent (`_Link`), which that block's backward gives as it
+    # starts. The block's saved inputs still wait for its own, so only the
+    # re-gather (shards, token) starts early.
+    early = token_cotangent if link.consumed else after
+    vjp_fn = jax.tree_util.tree_map(
+        lambda r: r if _anchor(r) is None else tie(
+            r, after if _avals((r,)) <= inputs else early), vjp_fn)
+  grads = vjp_fn(cotangent)
+  # a shard in host memory (offload) takes its (unused: the gradient goes
+  # to a device slot) cotangent there, as JAX requires
+  leaves, treedef = jax.tree_util.tree_flatten(grads[0])
+  if len(leaves) == len(spaces) and HOST_SPACE in spaces:
+    leaves = [jax.device_put(g, HOST_SPACE) if space == HOST_SPACE else g
+              for g, space in zip(leaves, spaces)]
+    grads = (jax.tree_util.tree_unflatten(treedef, leaves),) + tuple(grads[1:])
+  # the previous block's token: no gradient flows through a token, so its
+  # cotangent is free to be what the previous block's re-gathers wait for
+  # (this block's output cotangent)
+  return tuple(grads) + (None if token_in is None else
+                         _token((cotangent,)) if after is not None
+                         else jnp.zeros((), jnp.float32),)
+
+
+def _memory_spaces(tree) -> list:
+  """The memory space of each array of `tree` (None where unsaid)."""
+  return [getattr(getattr(x, "aval", None), "memory_space", None)
+          for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _chunk_keys(params, prefix: str = CHUNK_KEY) -> dict:
+  """`{chunk index: key}` of the chunk shards a block's params hold (with
+  `prefix=FROZEN_KEY`, `{leaf index: key}` of its frozen weights' shards)."""
+  return {int(str(k)[len(prefix):]): k for k in params
+          if str(k).startswith(prefix)}
+
+
+def _without_keys(params) -> dict:
+  """A copy of a block's nested parameter dicts without the entries a step
+  put there (chunk shards, gradient slots, frozen weights' shards)."""
+  return {k: _without_keys(v) if hasattr(v, "items") else v
+          for k, v in params.items()
+          if not str(k).startswith((CHUNK_KEY, SLOT_KEY, FROZEN_KEY,
+                                    SCALE_KEY))}
+
+
+def _block_tree(layout, config, params, regather: bool) -> dict:
+  """A block's parameter tree (paths relative to the block) from what it
+  holds inside a step, `params` (`{key: array}`): each chunk's shard of
+  this layer or block gathered (`_layer_tree`) and each frozen weight's
+  (`zerojax._core.frozen.gather`), over the leaves it holds as they are (those
+  outside the chunks that stay whole)."""
+  tree = _without_keys(params)
+  keys = _chunk_keys(params)
+  for c, key in keys.items():
+    _layer_tree(layout, config, c, params[key], params.get(slot_key(c)),
+                regather, tree)
+  depth = len(layout.stack_prefix(next(iter(keys))))
+  n, after = jax.lax.axis_size(config.axis_name), _AFTER.get()
+  for i, key in _chunk_keys(params, FROZEN_KEY).items():
+    info, shard = layout.leaves[i], params[key]
+    # inside a scan, a stacked weight's shard is one layer's
+    dim = (frozen.split_dim(info, config, n)
+           - (len(info.shape) - jnp.ndim(shard)))
+    if scale_key(i) in params:   # an int8 matrix: values and absmax
+      shard = (shard, params[scale_key(i)])
+    if after is not None:   # as `_full_layer`'s gathers
+      shard = jax.tree_util.tree_map(lambda x: tie(x, after), shard)
+    node = tree
+    for name in info.names[depth:-1]:
+      node = node.setdefault(name, {})
+    node[info.names[-1]] = frozen.read(shard, info, config, dim,
+                                       config.axis_name)
+  return tree
+
+
+def _gather_layer(variables: Any, regather: bool = False) -> Any:
+  """The layer's parameters, gathered (`_full_layer`) and cut into leaves.
+  With `regather` (a block whose remat has a policy), each chunk's leaves
+  come out of one `_gathered_leaves` call, which `_regathering` policies
+  never save: whatever else the policy keeps, the backward gathers the
+  layer or block again (ZeRO-3's and FSDP2's way) instead of keeping every
+  one gathered from the forward pass on (docs/decisions.md, "stage 3
+  keeps activations, not gathered blocks")."""
+  params = variables.get("params", {})
+  keys = _chunk_keys(params)
+  if not keys:
+    return variables      # init, or a plain (gathered) tree: pass through
+  context = _ACTIVE.get()
+  if context is None:
+    raise RuntimeError("zerojax layer chunks reached a layerwise block outside "
+                       "a zerojax train step.")
+  layout, config = context[:2]
+  return {**variables, "params": _block_tree(layout, config, params, regather)}
+
+
+def _layer_tree(layout, config, c: int, value, slot, regather: bool,
+                tree: Optional[dict] = None) -> dict:
+  """Chunk `c`'s leaves of this layer or block, gathered (`_full_layer`,
+  waiting for `_AFTER`) into `tree`; with `regather`, out of one
+  `_gathered_leaves` call, which `_regathering` policies never save (a
+  layer kept in host memory, `slot`, comes over as before)."""
+  args = value, slot, _AFTER.get()
+  if regather and policy(config).gathers_params and slot is None:
+    return layout.place_layer_leaves(
+        c, _gathered_leaves(layout, config, c)(*args), tree)
+  return layout.layer_tree(c, _full_layer(layout, config, c, *args), tree)
+
+
+_GATHERED = frozen.GATHERED   # the function `_regathering` knows
+
+
+def _gathered_leaves(layout, config, c: int):
+  """`(value, slot, after) -> chunk c's leaves of this layer`, gathered and
+  cut, as one `custom_vjp` (its backward: the pullback of the same, the
+  gather's reduce-scatter): one equation whose outputs a remat policy sees
+  whole, so that `_regathering` can refuse to save them."""
+  def leaves(value, slot, after):
+    return layout.unpack_chunk(c, _full_layer(layout, config, c, value, slot,
+                                              after),
+                               per_layer=bool(layout.chunks[c].layers))
+  leaves.__name__ = _GATHERED
+  call = jax.custom_vjp(leaves)
+  call.defvjp(lambda *args: (call(*args), args),
+              lambda args, g: jax.vjp(leaves, *args)[1](g))
+  return call
+
+
+def _regathering(saveable: Callable) -> Callable:
+  """A remat policy: `saveable`, except that the leaves `_gathered_leaves`
+  makes are never saved (recomputed, that is gathered again, in the
+  backward pass)."""
+  def policy(prim, *avals, **params):
+    if prim.name == "custom_vjp_call":
+      info = getattr(getattr(params.get("call_jaxpr"), "jaxpr", None),
+                     "debug_info", None)
+      if getattr(info, "func_name", None) == _GATHERED:
+        return False
+    return saveable(prim, *avals, **params)
+  return policy
+
+
+def _full_layer(layout, config, c: int, value, slot, after=None):
+  """This layer's (or block's) row of chunk `c`, whole: `value`, its
+  shard, gathered (stage 3; from host memory where it has a gradient
+  `slot`; waiting for `after`, see `tie`), or at stage 2 `value`, the
+  replicated row, whose gradient is reduce-scattered into `slot` as the
+  backward pass leaves the layer."""
+  wire = collectives.Wire.of(config, layout.chunks[c])
+  if not policy(config).gathers_params:
+    return collectives.scatter_on_backward(value, slot, config.axis_name, wire)
+  if slot is not None:   # kept in host memory: comes over now
+    return collectives.gather_from_host(value, slot, config.axis_name, wire)
+  return collectives.gather(value if after is None else tie(value, after),
+                            config.axis_name, wire)
+
+def active_layout():
+  """`(layout, config)` while a zerojax step traces the user's function,
+  else None."""
+  context = _ACTIVE.get()
+  return None if context is None else context[:2]
+
+
+def _holds_layer(layout, chunks, path: tuple, params) -> bool:
+  """Whether `params` (a module's, on an ordinary tree) are one layer (or
+  the whole) of the block that owns `chunks`: every leaf at its path, of
+  its shape without the layer axis of a stacked chunk (the module called
+  inside the scan, not the scan)."""
+  depth = len(path)
+  for c in chunks:
+    for i in layout.chunks[c].leaves:
+      leaf = layout.leaves[i]
+      node = params
+      for name in leaf.names[depth:]:
+        if not hasattr(node, "get"):
+          return False
+        node = node.get(name, node.get(int(name)) if name.isdigit() else None)
+        if node is None:
+          return False
+      shape = leaf.shape[1:] if leaf.stacked else leaf.shape
+      if tuple(jnp.shape(node)) != tuple(shape):
+        return False
+  return True
+
+
+def _owned(layout, path: tuple) -> list:
+  """The chunks of the stack or block at `path`."""
+  return [c for c, chunk in enumerate(layout.chunks)
+          if chunk.stack is not None and layout.stack_prefix(c) == path]
