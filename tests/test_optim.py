@@ -200,9 +200,9 @@ def test_probe_cost_is_a_few_programs_tracing_the_update_once(
 
   monkeypatch.setattr(jax.stages.Lowered, "compile", counting_compile)
   config = zerojax.ZeroConfig(stage=3, offload=zerojax.Offload(optimizer=offload))
-  zerojax._state.state.check_tx(tx, params, config)
+  zerojax._state.build.check_tx(tx, params, config)
   assert not any(compiled), "a probe program packs or unpacks chunks"
   assert len(updates_traced) == runs, "tx.update traced once per step"
   assert len(compiled) == programs
-  zerojax._state.state.check_tx(tx, params, config)
+  zerojax._state.build.check_tx(tx, params, config)
   assert (len(compiled), len(updates_traced)) == (programs, runs)

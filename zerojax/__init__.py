@@ -27,7 +27,8 @@ from zerojax._plan.planner import OffloadPlan, plan_offload
 from zerojax._plan.autoconfig import Plan, plan
 from zerojax._state.sharded_init import create
 from zerojax._state.gathered import gather_model, gather_params
-from zerojax._state.state import ZeroTrainState, shard, shard_shape
+from zerojax._state.shard import shard, shard_shape
+from zerojax._state.state import ZeroTrainState
 from zerojax._train.step import train_step
 
 __all__ = ["Axes", "Blocks", "DynamicLossScale", "MemoryReport", "Offload",

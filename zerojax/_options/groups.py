@@ -476,3 +476,14 @@ def of_type(name: str, value, cls):
   if not isinstance(value, cls):
     raise TypeError(f"{name}={value!r} must be a zerojax.{cls.__name__}(...).")
   return value
+
+
+def plan_chosen(options: dict) -> list:
+  """The options given in `options` that `zerojax.plan` chooses itself, as
+  `stage="auto"` and `plan()` name them when they refuse them: `offload`,
+  `quantize`, and a `Blocks` with a remat (the plan chooses the remat)."""
+  given = [k for k in ("offload", "quantize") if k in options]
+  blocks = options.get("blocks")
+  if isinstance(blocks, Blocks) and blocks.remat != "none":
+    given.append(f"blocks=Blocks(remat={blocks.remat!r})")
+  return given

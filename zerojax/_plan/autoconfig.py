@@ -34,10 +34,11 @@ from zerojax._core import frozen
 from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._plan.costmodel import Candidate, figures_for
-from zerojax._options.groups import Blocks
+from zerojax._options.groups import plan_chosen
 from zerojax._plan.planner import offload_ladder, plan_offload
-from zerojax._state.state import (ZeroTrainState, device_budget_bytes,
-                                  loaded_master, place, plan_state, shard_shape)
+from zerojax._state.build import place, plan_state
+from zerojax._state.shard import device_budget_bytes, shard_shape
+from zerojax._state.state import ZeroTrainState, loaded_master
 from zerojax._train.step import train_step
 
 _log = logging.getLogger("zerojax")
@@ -143,14 +144,11 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
   host = _budget(host_budget, "host_budget")
   if not callable(loss_fn):
     raise TypeError(f"plan() takes the loss function, got {loss_fn!r}.")
-  taken = sorted({"stage", "offload", "quantize", "device_budget"}
-                 & set(options))
-  blocks = options.get("blocks")
-  if isinstance(blocks, Blocks) and blocks.remat != "none":
-    taken.append("blocks=Blocks(remat=...)")
+  taken = [k for k in ("stage", "device_budget") if k in options]
+  taken += plan_chosen(options)
   if taken:
-    raise ValueError(f"plan() chooses {taken} itself; leave them out (pass "
-                     "the options every candidate keeps).")
+    raise ValueError(f"plan() chooses {', '.join(taken)} itself; leave them "
+                     "out (pass the options every candidate keeps).")
   batch = jax.eval_shape(lambda b: b, batch)
   step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
                     weighted=weighted)

@@ -59,8 +59,8 @@ from zerojax._core import offload
 from zerojax._options.groups import Offload
 from zerojax._state.memory import compiled_footprint, per_device_bytes
 from zerojax._options.policy import policy
-from zerojax._state.state import (ZeroTrainState, device_budget_bytes,
-                                  state_shardings)
+from zerojax._state.shard import device_budget_bytes
+from zerojax._state.state import ZeroTrainState, state_shardings
 from zerojax._train.step import train_step
 
 _log = logging.getLogger("zerojax")

@@ -39,9 +39,10 @@ from zerojax._core import reshard
 from zerojax._core import tensor_parallel
 from zerojax._options.config import expand, shard_axes
 from zerojax._options.policy import policy
-from zerojax._state.state import (ZeroTrainState, compute_chunks,
-                                  config_and_mesh, fresh_state, per_leaf,
-                                  plan_layout, state_shardings)
+from zerojax._state.build import (compute_chunks, fresh_state, per_leaf,
+                                  plan_layout)
+from zerojax._state.shard import config_and_mesh
+from zerojax._state.state import ZeroTrainState, state_shardings
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path, cut_chunks,
                                         layout_from_json)
 from zerojax._options.config import ZeroConfig
 from zerojax._core.layout import path_names
-from zerojax._state.state import shard
+from zerojax._state.shard import shard
 
 _log = logging.getLogger("zerojax")
 

@@ -34,9 +34,9 @@ from zerojax.checkpoint._save import wait
 from zerojax._options.config import DISK, OFFLOAD_FIELDS, expand, shard_axes
 from zerojax._core.layout import path_names
 from zerojax._core.reshard import leaf_spec
-from zerojax._state.state import (ZeroTrainState, cast_compute, check_tx,
-                                  config_and_mesh, extra_fields, place,
-                                  plan_state)
+from zerojax._state.build import cast_compute, check_tx, place, plan_state
+from zerojax._state.shard import config_and_mesh
+from zerojax._state.state import ZeroTrainState, extra_fields
 
 
 def open_step(directory: str, step: Optional[int]):
