@@ -2,7 +2,7 @@
 the whole model onto any device.
 
 One `shard_map` over the data axis, the forward half of a train step
-(`grads.ModelCall`): the parameters are read as the stage's forward pass
+(`model_call.ModelCall`): the parameters are read as the stage's forward pass
 reads them. At stage 3 the shards are gathered per chunk (each cut into
 leaf buffers of its own, `collectives.gather_leaves`), and per layer or per
 block for models opted in with `zerojax.nn.layerwise`; with no backward
@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._core import frozen
 from zerojax._train import grads
+from zerojax._train import model_call
 from zerojax._core import outputs
 from zerojax.nn import _peruse as peruse
 from zerojax._options.config import batch_axes, manual_axes, shard_axes
@@ -88,7 +89,7 @@ def _evaluate(fn, mutable, weighted, state, batch, rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
     params_in, slotted = grads.secondary_partition(state, params_in, host)
-    call = grads.ModelCall(fn, False, (), state, pol, params_in, rest, None,
+    call = model_call.ModelCall(fn, False, (), state, pol, params_in, rest, None,
                            slotted, with_rng)
     diff = call.differentiated()
     # the modules beside the blocks are held: an evaluation has no

@@ -33,7 +33,7 @@ def active(layout, config, called: Optional[set] = None,
   (`intercept`); with `heard` too (the step's hearing trace), such blocks
   say their paths there and run on zeros in place of their parameters, so
   that what still reads those parameters is a read from outside the
-  block's call (`grads.ModelCall.opted_in`). `beside`: the module paths of
+  block's call (`model_call.ModelCall.opted_in`). `beside`: the module paths of
   the modules beside the blocks (`zerojax.nn._peruse`), which that trace
   refuses where their `setup` makes their parameters attributes."""
   owners = {}

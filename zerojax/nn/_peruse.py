@@ -78,7 +78,7 @@ def choose(layout, config, heard: Callable[[], frozenset],
   beside = chunks(layout, config)
   if not beside:
     return frozenset(), {}
-  # each module by the name `grads.gather_modes` gives it
+  # each module by the name `model_call.gather_modes` gives it
   names = lambda cs: sorted({"/".join(layout.stack_prefix(c)) for c in cs})
   small = lambda size: (f"{size / 2**10:.1f} KiB gathered, too little to "
                         "compile the step a second way for")
