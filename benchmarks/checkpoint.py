@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import charts
+
 KINDS = ("orbax-save", "zerojax-save", "orbax-restore", "zerojax-restore")
 # Model configs (benchmarks.models) per run mode. GPT-2 medium's state is
 # 4.3 GB; its zerojax save holds about twice that at its peak.
@@ -260,3 +262,84 @@ def goal_checks(results: list) -> list:
 
 if __name__ == "__main__":
   print(json.dumps(_child(*sys.argv[1:4])))
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  lines = ["### Checkpoints: zerojax stage 3 vs plain orbax", "",
+           "Save and restore of the fp32 + AdamW state, each measurement in a "
+           "fresh process on 8 simulated CPU devices (`benchmarks/checkpoint."
+           "py`): zerojax from / into a stage-3 state; plain orbax "
+           "`StandardCheckpointer` of the unsharded flax `TrainState` on one "
+           "device. `save`, `restore`: the second call of the process (what "
+           "each later call costs); `first ...`: the first, which for a "
+           "zerojax restore includes the optimizer probes (`zerojax._core.optim`, "
+           "compiled once per process and tx, as `shard()` does). host MiB: "
+           "peak resident memory during the call above the resident memory "
+           "before it (the state itself is not counted by a save). Each "
+           "figure is the mean of "
+           f"{r['configs'][0].get('rounds', 1) if r['configs'] else 1} "
+           "round(s) that alternate which side goes first, every measurement "
+           "after `os.sync()`, on a two-core host shared with other jobs; "
+           "`rounds` gives the lowest and highest ratio of a single round. "
+           "CPU s: user + system seconds of the process during the call, "
+           "all threads (steadier than wall time on a shared host). "
+           f"`python -m benchmarks.run --{mode} --suites checkpoint`.", "",
+           "| model | state MiB | measurement | zerojax s | orbax s | zerojax / "
+           "orbax | rounds | zerojax CPU s | orbax CPU s | zerojax host MiB | "
+           "orbax host MiB | zerojax blocking s |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for c in r["configs"]:
+    rows = c["rows"]
+    z, o = rows["zerojax-save"], rows["orbax-save"]
+    zr, orr = rows["zerojax-restore"], rows["orbax-restore"]
+    pairs = [("save", z, o), ("first save", z["first"], o["first"]),
+             ("restore", zr, orr), ("first restore", zr["first"], orr["first"])]
+    for what, zr, orow in pairs:
+      blocking = ("" if zr["blocking_s"] is None else f"{zr['blocking_s']:.2f}")
+      spread = c.get("round_ratios", {}).get(what, [])
+      spread = f"{min(spread):.2f}–{max(spread):.2f}" if len(spread) > 1 else ""
+      cpu = lambda m: "" if m.get("cpu_s") is None else f"{m['cpu_s']:.2f}"
+      lines.append(f"| {c['config']} | {charts.mib(c['state_bytes'])} | {what} | "
+                   f"{zr['total_s']:.2f} | {orow['total_s']:.2f} | "
+                   f"{zr['total_s'] / orow['total_s']:.2f} | {spread} | "
+                   f"{cpu(zr)} | {cpu(orow)} | "
+                   f"{charts.mib(zr['peak_increase'])} | {charts.mib(orow['peak_increase'])}"
+                   f" | {blocking} |")
+  return lines + ["", f"![checkpoint]({mode}_checkpoint.png)", ""]
+
+
+def plot_checkpoint(r: dict, path: str):
+  configs = r["configs"]
+  fig, axes = charts.plt.subplots(1, 2, figsize=(9, 3.8))
+  labels = [f"{c['config']}\n{what}" for c in configs
+            for what in ("save", "first save", "restore", "first restore")]
+  x = range(len(labels))
+  for ax, key, unit, title in (
+      (axes[0], "total_s", 1, "time (s)"),
+      (axes[1], "peak_increase", charts.MIB, "peak host increase (MiB)")):
+    for i, (side, color) in enumerate((("zerojax", charts.COLORS["zero-3"]),
+                                       ("orbax", charts.COLORS["plain-dp"]))):
+      vals = []
+      for c in configs:
+        rows = c["rows"]
+        for what in ("save", "restore"):
+          vals += [rows[f"{side}-{what}"][key] / unit,
+                   rows[f"{side}-{what}"]["first"][key] / unit]
+      ax.bar([j + 0.4 * i for j in x], vals, width=0.4, color=color,
+             label="zerojax stage 3" if side == "zerojax" else "plain orbax")
+    if key == "peak_increase":
+      for j, c in enumerate(configs):
+        ax.axhline(c["state_bytes"] / charts.MIB, color="k", ls="--", lw=0.8,
+                   label=f"state size ({c['config']})" if j == 0 else None)
+    ax.set_xticks([j + 0.2 for j in x], labels, fontsize=7)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+  axes[0].legend(fontsize=8)
+  axes[1].legend(fontsize=8)
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_checkpoint(r, os.path.join(out, f"{mode}_checkpoint.png"))

@@ -39,6 +39,7 @@ time, in sub-groups of `SUB_GROUP` elements per device, and holds two).
 """
 from __future__ import annotations
 
+import os
 import gc
 import statistics
 import tempfile
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 import zerojax
 from zerojax._tiers import disk_tier
 from zerojax._train import disk_stream
+from benchmarks import charts
 from benchmarks import memory, speed
 from benchmarks import variants as V
 from zerojax._plan.hlo import host_moves, host_writes
@@ -269,3 +271,104 @@ def goal_checks(result: dict) -> list:
                    f"device and host budget ({result['config']} width)",
                    r["size_ratio"], 3.0, r["size_ratio"] >= 3.0))
   return checks
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  lines = [f"### Disk tier against host offload ({r['config']}, written one "
+           f"module per block: width {r['width']}, {r['layers']} layers at "
+           f"the start; batch {r['global_batch']}×{r['seq']}, {r['devices']} "
+           "devices)", "",
+           "Per device, from compiled programs (abstract states): `device` as "
+           "in the offload suite; `host` = the step program's host-resident "
+           "arguments and outputs plus, for the disk tier, its stream (the "
+           "largest chunk's host update: its statistics, master and gradient "
+           "in host memory; and the next chunk's read). The host tier is "
+           "`offload_optimizer=True, update_on=\"host\"`. Bytes per "
+           "parameter per step: PCIe from the programs lowered for a GPU "
+           "(the step, its gradient sink's writes included, and each disk "
+           "chunk's host update), disk = every disk chunk's files read and "
+           "written once (its gradient: written by the step, read by the "
+           "stream). `python -m benchmarks.run "
+           f"--{mode} --suites disk` (`benchmarks/disk.py`).", ""]
+  for stage, x in _disk_cases(r).items():
+    rows, fit, b, sp = x["rows"], x["largest"], x["budget"], x["speed"]
+    lines += [f"Stage {stage}:", "",
+              "| tier | chunks | device MiB | host MiB (of it: stream) | "
+              "PCIe to host B | PCIe to device B | disk B |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for tier, row in rows.items():
+      lines.append(
+          f"| {tier} | {row['chunks']} | {charts.mib(row['device'])} | "
+          f"{charts.mib(row['host'])} ({charts.mib(row['stream'])}) | "
+          f"{row['pcie_to_host']:.2f} | {row['pcie_to_device']:.2f} | "
+          f"{row['disk_bytes_per_param']:.2f} |")
+    lines += ["", f"One machine: host memory {charts.mib(b['host'])} MiB per device "
+              f"(the host tier's at {r['layers']} layers) and device memory "
+              f"{charts.mib(b['device'])} MiB (the host tier's step at "
+              f"{4 * r['layers']} layers). Deepest model that fits both:", "",
+              "| tier | layers | Ψ | device MiB | host MiB | next depth: "
+              "device, host MiB |", "|---|---:|---:|---:|---:|---|"]
+    for tier, f in fit.items():
+      lines.append(f"| {tier} | {f['layers']}{'' if f['fits'] else ' (none fits)'}"
+                   f" | {f['num_params']:,} | {charts.mib(f['device'])} | "
+                   f"{charts.mib(f['host'])} | {charts.mib(f['next']['device'])}, "
+                   f"{charts.mib(f['next']['host'])} |")
+    if all("predicted" in f for f in fit.values()):
+      alone = lambda d: ("unbounded" if d >= 10 ** 6 else str(d))
+      lines += ["", "Depth in layers each budget alone would allow (the line "
+                "through the first two depths): " + "; ".join(
+                    f"{tier} tier device {alone(f['predicted']['device'])}, "
+                    f"host {alone(f['predicted']['host'])}"
+                    for tier, f in fit.items()) + "."]
+    loss = fit["disk"].get("loss_of_one_step")
+    lines += ["", f"**{x['size_ratio']:.2f}×** the parameters with the disk "
+              "tier" + (f"; one step of it at {fit['disk']['layers']} layers "
+                        f"ran, loss {loss:.3f}" if loss is not None else "")
+              + ". Step time on this machine (" + sp["config"] +
+              f", {sp['rounds']} interleaved rounds, files in the page "
+              f"cache): disk / host = {sp['ratio']:.2f} (medians), "
+              f"{sp['min_ratio']:.2f} (minima)" + (
+                  f"; a chunk at a time instead of sub-groups, "
+                  f"{sp['whole_ratio']:.2f}" if "whole_ratio" in sp else "")
+              + ".", ""]
+  lines += [f"![disk]({mode}_disk.png)", ""]
+  return lines
+
+
+def _disk_cases(r: dict) -> dict:
+  """{"<stage> <precision>": result} (results before session 13 named the
+  stage only)."""
+  return r.get("cases") or r["stages"]
+
+
+def plot_disk(r: dict, path: str):
+  """Host and device MiB per device against depth, each tier and stage,
+  with the budgets: a tier's depth ends where either line crosses its
+  budget."""
+  cases = _disk_cases(r)
+  fig, axes = charts.plt.subplots(2, len(cases), figsize=(6 * len(cases), 7),
+                           squeeze=False, sharex="col")
+  for col, (stage, x) in enumerate(cases.items()):
+    for row, kind in enumerate(("host", "device")):
+      ax = axes[row][col]
+      for tier, color in (("host", "#e6550d"), ("disk", charts.COLORS["zero-3"])):
+        pts = sorted((int(k), v[kind]) for k, v in
+                     x["largest"][tier]["points"].items())
+        ax.plot([p[0] for p in pts], [p[1] / charts.MIB for p in pts], marker="o",
+                color=color, label=f"{tier} tier: "
+                f"{x['largest'][tier]['layers']} layers fit")
+      ax.axhline(x["budget"][kind] / charts.MIB, color="k", ls="--", lw=0.8,
+                 label=f"{kind} budget")
+      ax.set_ylabel(f"{kind} MiB per device")
+      ax.legend(fontsize=8)
+      ax.grid(alpha=0.3)
+    axes[0][col].set_title(f"Stage {stage}: {x['size_ratio']:.2f}× the "
+                           "parameters with the disk tier", fontsize=10)
+    axes[1][col].set_xlabel(f"layers (width {r['width']})")
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_disk(r, os.path.join(out, f"{mode}_disk.png"))

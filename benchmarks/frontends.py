@@ -18,6 +18,7 @@ bytes.
 """
 from __future__ import annotations
 
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from flax import nnx
 from flax.training import train_state
 
 import zerojax
+from benchmarks import charts
 from benchmarks import speed
 from benchmarks.user_models import CONFIGS
 
@@ -179,3 +181,44 @@ def goal_checks(result: dict) -> list:
                   f"({r['model']})", f["nnx"] / f["linen"], GOAL,
                   f["nnx"] <= GOAL * f["linen"]))
   return out
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  lines = ["### NNX front end against linen", "",
+           "The user models written again in Flax NNX, layer for layer "
+           "(`benchmarks/frontends.py`), trained through "
+           "`zerojax.shard(model, tx=...)` against the linen `TrainState`; "
+           f"{r['rounds']} interleaved rounds, batch 64. Run: "
+           f"`python -m benchmarks.run --{mode} --suites frontends`.", "",
+           "Stage 3 gathers per block in both (`zerojax.nn.layerwise` on "
+           "the block class); the footprint is the compiled step's "
+           "(`zerojax.compiled_footprint`).", "",
+           "| model | stage | NNX / linen (medians) | NNX / linen (minima) | "
+           "persistent bytes, linen | NNX | footprint, linen | NNX |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for row in r["rows"]:
+    b, f = row["persistent_bytes"], row.get("footprint_bytes", {})
+    lines.append(f"| {row['model']} | {row['stage']} | {row['ratio']:.3f} | "
+                 f"{row['min_ratio']:.3f} | {charts.mib(b['linen'])} | "
+                 f"{charts.mib(b['nnx'])} | "
+                 + " | ".join(charts.mib(f[k]) if k in f else "not measured"
+                              for k in ("linen", "nnx")) + " |")
+  return lines + ["", f"![frontends]({mode}_frontends.png)", ""]
+
+
+def plot_frontends(r: dict, path: str):
+  fig, ax = charts.plt.subplots(figsize=(6.4, 3.6))
+  labels = [f"{row['model']}\nzero-{row['stage']}" for row in r["rows"]]
+  ax.bar(labels, [row["min_ratio"] for row in r["rows"]], color="#756bb1")
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.axhline(1.05, color="#e6550d", linestyle="--", linewidth=0.8,
+             label="goal: NNX within 1.05x of linen")
+  ax.set_ylabel("step time, NNX / linen (minima)")
+  ax.legend(fontsize=8)
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_frontends(r, os.path.join(out, f"{mode}_frontends.png"))

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import charts
+
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets, SXM parts).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 # GPT-2 medium written otherwise, under one of the variants above. Stage 3
@@ -328,3 +330,86 @@ if __name__ == "__main__":
                           int(sys.argv[4]), int(sys.argv[5]),
                           *sys.argv[6:7],
                           profile=os.environ.get("PROFILE") or None)))
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  s = r["setup"]
+  lines = [f"### Throughput ({s['config']}, {s['compute']} compute, "
+           f"{s['optimizer']}, {s['batch_per_device']}×{s['seq']} tokens per "
+           f"device unless a row says otherwise)", "",
+           "Each variant in a fresh process (`benchmarks/gpu.py`); step time "
+           f"is the median of {s['timed_steps']} steps; model FLOPs are "
+           "6Ψ + 12·layers·width·seq per token; MFU against the device's "
+           "dense bf16 peak (— where the device's peak is unknown: not "
+           "measured). Attention `einsum`: the scores written out, then a "
+           "softmax; `cudnn`: `jax.nn.dot_product_attention`'s cuDNN flash "
+           "attention; plain DP, remat: each block rematerialised as stage "
+           "3's are. A row's XLA flags are those it ran with beside "
+           "`zerojax.with_gpu_flags`' defaults (\"without\": a "
+           "default it ran without). Ratios are against plain DP and GSPMD "
+           "FSDP of the same attention, config, batch and flags. "
+           f"`python -m benchmarks.run --{mode}`"
+           + (" (here: `benchmarks/gpu_lease.sh` on a lent machine, then "
+              "`--rows`)." if r.get("meta", {}).get("rows_from") else "."),
+           "", "| variant | attention | config | batch | XLA flags | device "
+           "| step s | tokens/s | TFLOP/s | MFU | peak MiB | × plain DP "
+           "| × plain DP, remat | × GSPMD FSDP |",
+           "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for row in r["rows"]:
+    attention = row.get("attention", "einsum")
+    where = (f"{row.get('config', s['config'])} | "
+             f"{row.get('batch_per_device', s['batch_per_device'])}×"
+             f"{row.get('seq', s['seq'])} | "
+             f"{flags_beside_defaults(row.get('xla_flags'))}")
+    if "error" in row:
+      lines.append(f"| {row['variant']} | {attention} | {where} | error: "
+                   f"{row['error']} ||||||||")
+      continue
+    mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    ratio = lambda k: f"{row[k]:.3f}" if k in row else ""
+    lines.append(f"| {row['variant']} | {attention} | {where} | {row['devices']}× "
+                 f"{row['device_kind']} | "
+                 f"{row['step_s']:.4f} | {row['tokens_per_s']:,.0f} | "
+                 f"{row['tflops_per_s']:.2f} | {mfu} | {charts.mib(row['peak_bytes'])} | "
+                 f"{ratio('step_vs_plain-dp')} | {ratio('step_vs_plain-dp-remat')} "
+                 f"| {ratio('step_vs_gspmd-fsdp')} |")
+  return lines + ["", f"![throughput]({mode}_throughput.png)", ""]
+
+
+def plot_throughput(r: dict, path: str):
+  """Model TFLOP/s per variant (MFU where the device's peak is known), one
+  bar per attention."""
+  rows = [row for row in r["rows"] if "error" not in row]
+  settings = list(dict.fromkeys(map(setting, rows)))
+  variants = list(dict.fromkeys(row["variant"] for row in rows))
+  mfu = all(row["mfu"] is not None for row in rows)
+  fig, ax = charts.plt.subplots(figsize=(8.5, 0.3 * len(variants) * max(
+      len(settings), 1) + 1.8))
+  height = 0.8 / max(len(settings), 1)
+  for k, key in enumerate(settings):
+    got = {row["variant"]: row for row in rows if setting(row) == key}
+    one = next(iter(got.values()))
+    label = (f"{one.get('attention', 'einsum')} attention, "
+             f"{one.get('config', r['setup']['config'])}, batch "
+             f"{one.get('batch_per_device', r['setup']['batch_per_device'])}"
+             f" {flags_beside_defaults(one.get('xla_flags'))}")
+    ys = [i + k * height for i, v in enumerate(variants) if v in got]
+    xs = [100 * got[v]["mfu"] if mfu else got[v]["tflops_per_s"]
+          for v in variants if v in got]
+    ax.barh(ys, xs, height=height, label=label[:90])
+  ax.set_yticks([i + height * (len(settings) - 1) / 2
+                 for i in range(len(variants))], variants)
+  ax.invert_yaxis()
+  ax.set_xlabel("MFU %" if mfu else "model TFLOP/s")
+  goal = next((bound for _, _, bound, _ in r.get("goals", [])), None)
+  if mfu and goal is not None:
+    ax.axvline(100 * goal, color="k", ls="--", lw=1, label="zero-3 goal")
+  ax.legend(fontsize=8)
+  ax.set_title(f"{r['setup']['config']} (×{r['setup']['seq']} tokens a row)")
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_throughput(r, os.path.join(out, f"{mode}_throughput.png"))

@@ -35,7 +35,9 @@ step runs: in the compiled footprint).
 """
 from __future__ import annotations
 
+import os
 import zerojax
+from benchmarks import charts
 from benchmarks import models, speed
 from benchmarks import variants as V
 from zerojax._plan.hlo import count_collectives
@@ -146,3 +148,82 @@ def goal_checks(result: dict) -> list:
   checks.append((f"HSDP step time / 1-D zero-3 ({cfg})",
                  result["min_ratio"], 1.05, result["min_ratio"] <= 1.05))
   return checks
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  lines = ["### Hybrid sharding: bytes per mesh axis", "",
+           f"Stage 3 on {r['devices']} devices laid out as {r['nodes']} nodes "
+           f"({r['config']}, Ψ = {r['num_params']:,}): 1-D ZeRO-3 against HSDP "
+           "(`replica_axis`) and hpZ (`hpz=True`), collectives read from the "
+           "compiled HLO and classed by their replica groups "
+           "(`benchmarks/hybrid.py`). Bytes per device per step; \"sent "
+           "across\" is what a device sends over the nodes' links with ring "
+           "algorithms. Run: "
+           f"`python -m benchmarks.run --{mode} --suites hybrid`.", "",
+           "| variant | within a node | across nodes | theory within | "
+           "theory across | sent across | theory sent |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for label, row in r["rows"].items():
+    th = r["theory"][label]
+    wire = row.get("wire", {})
+    lines.append(f"| {label} | {charts.mib(sum(row['within'].values()))} | "
+                 f"{charts.mib(sum(row['across'].values()))} | {charts.mib(th['within'])} | "
+                 f"{charts.mib(th['across'])} | {charts.mib(wire.get('across', 0))} | "
+                 f"{charts.mib(th.get('wire_across', 0))} |")
+  if "memory" in r:
+    lines += charts.memory_table(r["memory"])
+  lines += ["", f"Step time, HSDP / 1-D ({r['rounds']} interleaved rounds): "
+            f"{r['ratio']:.3f} (medians), {r['min_ratio']:.3f} (minima)."]
+  if "hpz_ratio" in r:
+    lines += ["", f"Step time, hpZ / 1-D: {r['hpz_ratio']:.3f} (medians), "
+              f"{r['hpz_min_ratio']:.3f} (minima)."]
+  return lines + ["", f"![hybrid]({mode}_hybrid.png)", ""]
+
+
+def plot_hybrid(r: dict, path: str):
+  from benchmarks.hybrid import inter_node_wire
+  fig, (ax, curve) = charts.plt.subplots(1, 2, figsize=(11, 3.8))
+  labels = list(r["rows"])
+  within = [sum(r["rows"][k]["within"].values()) / 2 ** 20 for k in labels]
+  across = [sum(r["rows"][k]["across"].values()) / 2 ** 20 for k in labels]
+  x = range(len(labels))
+  ax.bar([i - 0.2 for i in x], within, width=0.4, label="within a node",
+         color="#9ecae1")
+  ax.bar([i + 0.2 for i in x], across, width=0.4, label="across nodes",
+         color="#e6550d")
+  ax.set_xticks(list(x), labels)
+  ax.set_ylabel("MiB per device per step (collective sizes)")
+  ax.set_title(f"stage 3, {r['devices']} devices as {r['nodes']} nodes "
+               f"({r['config']})", fontsize=10)
+  ax.legend(fontsize=8)
+  # inter-node bytes a device sends per step, per parameter, against N
+  colors = {"zero-3 1-D": "#636363", "zero-3 HSDP": "#3182bd",
+            "zero-3 hpZ": "#31a354"}
+  node = r["devices"] // r["nodes"]
+  for label in labels:
+    if label not in colors:
+      continue
+    gpu = [2 ** k for k in range(4, 11)]      # from 2 nodes of 8
+    curve.plot(gpu, [inter_node_wire(label, 1, n, 8, b=2) for n in gpu],
+               color=colors[label], label=f"{label[7:]}: GPU nodes of 8, bf16")
+    ours = [n for n in range(2 * node, 2 ** 10 + 1, node)]
+    curve.plot(ours, [inter_node_wire(label, 1, n, node, b=4) for n in ours],
+               color=colors[label], linestyle=":", linewidth=1)
+    wire = r["rows"][label].get("wire", {}).get("across")
+    if wire is not None:
+      curve.plot([r["devices"]], [wire / r["num_params"]], "o",
+                 color=colors[label])
+  curve.set_xscale("log", base=2)
+  curve.set_yscale("log")
+  curve.set_xlabel("devices N")
+  curve.set_ylabel("bytes sent across nodes per device\nper step, per parameter")
+  curve.set_title(f"formulas; dotted: nodes of {node}, fp32 (HSDP = hpZ "
+                  "there), dots: measured", fontsize=9)
+  curve.legend(fontsize=7)
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_hybrid(r, os.path.join(out, f"{mode}_hybrid.png"))

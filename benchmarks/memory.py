@@ -13,11 +13,13 @@
 """
 from __future__ import annotations
 
+import os
 import gc
 from typing import Callable, Dict, Iterable, Optional
 
 import zerojax
 from zerojax._core import compat
+from benchmarks import charts
 from benchmarks import variants as V
 
 FORMULA = {"zero-0": "12Ψ", "plain-dp": "12Ψ", "1dev-optax": "12Ψ",
@@ -201,3 +203,114 @@ def goal_checks(rows: list, config: str = "", expected: Optional[dict] = None) -
     goals.append((f"zero-3 footprint / (12Ψ/N + 4Ψ/N + activations + two "
                    f"gathered layers){where}", value, 1.1, value <= 1.1))
   return goals
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  s = r["setup"]
+  lines = [f"### Memory per device (batch {s['global_batch']}×{s['seq']} "
+           f"tokens, {s['devices']} devices, fp32 + AdamW)", "",
+           "persistent: the state's bytes on one device; footprint: "
+           "`memory_analysis()` argument + output + temp − alias; theory: "
+           "ZeRO's persistent bytes (Ψ parameters, N devices); last column: "
+           "whether a step on 8 simulated devices (8 × footprint) fits in "
+           "this host's memory.", ""]
+  notes = []
+  for cfg_name, rows in r["rows"].items():
+    c = r["configs"][cfg_name]
+    lines += [f"**{cfg_name}** (Ψ = {c['num_params']:,}, {c['layers']} layers, "
+              f"width {c['width']})", "",
+              "| variant | persistent MiB | theory | theory MiB | persistent / "
+              "theory | argument MiB | output MiB | temp MiB | alias MiB | "
+              "footprint MiB | 8 × footprint fits host |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for row in rows:
+      if "error" in row:
+        lines.append(f"| {row['variant']} | failed: {row['error'][:120]} |"
+                     + " |" * 9)
+        continue
+      mark = "" if row["persistent_from"] == "addressable_shards" else " ¹"
+      lines.append(
+          f"| {row['variant']} | {charts.mib(row['persistent_bytes'])}{mark} | "
+          f"{row['theory']} | {charts.mib(row['theory_bytes'])} | "
+          f"{row['persistent_over_theory']:.4f} | {charts.mib(row['argument'])} | "
+          f"{charts.mib(row['output'])} | {charts.mib(row['temp'])} | "
+          f"{charts.mib(row['alias'])} | {charts.mib(row['footprint'])} | "
+          f"{'yes' if row['runs_on_this_host'] else 'no'} |")
+      if row.get("note"):
+        notes.append(f"{cfg_name} {row['variant']}: {row['note']}")
+    lines.append("")
+    e = r.get("expected_stage3", {}).get(cfg_name)
+    if e:
+      # results written before the yardstick counted the gradient shard
+      shard = (f" + gradient shard 4Ψ/N {charts.mib(e['gradient_shard'])}"
+               if "gradient_shard" in e else "")
+      lines += [f"ZeRO-3 yardstick (`benchmarks.memory.stage3_expected`): "
+                f"12Ψ/N {charts.mib(e['state'])}{shard} + two gathered layers "
+                f"{charts.mib(e['two_layers'])} + activations (saved block inputs, "
+                f"logits and their gradient) {charts.mib(e['activations'])} = "
+                f"{charts.mib(e['total'])} MiB; not in it: "
+                + ("one block of the tied embedding (`BlockedEmbed`, "
+                   f"{e['table_blocks']} blocks) and of its gradient, "
+                   "gathered per use." if e.get("table_blocks", 1) > 1 else
+                   "the tied embedding, gathered for the whole step, with "
+                   "its full gradient before the reduce-scatter."), ""]
+  if notes:
+    lines += ["¹ " + n for n in notes] + [""]
+  d = r["depth_sweep"]
+  lines += [f"Depth sweep ({r['depth_config']} width, compiled footprint "
+            "MiB per device; compiled for analysis only, without LLVM "
+            "optimisation and fusion emitters: within a few hundred bytes of "
+            "the tables above):", "",
+            "| layers | Ψ | " + " | ".join(d["footprint"]) + " |",
+            "|---:|---:|" + "---:|" * len(d["footprint"])]
+  for i, layers in enumerate(d["layers"]):
+    lines.append(f"| {layers} | {d['num_params'][i]:,} | " + " | ".join(
+        charts.mib(v[i]) for v in d["footprint"].values()) + " |")
+  return lines + ["", f"![memory]({mode}_memory.png)",
+                  f"![depth sweep]({mode}_depth.png)", ""]
+
+
+def plot_memory(r: dict, path: str):
+  configs = list(r["rows"])
+  fig, axes = charts.plt.subplots(1, len(configs), figsize=(6.5 * len(configs), 4),
+                           squeeze=False)
+  for ax, cfg_name in zip(axes[0], configs):
+    rows = [row for row in r["rows"][cfg_name] if "error" not in row]
+    names = [row["variant"] for row in rows]
+    x = range(len(rows))
+    w = 0.27
+    ax.bar([i - w for i in x], [row["theory_bytes"] / charts.MIB for row in rows], w,
+           label="theory (persistent)", color="#d9d9d9", edgecolor="k", lw=0.5)
+    ax.bar(list(x), [row["persistent_bytes"] / charts.MIB for row in rows], w,
+           label="persistent (measured)", color="#6baed6")
+    ax.bar([i + w for i in x], [row["footprint"] / charts.MIB for row in rows], w,
+           label="compiled footprint", color="#08519c")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=20, fontsize=8)
+    ax.set_ylabel("MiB per device")
+    n_params = r["configs"][cfg_name]["num_params"]
+    ax.set_title(f"{cfg_name} (Ψ = {n_params / 1e6:.1f}M)", fontsize=10)
+    ax.legend(fontsize=8)
+  charts.save(fig, path)
+
+
+def plot_depth(r: dict, path: str):
+  d = r["depth_sweep"]
+  fig, ax = charts.plt.subplots(figsize=(6.5, 4))
+  for name, values in d["footprint"].items():
+    ax.plot(d["layers"], [v / charts.MIB for v in values], marker="o", label=name,
+            color=charts.COLORS.get(name), ls="--" if name in ("plain-dp",
+                                                        "gspmd-fsdp") else "-")
+  ax.set_xlabel("layers")
+  ax.set_xticks(d["layers"])
+  ax.set_ylabel("compiled footprint per device (MiB)")
+  ax.set_title(f"Footprint vs depth ({r['depth_config']} width, 8 devices)",
+               fontsize=10)
+  charts.finish_line_plot(fig, ax, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_memory(r, os.path.join(out, f"{mode}_memory.png"))
+  plot_depth(r, os.path.join(out, f"{mode}_depth.png"))

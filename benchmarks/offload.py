@@ -34,6 +34,7 @@ offload, and the step-time cost of offload on CPU.
 """
 from __future__ import annotations
 
+import os
 import gc
 import statistics
 from typing import Optional
@@ -42,6 +43,7 @@ import zerojax
 
 import jax.numpy as jnp
 
+from benchmarks import charts
 from benchmarks import memory, models, speed
 from benchmarks import variants as V
 from zerojax._plan.hlo import host_computations, host_moves
@@ -193,3 +195,95 @@ def goal_checks(result: dict) -> list:
     checks.append((f"PCIe bytes per step, update_on=host / device "
                    f"({variant}, bf16, Adam)", ratio, 1 / 3, ratio <= 1 / 3))
   return checks
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  none, off = r["rows"]
+  fit = r["largest"]
+  sp = r["speed"]
+  lines = [f"### Host offload, stage 3 ({r['config']}: Ψ = "
+           f"{none['num_params']:,}, {r['layers']} layers, width {r['width']}, "
+           f"batch {r['global_batch']}×{r['seq']}, {r['devices']} devices, "
+           "compiled from abstract states)", "",
+           "`device` = argument + output + temp − alias of the compiled step "
+           "(measured) less the host-resident arguments and outputs "
+           "(`S(5)` in the compiled entry layout): derived, because the CPU "
+           "backend does not split memory kinds, and on CPU the host ↔ "
+           "device copies compile to nothing, so no transient device copy of "
+           "an offloaded chunk is counted (on a GPU the step updates the "
+           "offloaded chunks one at a time, so it adds the largest chunk's "
+           "optimizer state and its temporaries; not measured, no GPU here). "
+           "`python -m benchmarks.run "
+           f"--{mode} --suites offload`.", "",
+           "| setting | device MiB / device | host MiB / device | "
+           "footprint MiB (all kinds) | temp MiB |",
+           "|---|---:|---:|---:|---:|"]
+  for name, row in (("no offload", none), ("offload_optimizer", off)):
+    lines.append(f"| {name} | {charts.mib(row['device'])} | "
+                 f"{charts.mib(row['host_argument'])} | {charts.mib(row['footprint'])} | "
+                 f"{charts.mib(row['temp'])} |")
+  if "pcie" in r:
+    lines += ["", "Host ↔ device bytes per parameter per step of the optax "
+              "update, every chunk's optimizer state offloaded (Adam, bf16 "
+              "compute), read from the step lowered for a GPU: "
+              "`update_on=\"device\"` brings master, m and v over and back; "
+              "`update_on=\"host\"` runs the update as a host computation. "
+              "(Stage 3's forward also reads the fp32 master shard from host, "
+              "4 B, under either.)", "",
+              "| stage, update | to host | to device | host computations |",
+              "|---|---:|---:|---:|"]
+    for name, row in r["pcie"].items():
+      lines.append(f"| {name} | {row['to host']:.2f} B | "
+                   f"{row['to device']:.2f} B | {row['host computations']} |")
+  lines += ["", f"Largest model under a budget of {charts.mib(r['budget'])} MiB "
+            f"device memory per device (the no-offload footprint of "
+            f"{r['config']}), depth swept at width {r['width']}:", "",
+            "| setting | layers | Ψ | device MiB | next depth's device MiB |",
+            "|---|---:|---:|---:|---:|"]
+  for name, f in fit.items():
+    how = "" if f.get("verified", True) else " (predicted, not compiled)"
+    lines.append(f"| {name}{how} | {f['layers']} | {f['num_params']:,} | "
+                 f"{charts.mib(f['device'])} | {charts.mib(f['next_device'])} |")
+  if not all(f.get("verified", True) for f in fit.values()):
+    lines += ["", "Predicted rows: the line through the compiled points "
+              "(plotted), device bytes per layer "
+              + ", ".join(f"{n}: {charts.mib(f['slope'])} MiB" for n, f in fit.items())
+              + "; deeper states were not compiled (see "
+              "`benchmarks/offload.py`, `largest_fitting`)."]
+  lines += ["", f"**{r['size_ratio']:.2f}×** the parameters fit with optimizer "
+            "offload (at stage 3 the master shard is the parameter, so it "
+            "goes to host with the optimizer state).", "",
+            f"Step time on CPU ({sp['config']}, batch {sp['global_batch']}×"
+            f"{sp['seq']}, {sp['rounds']} interleaved rounds): offload / no "
+            f"offload = {sp['ratio']:.3f} (medians), {sp['min_ratio']:.3f} "
+            "(minima). Not a goal: on CPU the transfers compile away." + (
+                f" The update on the host / on the device: "
+                f"{sp['host_update_ratio']:.3f} (medians), "
+                f"{sp['host_update_min_ratio']:.3f} (minima); here host and "
+                "device are the same CPU, so this is the cost of the host "
+                "computations' program structure, not of a host's Adam "
+                "against a GPU's." if "host_update_ratio" in sp else ""), "",
+            f"![offload]({mode}_offload.png)", ""]
+  return lines
+
+
+def plot_offload(r: dict, path: str):
+  fig, ax = charts.plt.subplots(figsize=(6.5, 4))
+  colors = {"no offload": charts.COLORS["zero-3"], "offload_optimizer": "#e6550d"}
+  for name, f in r["largest"].items():
+    ax.plot([p[0] for p in f["points"]], [p[1] / charts.MIB for p in f["points"]],
+            marker="o", label=f"{name}: {f['layers']} layers fit",
+            color=colors.get(name))
+  ax.axhline(r["budget"] / charts.MIB, color="k", ls="--", lw=0.8,
+             label="budget (no-offload footprint)")
+  ax.set_xlabel(f"layers (width {r['width']})")
+  ax.set_ylabel("device MiB per device (compiled)")
+  ax.set_title(f"Stage 3, {r['devices']} devices: {r['size_ratio']:.2f}× the "
+               "parameters with optimizer offload", fontsize=10)
+  charts.finish_line_plot(fig, ax, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_offload(r, os.path.join(out, f"{mode}_offload.png"))

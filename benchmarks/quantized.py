@@ -33,6 +33,7 @@ import tempfile
 
 import jax.numpy as jnp
 
+from benchmarks import charts
 from benchmarks import models
 from benchmarks import variants as V
 from zerojax._plan.hlo import count_collectives
@@ -235,3 +236,88 @@ def goal_checks(result: dict) -> list:
                    f"unquantized ({qual['steps']} steps, mean of "
                    f"{len(qual['seeds'])} seeds)", ratio, 1.02, ratio <= 1.02))
   return checks
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  comm, qual = r["communication"], r["quality"]
+  lines = ["### ZeRO++ quantized collectives", "",
+           f"Stage 3, bf16 compute, 8 devices ({comm['config']}, block "
+           f"B = {comm['block']}): bytes per device per step by collective, "
+           "from the compiled HLO (`benchmarks/quantized.py`). XLA's CPU "
+           "backend gathers bf16 as f32: a GPU sends half the plain "
+           "all-gather bytes shown. Run: "
+           f"`python -m benchmarks.run --{mode} --suites quantized`.", "",
+           "| mode | all-gather | reduce-scatter | all-to-all | wire dtypes |",
+           "|---|---:|---:|---:|---|"]
+  for label, row in comm["rows"].items():
+    kinds = ("all-gather", "reduce-scatter", "all-to-all")
+    dtypes = sorted({d for k in kinds for d in row.get(k, {}).get("dtypes", [])})
+    lines.append(f"| {label} | " + " | ".join(
+        charts.mib(row.get(k, {}).get("bytes", 0)) for k in kinds) +
+        f" | {', '.join(dtypes)} |")
+  lines += ["", "The same on the hybrid (2, 4) mesh under hpZ, per axis "
+            "(within a node / across nodes):", "",
+            "| mode | gathers within | gathers across | gradients within | "
+            "gradients across |", "|---|---:|---:|---:|---:|"]
+  for label, row in comm["hybrid"].items():
+    grads = lambda where: sum(v["bytes"] for k, v in row.items()
+                              if k.split()[0] in ("reduce-scatter", "all-to-all")
+                              and k.endswith(where))
+    lines.append(f"| {label} | {charts.mib(row.get('all-gather within', {}).get('bytes', 0))}"
+                 f" | {charts.mib(row.get('all-gather across', {}).get('bytes', 0))} | "
+                 f"{charts.mib(grads('within'))} | {charts.mib(grads('across'))} |")
+  if "hsdp" in comm:
+    plain = comm["hsdp"]["plain"]["across"]
+    lines += ["", "Under HSDP on that mesh, bytes a device sends per step "
+              "(ring algorithms): the once-per-step replica all-reduce of "
+              "the gradient shards goes as a quantized reduce-scatter and a "
+              "quantized gather of the sums.", "",
+              "| mode | sent within | sent across | across / unquantized |",
+              "|---|---:|---:|---:|"]
+    for label, row in comm["hsdp"].items():
+      lines.append(f"| {label} | {charts.mib(row['within'])} | "
+                   f"{charts.mib(row['across'])} | {row['across'] / plain:.3f} |")
+  seeds = len(qual.get("seeds", [0]))
+  lines += ["", f"Training quality: the GPT-2 example, `--preset tiny`, bf16, "
+            f"byte-level text, {qual['steps']} steps, {seeds} seed(s) per run "
+            "(final losses averaged); int8 weights and int4 gradients against "
+            "unquantized. The unquantized runs' finals spread by "
+            f"{qual.get('seed_spread', 0):.1%} over the seeds.", "",
+            "| run | final loss (last 10 steps) | / unquantized | median "
+            "grad-norm ratio |", "|---|---:|---:|---:|"]
+  for label, loss in qual["final"].items():
+    lines.append(f"| {label} | {loss:.4f} | "
+                 f"{loss / qual['final']['plain']:.4f} | "
+                 f"{qual['grad_norm_ratio'][label]:.3f} |")
+  return lines + ["", f"![quantized]({mode}_quantized.png)", ""]
+
+
+def plot_quantized(r: dict, path: str):
+  qual = r["quality"]
+  fig, (ax, norms) = charts.plt.subplots(1, 2, figsize=(11, 3.8))
+  plain = qual["runs"]["plain"]
+  for label, run in qual["runs"].items():
+    steps = range(1, len(run) + 1)
+    ax.plot(steps, [x["loss"] for x in run], linewidth=1,
+            label="unquantized" if label == "plain" else
+            f"int8 weights + int4 gradients, {label}")
+    if label != "plain":
+      norms.plot(steps, [x["grad_norm"] / p["grad_norm"]
+                         for x, p in zip(run, plain)], linewidth=0.8,
+                 label=label)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_title("GPT-2 example (tiny, bf16, byte-level text)", fontsize=10)
+  ax.legend(fontsize=8)
+  norms.axhline(1.0, color="black", linewidth=0.8)
+  norms.set_yscale("log")
+  norms.set_xlabel("step")
+  norms.set_ylabel("grad norm / unquantized run's")
+  norms.legend(fontsize=8)
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_quantized(r, os.path.join(out, f"{mode}_quantized.png"))

@@ -32,7 +32,9 @@ TP), 12Ψ/8 (1-D).
 """
 from __future__ import annotations
 
+import os
 import zerojax
+from benchmarks import charts
 from benchmarks import models, speed
 from benchmarks import variants as V
 from zerojax._plan.hlo import count_collectives
@@ -142,3 +144,78 @@ def _checks(result: dict) -> list:
   checks.append((f"zero-3 TP persistent bytes / theory 12Ψ'/D ({cfg})", got, 1.05,
                  abs(got - 1) <= 0.05))
   return checks
+
+
+# ---- the results page (`benchmarks.report`) ------------------------------
+def markdown(r: dict, mode: str) -> list:
+  lines = ["### Tensor parallelism beside ZeRO: bytes per mesh axis", ""]
+  lines += _tp_tables(r, mode)
+  if "unrolled" in r:
+    lines += ["", "The same GPT written one module per block (blocks called in a "
+              "Python loop, zero-3 gathering each block with `layerwise`):", ""]
+    lines += _tp_tables(r["unrolled"], mode)
+  return lines + ["", f"![tensor parallel]({mode}_tp.png)", ""]
+
+
+def _tp_tables(r: dict, mode: str) -> list:
+  psi_eff = r["num_params"] - r["split_params"] + r["split_params"] / r["model"]
+  lines = [f"Stage 3 on {r['devices']} devices as (data {r['data']}, model "
+           f"{r['model']}) ({r['config']}, Ψ = {r['num_params']:,}, of which "
+           f"Ψ_s = {r['split_params']:,} split over model: Ψ' = Ψ − Ψ_s + "
+           f"Ψ_s/M = {psi_eff:,.0f} per model device), against 1-D ZeRO-3 "
+           "over all 8 and Megatron-style data + tensor parallelism under "
+           "plain `jax.jit`. Collectives from the compiled HLO, classed by "
+           "their replica groups (`benchmarks/tensor_parallel.py`); bytes per "
+           "device per step. Run: "
+           f"`python -m benchmarks.run --{mode} --suites tp`.", "",
+           "| variant | over data | theory | over model | theory | over both |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for label, row in r["rows"].items():
+    th = r["theory"][label]
+    lines.append(f"| {label} | {charts.mib(sum(row['data'].values()))} | "
+                 f"{charts.mib(th['data'])} | {charts.mib(sum(row['model'].values()))} | "
+                 f"{charts.mib(th['model'])} | {sum(row['both'].values())} B |")
+  lines += charts.memory_table(r["memory"])
+  lines += ["", f"Step time ({r['rounds']} interleaved rounds), zero-3 TP / "
+            f"DP + TP: {r['ratio']:.3f} (medians), {r['min_ratio']:.3f} "
+            f"(minima); zero-3 TP / 1-D zero-3: {r['ratio_1d']:.3f}, "
+            f"{r['min_ratio_1d']:.3f}."]
+  return lines
+
+
+def plot_tp(r: dict, path: str):
+  fig, (comm, mem) = charts.plt.subplots(1, 2, figsize=(11, 3.8))
+  labels = list(r["rows"])
+  x = range(len(labels))
+  for shift, axis, color in ((-0.2, "data", "#3182bd"), (0.2, "model", "#e6550d")):
+    comm.bar([i + shift for i in x],
+             [sum(r["rows"][k][axis].values()) / charts.MIB for k in labels],
+             width=0.4, label=f"over {axis} (measured)", color=color)
+    comm.plot([i + shift for i in x],
+              [r["theory"][k][axis] / charts.MIB for k in labels], "k_",
+              markersize=18, label=None if axis == "model" else "theory")
+  comm.set_xticks(list(x), labels, fontsize=8)
+  comm.set_ylabel("MiB per device per step")
+  comm.set_title(f"collectives by mesh axis, (data {r['data']}, model "
+                 f"{r['model']}), {r['config']}", fontsize=10)
+  comm.legend(fontsize=8)
+  mem.bar([i - 0.2 for i in x], [r["memory"][k]["persistent"] / charts.MIB
+                                 for k in labels], width=0.4,
+          label="persistent state", color="#08519c")
+  mem.bar([i + 0.2 for i in x], [r["memory"][k]["compiled"] / charts.MIB
+                                 for k in labels], width=0.4,
+          label="compiled step (device)", color="#9ecae1")
+  mem.plot([i - 0.2 for i in x], [r["memory"][k]["theory"] / charts.MIB
+                                  for k in labels], "k_", markersize=18,
+           label="theory (persistent)")
+  mem.set_xticks(list(x), labels, fontsize=8)
+  mem.set_yscale("log")
+  mem.set_ylabel("MiB per device")
+  mem.set_title("memory per device", fontsize=10)
+  mem.legend(fontsize=8)
+  charts.save(fig, path)
+
+
+def plot(r: dict, out: str, mode: str):
+  """This suite's plots of `mode`'s results `r`, written into `out`."""
+  plot_tp(r, os.path.join(out, f"{mode}_tp.png"))

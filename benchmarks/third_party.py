@@ -176,7 +176,7 @@ def write(rows: list, out: str, meta: dict) -> str:
   """`third_party_footprint.{json,md,png}` in `out`; returns the table."""
   import json
   import os
-  from benchmarks import report
+  from benchmarks import memory
   table = ["| layers | Ψ | variant | footprint MiB | temp MiB |",
            "|---:|---:|---|---:|---:|"] + [
                f"| {r['layers']} | {r['num_params']:,} | {r['variant']} | "
@@ -199,7 +199,7 @@ def write(rows: list, out: str, meta: dict) -> str:
   footprint = {}
   for r in rows:
     footprint.setdefault(r["variant"], []).append(r["footprint"])
-  report.plot_depth({"depth_sweep": {"layers": layers, "footprint": footprint},
+  memory.plot_depth({"depth_sweep": {"layers": layers, "footprint": footprint},
                      "depth_config": "Hugging Face GPT-2 small"},
                     os.path.join(out, "third_party_footprint.png"))
   return text

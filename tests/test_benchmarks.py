@@ -421,7 +421,7 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it(tmp_path):
   the CPU devices with the tiny model: no known peak, so no MFU and no goal
   row; the table says so. Its profile summary ranks each trace line's
   events by total time."""
-  from benchmarks import gpu, models, report
+  from benchmarks import gpu, models
   row = gpu._child("zero-3", "tiny", 1, 16, 1, profile=tmp_path / "p.json")
   summary = json.loads((tmp_path / "p.json").read_text())
   lines = [l for p in summary["planes"] for l in p["lines"]]
@@ -476,7 +476,7 @@ def test_gpu_throughput_child_measures_one_variant_and_reports_it(tmp_path):
       ("zero-3", 0.4, 0.45, False), ("zero-3-unrolled", 0.46, 0.45, True),
       ("zero-3-unrolled", 0.9, 0.45, True)]   # alone in its setting
   assert "other" in goals[2][0]
-  table = report._throughput_md(
+  table = gpu.markdown(
       {"setup": {"config": "tiny", "compute": "bf16", "optimizer": "AdamW",
                  "batch_per_device": 1, "seq": 16, "timed_steps": 1},
        "rows": [row, {"variant": "plain-dp", "error": "OOM"}]}, "gpu")

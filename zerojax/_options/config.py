@@ -1,13 +1,11 @@
 """ZeroConfig: a ZeRO run's options, validated once where they enter.
 
-A user writes about a dozen options, five of them groups
-(`zerojax._options.groups`: `Axes`, `Precision`, `Offload`, `Quantize`, `Blocks`);
-the library reads the flat fields those stand for (`ZeroConfig.fields`),
-which are also what checkpoints store. `ZeroConfig.from_fields` builds one
-from them, and `ZeroConfig(...)` from the options.
-
-Imports only `groups` and `deepspeed` from the package (see docs/design.md,
-"Modules").
+A user writes about a dozen options, five of them groups (`groups`:
+`Axes`, `Precision`, `Offload`, `Quantize`, `Blocks`); the library reads
+the flat fields those stand for (`ZeroConfig.fields`), which are also what
+checkpoints store. `ZeroConfig.from_fields` builds one from them, and
+`ZeroConfig(...)` from the options. Imports only `groups` and `deepspeed`
+from the package (docs/design.md, "Package map").
 """
 from __future__ import annotations
 
