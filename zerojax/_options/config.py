@@ -104,6 +104,17 @@ def expand(options: dict) -> dict:
   return fields
 
 
+class _GroupOf:
+  """`config.<group>`: the group `ZeroConfig`'s flat fields stand for
+  (`Group.from_fields`), read when asked for."""
+
+  def __init__(self, group: type):
+    self.group = group
+
+  def __get__(self, config, owner=None):
+    return self if config is None else self.group.from_fields(config.fields())
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class ZeroConfig:
   """How a `TrainState` is sharded and stepped.
@@ -200,25 +211,12 @@ class ZeroConfig:
                    blocks=self.blocks)
     return options
 
-  @property
-  def axes(self) -> Axes:
-    return Axes.from_fields(self.fields())
-
-  @property
-  def precision(self) -> Precision:
-    return Precision.from_fields(self.fields())
-
-  @property
-  def offload(self) -> Optional[Offload]:
-    return Offload.from_fields(self.fields())
-
-  @property
-  def quantize(self) -> Quantize:
-    return Quantize.from_fields(self.fields())
-
-  @property
-  def blocks(self) -> Blocks:
-    return Blocks.from_fields(self.fields())
+  # each group read back from the flat fields (`_GroupOf`)
+  axes = _GroupOf(Axes)
+  precision = _GroupOf(Precision)
+  offload = _GroupOf(Offload)   # None without offload
+  quantize = _GroupOf(Quantize)
+  blocks = _GroupOf(Blocks)
 
   @classmethod
   def from_deepspeed(cls, config, **options) -> "ZeroConfig":
