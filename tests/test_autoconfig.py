@@ -63,6 +63,7 @@ def _chosen_step_fits(plan, budget):
   assert zerojax.compiled_footprint(compiled)["device"] <= budget
 
 
+@pytest.mark.slow
 def test_every_stage_is_measured_and_memory_falls_with_the_stage():
   plan = _everything()
   stages = _by_stage(plan)
@@ -235,6 +236,7 @@ def test_collectives_over_the_replica_axis_are_charged_to_the_node_link():
   assert one_axis.replica_bytes == 0
 
 
+@pytest.mark.slow
 def test_host_transfers_are_read_from_the_program_and_a_host_update_is_charged():
   """Stage 3 with the optimizer state on host: the update on the device
   brings the state over PCIe and back, the update on the host moves only
@@ -253,6 +255,7 @@ def test_host_transfers_are_read_from_the_program_and_a_host_update_is_charged()
   assert "update on host" in host.label
 
 
+@pytest.mark.slow
 def test_the_disk_tier_is_charged_its_file_traffic(tmp_path):
   """The disk tier's statistics are `OnDisk`s in the abstract state
   (nothing written): out of host memory, read and written once a step."""

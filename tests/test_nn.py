@@ -484,6 +484,7 @@ def _trained(model, stacked=(), steps=3, **config):
   return losses, zerojax.gather_params(state), modes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("remat,policy", [
     ("full", None),
@@ -505,6 +506,7 @@ def test_blocks_as_written_are_gathered_as_the_opt_in_gathers_them(
   jax.tree_util.tree_map(np.testing.assert_array_equal, plain[1], wrapped[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_the_default_keeps_activations_and_gathers_blocks_again(scan):
   """`remat="none"` (the default): each block gathered twice (forward,
@@ -548,6 +550,7 @@ class _PenalisedLM(nn.Module):
     return logits + 1e-3 * jnp.sum(kernel ** 2)
 
 
+@pytest.mark.slow
 def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
   zerojax.nn._gather._SAID.clear()   # (said once a process)
   model = _PenalisedLM()

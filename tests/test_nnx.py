@@ -272,6 +272,7 @@ def test_nnx_create_equals_shard_of_the_built_model():
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_nnx_create_never_holds_the_whole_model():
   fp = zerojax._state.sharded_init.create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
                                              stage=3)

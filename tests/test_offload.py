@@ -66,6 +66,7 @@ def test_optimizer_offload_is_exact_and_stays_on_host(stage, dtype):
   assert report.by_kind()["pinned_host"] == host > 0
 
 
+@pytest.mark.slow
 def test_parameter_offload_at_stage3():
   base, base_losses, _, _ = _baseline(3, compute_dtype="float32")
   state, losses, kinds, _ = _run(3, offload_params=True)
