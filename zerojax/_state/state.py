@@ -115,8 +115,8 @@ class ZeroTrainState(struct.PyTreeNode):
 
   @property
   def frontend(self):
-    """The Flax front end the state came from (`zerojax.nn._frontend`): it adapts
-    the user's loss and evaluation functions."""
+    """The Flax front end the state came from (`zerojax.nn._frontend`): it
+    adapts the user's loss and evaluation functions."""
     return dict(self.static_extras).get(frontend.FRONTEND_FIELD, frontend.LINEN)
 
 

@@ -89,8 +89,8 @@ def _evaluate(fn, mutable, weighted, state, batch, rng):
     dev_rng = (jax.random.fold_in(maybe_rng[0], jax.lax.axis_index(batch_ax))
                if with_rng else None)
     params_in, slotted = grads.secondary_partition(state, params_in, host)
-    call = model_call.ModelCall(fn, False, (), state, pol, params_in, rest, None,
-                           slotted, with_rng)
+    call = model_call.ModelCall(fn, False, (), state, pol, params_in, rest,
+                                None, slotted, with_rng)
     diff = call.differentiated()
     # the modules beside the blocks are held: an evaluation has no
     # backward pass for gathering per use to shorten (`zerojax.nn._peruse`)
