@@ -25,10 +25,10 @@ time, in sub-groups of `SUB_GROUP` elements per device, and holds two).
                   depth
   PCIe bytes      per parameter per step, the chunk- and shard-shaped host
                   <-> device moves of the programs lowered for a GPU
-                  (`hlo.host_moves`): the step (at stage 3 its gathers of
+                  (`transfers.host_moves`): the step (at stage 3 its gathers of
                   host shards, forward and rematerialised backward), and
                   for the disk tier its gradient sink's writes
-                  (`hlo.host_writes`) and each chunk's host update
+                  (`transfers.host_writes`) and each chunk's host update
   disk bytes      per parameter per step: every disk chunk's files read
                   and written once (its gradient's written by the step,
                   read by the stream)

@@ -18,7 +18,7 @@ offload, and the step-time cost of offload on CPU.
                   does not fit). The blocks are one `nn.scan`, so a compile
                   costs the same at any depth.
   PCIe bytes      per parameter per step, the chunk-shaped host <-> device
-                  moves of the step lowered for a GPU (`hlo.host_moves`),
+                  moves of the step lowered for a GPU (`transfers.host_moves`),
                   every chunk's optimizer state offloaded, Adam, bf16
                   compute: the optax update on the device (master, m and v
                   over and back) against `update_on="host"` (the gradient
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from benchmarks import charts
 from benchmarks import memory, models, speed
 from benchmarks import variants as V
-from zerojax._plan.hlo import host_computations, host_moves
+from zerojax._plan.transfers import host_computations, host_moves
 
 VARIANT = "zero-3"
 OFFLOAD = {"offload_optimizer": True}

@@ -240,7 +240,7 @@ def test_collectives_over_the_replica_axis_are_charged_to_the_node_link():
 def test_host_transfers_are_read_from_the_program_and_a_host_update_is_charged():
   """Stage 3 with the optimizer state on host: the update on the device
   brings the state over PCIe and back, the update on the host moves only
-  the gradient and parameter shards (`hlo.host_moves` of the program
+  the gradient and parameter shards (`transfers.host_moves` of the program
   lowered for a GPU) and is charged its host work instead."""
   plain, _, _ = _problem()
   shapes = zerojax.shard_shape(plain)

@@ -63,7 +63,7 @@ def test_round_trip_is_bit_identical(problem, saved, monkeypatch):
 
   def no_repack(*args, **kwargs):
     raise AssertionError("the same layout was repacked, not read directly")
-  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", no_repack)
+  monkeypatch.setattr(zerojax.checkpoint._read, "_repack", no_repack)
   state = zerojax.checkpoint.restore(directory, like=plain, stage=3,
                                      chunk_size=3000)
   assert int(state.step) == SPLIT
@@ -100,8 +100,8 @@ def test_restore_regroups_for_a_tx_with_other_optimizer_classes(
   decay_matrices = optax.adamw(1e-2, weight_decay=1e-4, mask=lambda p: (
       jax.tree_util.tree_map(lambda x: x.ndim > 1, p)))
   repacked = []
-  repack = zerojax.checkpoint._restore._repack
-  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack",
+  repack = zerojax.checkpoint._read._repack
+  monkeypatch.setattr(zerojax.checkpoint._read, "_repack",
                       lambda *a, **k: repacked.append(1) or repack(*a, **k))
   state = zerojax.checkpoint.restore(directory, like=plain.replace(
       tx=decay_matrices))
@@ -515,8 +515,8 @@ def test_a_restore_from_a_plain_train_state_keeps_frozen(problem, tmp_path,
   _, rest = _train(state, loss_fn, batches[SPLIT:])
   is_frozen = jax.tree_util.tree_leaves(_freeze_embedding_and_first_block(before))
 
-  repack = zerojax.checkpoint._restore._repack
-  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", lambda *a, **k: (
+  repack = zerojax.checkpoint._read._repack
+  monkeypatch.setattr(zerojax.checkpoint._read, "_repack", lambda *a, **k: (
       pytest.fail("the saved layout was repacked: frozen was lost")))
   back = zerojax.checkpoint.restore(directory, like=plain)
   assert back.layout == layout
@@ -531,7 +531,7 @@ def test_a_restore_from_a_plain_train_state_keeps_frozen(problem, tmp_path,
   _edit_meta(step_dir, lambda meta: meta.pop("frozen"), keep_checksum=False)
   assert zerojax.checkpoint.restore(directory, like=plain).layout == layout
 
-  monkeypatch.setattr(zerojax.checkpoint._restore, "_repack", repack)
+  monkeypatch.setattr(zerojax.checkpoint._read, "_repack", repack)
   unfrozen = zerojax.checkpoint.restore(directory, like=plain, frozen=None)
   assert not unfrozen.rest
   unfrozen, _ = _train(unfrozen, loss_fn, batches[SPLIT:SPLIT + 1])

@@ -147,7 +147,7 @@ def test_precision_clipping_accumulation_and_communication_map():
 
 def test_schedules_follow_deepspeeds_formulas():
   def at(scheduler, counts, lr=1.0):
-    tx_lr = deepspeed._schedule(scheduler, lr)
+    tx_lr = deepspeed._optimizer._schedule(scheduler, lr)
     return [float(tx_lr(c)) for c in counts]
 
   warm = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1,
@@ -207,7 +207,7 @@ def test_training_with_a_converted_config_equals_it_by_hand():
       apply_fn=model.apply, params=params, tx=deepspeed.optimizer(ds)),
       config=ZeroConfig.from_deepspeed(ds))
   # the schedule's formula is checked above; here the configuration
-  schedule = deepspeed._schedule(ds["scheduler"], 0.001)
+  schedule = deepspeed._optimizer._schedule(ds["scheduler"], 0.001)
   by_hand = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params,
       tx=optax.adamw(schedule, 0.8, 0.999, 1e-8, weight_decay=3e-7)),

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax._options.config import NEW_SPELLING, OPTIONS, ZeroConfig
+from zerojax._options.config import OPTIONS, ZeroConfig
+from zerojax._options.spelling import NEW_SPELLING
 
 
 def test_there_are_a_dozen_options():

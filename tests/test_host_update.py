@@ -12,7 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax._plan.hlo import host_computations, host_moves
+from zerojax._plan.transfers import host_computations, host_moves
 from models import zopts
 from models import (OFFLOADED_UPDATE_CASES, ScannedLM,
                     assert_matches_reference, lm_batches, lm_loss_fn,

@@ -81,7 +81,7 @@ def test_host_parameters_reach_each_device_as_its_part_only(monkeypatch):
   holds whole are packed on the host and each device is sent its own shard
   (`reshard._host_packed`): no packing program is compiled for a split
   chunk. The programs that pack leaves held across processes constrain
-  each leaf to its split (`reshard.leaf_spec`), so jax sends even a host
+  each leaf to its split (`meshes.leaf_spec`), so jax sends even a host
   leaf to them in parts: their compiled argument bytes per device are each
   leaf's part (whole only where no axis divides by the device count)."""
   from zerojax._core import reshard

@@ -1,5 +1,6 @@
-"""The device mesh a ZeRO state runs on: the default one, and the Auto-axes
-copy of a user's mesh that the step needs."""
+"""The device mesh a ZeRO state runs on: the default one, the Auto-axes
+copy of a user's mesh that the step needs, and how a leaf of the tree
+form is split over it (`leaf_spec`)."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,7 @@ import math
 import logging
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 _log = logging.getLogger("zerojax")
 
@@ -46,3 +47,13 @@ def _say_auto_copy(mesh: Mesh) -> None:
       "it with Auto axes: jax.make_mesh(shape, names, axis_types=(AxisType."
       "Auto,) * len(names)).", mesh.axis_names,
       tuple(str(t) for t in mesh.axis_types))
+
+
+def leaf_spec(shape, n, axis_name) -> P:
+  """A leaf sharded on its largest axis the device count divides."""
+  dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
+                key=lambda d: -shape[d])
+  spec = [None] * len(shape)
+  if dims:
+    spec[dims[0]] = axis_name
+  return P(*spec)

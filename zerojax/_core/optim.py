@@ -15,7 +15,6 @@ silently wrong on chunks.
 """
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Optional, Sequence
 
@@ -24,15 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax._core import compat
 from zerojax._core.layout import ChunkLayout
 
 _PROBE_STEPS = 3
-# compiled probe programs kept for reuse (least recently used dropped): one
-# `check_tx` compiles at most three (the tree, the two packings, two halves
-# of a packing); each holds its tx alive
-_PROGRAMS_KEPT = 8
-_programs: collections.OrderedDict = collections.OrderedDict()
 
 
 def _hashable(key) -> bool:
@@ -45,8 +38,8 @@ def _hashable(key) -> bool:
 
 def _cached(probe):
   """A probe's answer depends only on `tx` and the tree's structure, shapes
-  and dtypes: computed once per (tx, tree), since a probe costs a compile
-  (seconds) and `shard`, `create` and `restore` each run two."""
+  and dtypes: computed once per (tx, tree), since `shard`, `create` and
+  `restore` each ask twice."""
   answers = {}
 
   @functools.wraps(probe)
@@ -70,51 +63,27 @@ def _surrogate_shapes(abstract_params) -> list:
 
 
 def _run(tx, params, grads_seq):
-  """Updates of `tx` over a sequence of gradients (plain optax semantics).
-
-  A step is one jitted function the probe's program calls, not inlined:
-  traced once for all steps of equal input types and kept as one call in
-  the traced program, not copied into it per step (tracing is a fifth to
-  a third of a probe's cost). XLA inlines the calls when it compiles: the
-  same program."""
-  @jax.jit
-  def step(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return updates, state, optax.apply_updates(params, updates)
-
+  """Updates of `tx` over a sequence of gradients (plain optax semantics)."""
   state = tx.init(params)
   outs = []
   for grads in grads_seq:
-    updates, state, params = step(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
     outs.append(updates)
   return outs
 
 
-def _run_probe(key, probe, *args):
-  """`probe(*args)` on a few-element surrogate, fetched as numpy. It runs on
-  the host CPU whatever the default backend, compiled as cheaply as XLA
-  allows (`compat.FAST_COMPILE`: the compile is the probe's whole cost).
+def _run_probe(probe, *args):
+  """`probe(*args)` on a few-element surrogate, run eagerly on the host CPU
+  whatever the default backend and fetched as numpy.
 
-  `key` names what, beside the arguments' types, decides the program (the
-  tx, the tree or packings it runs on); a program is compiled once per key
-  and then run on other values: the tree's run serves `leaf_labels` (equal
-  values) and `check_elementwise` (random values), the packings' run
-  `check_elementwise` and `check_separable` (large gradients)."""
-  options = compat.compiler_options(backend="cpu")
-  leaves, treedef = jax.tree_util.tree_flatten(args)
-  key = (key, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
-         tuple(sorted(options.items())))
-  keep = _hashable(key)   # else compiled every time
+  Eagerly, not compiled: a probe runs once per (tx, tree), and compiling
+  `tx` over every leaf of the tree costs more than plain `jax.jit`'s
+  compile of the whole training step, while each eager operation on a
+  few elements reuses a program compiled once per shape
+  (docs/decisions.md, "The optimizer probes run eagerly")."""
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    compiled = _programs.get(key) if keep else None
-    if compiled is None:
-      compiled = jax.jit(probe).lower(*args).compile(compiler_options=options)
-    if keep:
-      _programs[key] = compiled
-      _programs.move_to_end(key)
-      while len(_programs) > _PROGRAMS_KEPT:
-        _programs.popitem(last=False)
-    return jax.device_get(compiled(*args))
+    return jax.device_get(probe(*args))
 
 
 def _tree_updates(tx, treedef, params: list, grads: list) -> list:
@@ -122,7 +91,6 @@ def _tree_updates(tx, treedef, params: list, grads: list) -> list:
   `grads`: per step, leaves)."""
   unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)
   return _run_probe(
-      ("tree", tx, treedef),
       lambda p, gs: [treedef.flatten_up_to(u)
                      for u in _run(tx, unflat(p), [unflat(g) for g in gs])],
       params, grads)
@@ -131,11 +99,8 @@ def _tree_updates(tx, treedef, params: list, grads: list) -> list:
 def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
   """Per run `(layout, only)`: per step, the update chunks of `tx` on the
   views of the chunks in `only` (None: all; None for the others) packed
-  from `params` (leaves; `grads`: per step, leaves). One program for all
-  runs: a program's fixed cost is a good part of a small tree's probe.
-
-  The packing happens on the host: the compiled program then holds `tx` and
-  the views alone, not a pack and unpack per leaf and step."""
+  from `params` (leaves; `grads`: per step, leaves). The packing happens
+  on the host, in numpy."""
   def probe(packed):
     outs = []
     for (layout, only), (chunks, chunk_grads) in zip(runs, packed):
@@ -148,7 +113,7 @@ def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
                                  for c in range(len(layout.chunks))]
   packed = [(pack(layout, params), [pack(layout, g) for g in grads])
             for layout, _ in runs]
-  return _run_probe(("chunks", tx, runs), probe, packed)
+  return _run_probe(probe, packed)
 
 
 def _packings(surrogate, trainable, labels, stacked) -> tuple:
@@ -332,8 +297,8 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   """Why updating chunks in two separate calls of `tx` differs from one call
   over all of them (a transformation that reads every gradient at once:
   `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
-  (x1000) so that clipping thresholds are crossed. The whole run is the
-  small padded packing's run of `_chunked_mismatch` (the same program)."""
+  (x1000) so that clipping thresholds are crossed. The chunks are the
+  small padded packing of `_chunked_mismatch`."""
   _, surrogate, params, grads = _random_surrogate(
       abstract_params, trainable, grad_scale=1e3)
   runs = _packings(surrogate, trainable, labels, stacked)
@@ -342,7 +307,7 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
   try:
-    whole = _chunk_updates(tx, runs, params, grads)[1]
+    whole = _chunk_updates(tx, runs[1:], params, grads)[0]
     split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
                            grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"

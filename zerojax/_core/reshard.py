@@ -3,14 +3,13 @@ time, with explicit collectives.
 
 Tree form: the ordinary `TrainState` content (parameter tree, optax state
 on it), each leaf sharded on its largest axis the device count divides
-(`leaf_spec`). Chunk form: `ZeroTrainState`'s chunks and chunk views.
+(`meshes.leaf_spec`). Chunk form: `ZeroTrainState`'s chunks and chunk views.
 `shard()` and a `restore()` onto another chunk layout pack into chunk
 form; `export_params` of a live state unpacks into tree form.
 
 Left to GSPMD, one program converting the whole state cannot express a
-leaf's shard as slices of chunk shards and falls back to replicating whole
-leaves on every device ("involuntary full rematerialization": measured 2.2x
-the state's bytes for a save, 5.5x for a restore). Here every chunk is
+leaf's shard as slices of chunk shards and replicates whole leaves on
+every device ("involuntary full rematerialization"). Here every chunk is
 converted by its own `shard_map` programs: tree -> chunk gathers one leaf
 (or a group of small leaves up to the largest leaf's bytes, at least 1 MiB)
 and keeps this device's window of the chunk; chunk -> tree gathers the
@@ -18,7 +17,7 @@ chunk and keeps this device's slice of each leaf. A device holds its part
 of both forms plus one chunk (or one leaf) at a time. Chunks a device holds
 whole (replicated, or on a one-device mesh) need no gather: consecutive
 ones are packed by one program, up to the largest leaf's bytes or 64 MiB
-(`_packed`), which is then what a device holds beside both forms.
+(`packed`), which is then what a device holds beside both forms.
 """
 from __future__ import annotations
 
@@ -31,19 +30,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._core import meshes
-from zerojax._core import optstate
 from zerojax._core.layout import ChunkLayout
 from zerojax._core.offload import HOST
-
-
-def leaf_spec(shape, n, axis_name) -> P:
-  """A leaf sharded on its largest axis the device count divides."""
-  dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
-                key=lambda d: -shape[d])
-  spec = [None] * len(shape)
-  if dims:
-    spec[dims[0]] = axis_name
-  return P(*spec)
 
 
 def _on_device(x):
@@ -80,7 +68,7 @@ def _is_split(sharding, axis_name) -> bool:
 # then compiles a few programs, not one per leaf; a real model's largest
 # leaf is far above it
 GROUP_FLOOR = 1 << 20
-# ... and the least a program packing whole chunks may make (`_packed`):
+# ... and the least a program packing whole chunks may make (`packed`):
 # what it adds to a device beside both forms of the state
 WHOLE_GROUP_FLOOR = 64 << 20
 
@@ -115,7 +103,7 @@ def add_leaf_window(layout, c, i, leaf, shard, mesh, axis_name):
   n = meshes.axes_size(mesh, axis_name)
   width = chunk.length // n
   lead = (chunk.layers,) if chunk.layers else ()
-  spec = leaf_spec(leaf.shape, n, axis_name)
+  spec = meshes.leaf_spec(leaf.shape, n, axis_name)
   leaf = jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
   def local(part, shard):
@@ -250,7 +238,7 @@ def _unpack_program(layout, c, mesh, axis_name, split, dtypes):
   chunk = layout.chunks[c]
   n = meshes.axes_size(mesh, axis_name)
   lead = (chunk.layers,) if chunk.layers else ()
-  specs = [leaf_spec(layout.leaves[i].shape, n, axis_name) for i in chunk.leaves]
+  specs = [meshes.leaf_spec(layout.leaves[i].shape, n, axis_name) for i in chunk.leaves]
 
   def local(x):
     x = jnp.reshape(x, lead + (x.shape[-1],))
@@ -279,7 +267,7 @@ def _unpack_program(layout, c, mesh, axis_name, split, dtypes):
 def leaves_from_chunk(layout: ChunkLayout, c: int, x: jax.Array, axis_name: str,
                       dtypes: Sequence[Any] = None) -> list:
   """The leaves of chunk `c` held in `x` (the chunk or a chunk view, split on
-  its last axis or replicated), each sharded by `leaf_spec`, in
+  its last axis or replicated), each sharded by `meshes.leaf_spec`, in
   `dtypes` (default: each leaf's own)."""
   chunk = layout.chunks[c]
   if dtypes is None:
@@ -321,7 +309,7 @@ def _whole_program(layout, items: tuple, shardings: tuple):
   return jax.jit(pack, out_shardings=list(shardings))
 
 
-def _packed(layout, jobs: Sequence[tuple], axis_name: str,
+def packed(layout, jobs: Sequence[tuple], axis_name: str,
             release: bool) -> list:
   """Per job `(c, members, sharding, dtype, shape)` (`members`: chunk `c`'s
   leaves by leaf index), chunk `c` packed from them, in `dtype`, reshaped
@@ -375,7 +363,7 @@ def to_chunks(layout: ChunkLayout, params: Any, shardings: Sequence[Any],
   """`(chunks, rest)` of a parameter tree, chunk `c` in `shardings[c]`;
   `release` as for `chunk_from_leaves`."""
   leaves = dict(enumerate(layout.treedef.flatten_up_to(params)))
-  chunks = tuple(_packed(layout, [
+  chunks = tuple(packed(layout, [
       (c, {i: leaves[i] for i in layout.chunks[c].leaves}, s,
        layout.chunks[c].dtype, layout.chunks[c].shape)
       for c, s in enumerate(shardings)], axis_name, release))
@@ -395,35 +383,6 @@ def to_tree(layout: ChunkLayout, chunks: Sequence[Any], rest: Sequence[Any],
   return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
-def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
-                 shardings: Any, axis_name: str, release: bool = False) -> Any:
-  """The optax state on the parameter tree, converted to the state over
-  chunk views (`view_state`: its shapes, `shardings`: its shardings);
-  `release` as for `chunk_from_leaves`."""
-  table = optstate.check_tree_state(layout, opt_state, view_state)
-  flat = jax.tree_util.tree_leaves(opt_state)
-  views, treedef = jax.tree_util.tree_flatten(view_state)
-  places = jax.tree_util.tree_leaves(shardings)
-  out, jobs, at = [], [], []
-  for j, (c, i, view, sharding) in enumerate(
-      zip(table.chunk, table.leaf, views, places)):
-    if c is None:
-      # counts and scalars as they are; a chunk's other leaves (their
-      # statistics are in the chunk's) and empty views zero
-      in_chunk = i is not None and layout.leaves[i].chunk >= 0
-      out.append(copy(flat[j], sharding)
-                 if not in_chunk and np.shape(flat[j]) == view.shape else
-                 jax.device_put(jnp.zeros(view.shape, view.dtype), sharding))
-      continue
-    members = {m: flat[k] for m, k in zip(layout.chunks[c].leaves, table.members[j])}
-    at.append(len(out))
-    out.append(None)
-    jobs.append((c, members, sharding, view.dtype, view.shape))
-  for k, x in zip(at, _packed(layout, jobs, axis_name, release)):
-    out[k] = x
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
 @functools.lru_cache(maxsize=256)
 def _reshape_program(shape, sharding):
   return jax.jit(lambda x: jnp.reshape(x, shape), out_shardings=sharding)
@@ -433,29 +392,3 @@ def _reshape_program(shape, sharding):
 def cast_program(dtype, sharding):
   """`x.astype(dtype)` into `sharding`, compiled once per pair."""
   return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)
-
-
-def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
-                axis_name: str) -> Any:
-  """Inverse of `opt_to_views`: the optax state on the parameter tree
-  (`tree_state`: its shapes), leaves sharded by `leaf_spec`."""
-  table = optstate.check_tree_state(layout, tree_state, view_state)
-  views = jax.tree_util.tree_leaves(view_state)
-  targets, treedef = jax.tree_util.tree_flatten(tree_state)
-  out = [None] * len(targets)
-  for j, (c, i) in enumerate(zip(table.chunk, table.leaf)):
-    if c is not None:
-      members = table.members[j]
-      for k, leaf in zip(members, leaves_from_chunk(
-          layout, c, views[j], axis_name, [targets[k].dtype for k in members])):
-        out[k] = leaf
-    elif i is not None and layout.leaves[i].chunk >= 0:
-      continue   # placed with its chunk's statistic
-    elif views[j].shape == targets[j].shape:
-      out[j] = copy(views[j])   # counts, scalars
-    else:   # frozen / non-floating: the optimizer never saw it
-      mesh = views[j].sharding.mesh
-      spec = leaf_spec(targets[j].shape, meshes.axes_size(mesh, axis_name), axis_name)
-      out[j] = jax.device_put(jnp.zeros(targets[j].shape, targets[j].dtype),
-                              NamedSharding(mesh, spec))
-  return jax.tree_util.tree_unflatten(treedef, out)

@@ -4,8 +4,8 @@ A user writes about a dozen options, five of them groups (`groups`:
 `Axes`, `Precision`, `Offload`, `Quantize`, `Blocks`); the library reads
 the flat fields those stand for (`ZeroConfig.fields`), which are also what
 checkpoints store. `ZeroConfig.from_fields` builds one from them, and
-`ZeroConfig(...)` from the options. Imports only `groups` and `deepspeed`
-from the package (docs/design.md, "Package map").
+`ZeroConfig(...)` from the options. Imports only `groups`, `spelling` and
+`deepspeed` from the package (docs/design.md, "Package map").
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from zerojax import deepspeed
 from zerojax._options import groups
 from zerojax._options.groups import (Axes, Blocks, DynamicLossScale, Offload,
                                      Precision, Quantize)
+from zerojax._options.spelling import NEW_SPELLING
 
 DISK = "disk"   # offload_optimizer's value for the disk tier
 # "planned": auto, after planning; "plan": shard(stage="auto") before its
@@ -48,38 +49,6 @@ GROUPS = {
 PLAIN = ("stage", "device_budget", "chunk_size", "clip_norm", "accum_steps",
          "frozen", "frozen_dtype")
 OPTIONS = PLAIN[:1] + tuple(GROUPS) + PLAIN[1:]
-
-# Each flat name a user could once pass, and its spelling now.
-NEW_SPELLING = {
-    "axis_name": "axes=zerojax.Axes(data=...)",
-    "replica_axis": "axes=zerojax.Axes(replica=...)",
-    "hpz": "axes=zerojax.Axes(replica=..., hpz=True)",
-    "model_axis": "axes=zerojax.Axes(model=...)",
-    "compute_dtype": "precision='bf16' (or zerojax.Precision(compute=...))",
-    "reduce_dtype": "precision=zerojax.Precision(reduce=...)",
-    "loss_scale": "precision=zerojax.Precision(loss_scale=...)",
-    "skip_nonfinite": "precision=zerojax.Precision(skip_nonfinite=True)",
-    "offload_optimizer": ("offload='host' (or zerojax.Offload('disk', "
-                          "dir=...))"),
-    "offload_params": "offload=zerojax.Offload(params=True)",
-    "offload_fraction": "offload=zerojax.Offload(fraction=...)",
-    "update_on": "offload=zerojax.Offload(update_on=...)",
-    "offload_dir": "offload=zerojax.Offload('disk', dir=...)",
-    "sub_group_size": "offload=zerojax.Offload('disk', sub_group_size=...)",
-    "placement": "offload='auto' (with device_budget=)",
-    "quantize_weights": "quantize=zerojax.Quantize(weights=...)",
-    "quantize_grads": "quantize=zerojax.Quantize(grads=...)",
-    "quantize_block": "quantize=zerojax.Quantize(block=...)",
-    "stacked": "blocks=zerojax.Blocks(stacked=...)",
-    "per_use": "blocks=zerojax.Blocks(per_use=...)",
-    "prefetch": "blocks=zerojax.Blocks(prefetch=...)",
-    "reshard_after_forward": "blocks=zerojax.Blocks(reshard_after_forward=...)",
-    "remat": "blocks=zerojax.Blocks(remat=...)",
-    "min_chunk_size": "chunk_size= (the chunk-size search is internal)",
-    "search_range": "chunk_size= (the chunk-size search is internal)",
-    "search_interval": "chunk_size= (the chunk-size search is internal)",
-}
-
 
 def expand(options: dict) -> dict:
   """The flat fields `options` (`ZeroConfig(...)`'s keywords, as given to

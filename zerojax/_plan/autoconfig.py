@@ -31,6 +31,7 @@ import jax
 
 from zerojax._plan import costmodel
 from zerojax._core import frozen
+from zerojax._core import opt_reshard
 from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._plan.costmodel import Candidate, figures_for
@@ -276,7 +277,7 @@ def place_as_chosen(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
   params = reshard.to_tree(layout, loaded_master(state),
                            frozen.restored(layout, state.rest), axes)
   _, opt_shapes, dims = _tree_parts(state)
-  opt_state = reshard.opt_to_tree(layout, state.opt_state, opt_shapes, axes)
+  opt_state = opt_reshard.opt_to_tree(layout, state.opt_state, opt_shapes, axes)
   config = chosen.config
   return place(params, opt_state, state.step, state.extras,
                state.static_extras, tx=state.tx, apply_fn=state.apply_fn,

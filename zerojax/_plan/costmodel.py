@@ -10,7 +10,7 @@ and read three ways:
                   collectives' ring bytes (`zerojax._plan.hlo`) over the data
                   axis, and separately those whose groups span the replica
                   axis (the nodes' slower link); the host transfers the
-                  program makes (`hlo.host_moves` of its lowering for a
+                  program makes (`transfers.host_moves` of its lowering for a
                   GPU, where memory-kind moves are visible) over PCIe;
                   the disk tier's files, written and read once a step;
   FLOPs           XLA's `cost_analysis()` of the program (one device's).
@@ -36,6 +36,7 @@ import numpy as np
 
 from zerojax._tiers import disk_tier
 from zerojax._plan import hlo
+from zerojax._plan import transfers
 from zerojax._state.memory import compiled_footprint
 from zerojax._plan.planner import host_bytes
 from zerojax._state.state import ZeroTrainState
@@ -199,14 +200,14 @@ def _host_traffic(step: Callable, shapes: ZeroTrainState,
                   batch: Any) -> tuple:
   """`(PCIe bytes, of which the disk tier's gradient sink)` per device per
   step: the step's memory-kind moves of whole chunks or of one device's
-  shard of one (`hlo.host_moves`) and its writes to host files
-  (`hlo.host_writes`), read from the program lowered for a GPU, where they
+  shard of one (`transfers.host_moves`) and its writes to host files
+  (`transfers.host_writes`), read from the program lowered for a GPU, where they
   are visible (on CPU they lower to nothing)."""
   text = step.trace(shapes, batch).lower(
       lowering_platforms=("cuda",)).as_text()
   n = shapes.num_shards
   chunks = [tuple(c.shape) for c in shapes.layout.chunks]
   pieces = [c[:-1] + (c[-1] // n,) for c in chunks]
-  moved = hlo.host_moves(text, chunks, pieces, n)
-  sunk = hlo.host_writes(text, n) / n
+  moved = transfers.host_moves(text, chunks, pieces, n)
+  sunk = transfers.host_writes(text, n) / n
   return (moved["pinned_host"] + moved["device"]) / n + sunk, sunk

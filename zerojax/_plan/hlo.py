@@ -45,7 +45,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from zerojax._core import compat
+from zerojax._plan.hlo_text import (Instr, called, match_bracket, parse_module,
+                                   split_top)
+
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
          "collective-permute")
@@ -60,8 +62,6 @@ _BITS = {
     "token": 0,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_COMMENT = re.compile(r"/\*.*?\*/")
 _TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
 
 
@@ -90,129 +90,7 @@ def _tuple_items(shape: str) -> List[str]:
   shape = shape.strip()
   if not shape.startswith("("):
     return [shape]
-  return _split_top(shape[1:_match(shape, 0)])
-
-
-# ---- text scanning ---------------------------------------------------------
-def _match(s: str, i: int) -> int:
-  """Index of the bracket closing the one at s[i], skipping quoted text."""
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  stack, quoted = [], False
-  for j in range(i, len(s)):
-    c = s[j]
-    if c == '"' and (j == 0 or s[j - 1] != "\\"):
-      quoted = not quoted
-    elif quoted:
-      continue
-    elif c in pairs:
-      stack.append(pairs[c])
-    elif stack and c == stack[-1]:
-      stack.pop()
-      if not stack:
-        return j
-  raise ValueError(f"unbalanced brackets in HLO: {s[i:i + 80]!r}")
-
-
-def _split_top(s: str) -> List[str]:
-  """Splits on commas that are not nested in brackets or quotes."""
-  out, depth, quoted, start = [], 0, False, 0
-  for j, c in enumerate(s):
-    if c == '"' and (j == 0 or s[j - 1] != "\\"):
-      quoted = not quoted
-    elif quoted:
-      continue
-    elif c in "({[":
-      depth += 1
-    elif c in ")}]":
-      depth -= 1
-    elif c == "," and depth == 0:
-      out.append(s[start:j].strip())
-      start = j + 1
-  if s[start:].strip():
-    out.append(s[start:].strip())
-  return out
-
-
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: List[str]            # operand names
-  operand_shapes: List[Optional[str]]  # inline shapes when printed
-  attrs: str
-
-
-def _parse_instruction(line: str) -> Optional[_Instr]:
-  line = line.strip()
-  if line.startswith("ROOT "):
-    line = line[5:]
-  eq = line.find(" = ")
-  if eq < 0:
-    return None
-  name = line[:eq].strip().lstrip("%")
-  rest = line[eq + 3:].lstrip()
-  # A tuple shape ends at its closing bracket, an array shape (with its
-  # layout, `f32[8,4]{1,0}`) at the first space.
-  end = _match(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-  if end <= 0:
-    return None
-  shape, rest = rest[:end], rest[end:].lstrip()
-  m = re.match(r"([a-z][a-z0-9\-]*)\(", rest)
-  if not m:
-    return None
-  opcode = m.group(1)
-  open_at = m.end() - 1
-  close = _match(rest, open_at)
-  operands, operand_shapes = [], []
-  for arg in _split_top(rest[open_at + 1:close]):   # "%x" or "f32[8] %x"
-    pieces = arg.rsplit(" ", 1)
-    operands.append(pieces[-1].lstrip("%"))
-    operand_shapes.append(pieces[0] if len(pieces) == 2 else None)
-  return _Instr(name, shape, opcode, operands, operand_shapes,
-                rest[close + 1:])
-
-
-def _parse_module(text: str):
-  """{computation: [instructions]}, the entry computation's name, and the
-  module's device count (num_partitions x replica_count)."""
-  comps: Dict[str, List[_Instr]] = {}
-  entry, current = None, None
-  devices = 1
-  for line in text.splitlines():
-    if line.startswith("HloModule"):
-      parts = re.search(r"num_partitions=(\d+)", line)
-      reps = re.search(r"replica_count=(\d+)", line)
-      devices = (int(parts.group(1)) if parts else 1) * (
-          int(reps.group(1)) if reps else 1)
-      continue
-    stripped = _COMMENT.sub("", line).strip()
-    if current is None:
-      m = _HEADER.match(stripped)
-      if m and " = " not in stripped.split("(", 1)[0]:
-        current = m.group(2)
-        comps[current] = []
-        if m.group(1):
-          entry = current
-      continue
-    if stripped == "}":
-      current = None
-      continue
-    instr = _parse_instruction(stripped)
-    if instr is not None:
-      comps[current].append(instr)
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text; pass the text of "
-                     "a compiled module (compiled.as_text()).")
-  return comps, entry, devices
-
-
-def _called(attrs: str, key: str) -> List[str]:
-  m = re.search(key + r"=(\{[^}]*\}|%?[\w.\-]+)", attrs)
-  if not m:
-    return []
-  value = m.group(1).strip("{}")
-  return [v.strip().lstrip("%") for v in value.split(",") if v.strip()]
+  return split_top(shape[1:match_bracket(shape, 0)])
 
 
 def replica_groups(attrs: str, devices: int) -> Tuple[Tuple[int, ...], ...]:
@@ -247,7 +125,7 @@ def replica_groups(attrs: str, devices: int) -> Tuple[Tuple[int, ...], ...]:
     return tuple(map(tuple, ids.transpose(order).reshape(-1, group).tolist()))
   m = re.search(r"replica_groups=\{", attrs)
   if m:
-    groups = attrs[m.end() - 1:_match(attrs, m.end() - 1) + 1]
+    groups = attrs[m.end() - 1:match_bracket(attrs, m.end() - 1) + 1]
     found = tuple(tuple(int(x) for x in g.split(",") if x.strip())
                   for g in re.findall(r"\{([\d,\s]+)\}", groups))
     if found:
@@ -353,7 +231,7 @@ def _base_kind(opcode: str) -> Optional[str]:
   return None
 
 
-def _collective(instr: _Instr, comp: List[_Instr], table: Dict[str, str],
+def _collective(instr: Instr, comp: List[Instr], table: Dict[str, str],
                 devices: int) -> Tuple[str, int, Tuple[str, ...], int]:
   kind = _base_kind(instr.opcode)
   operand = " ".join(s if s is not None else table.get(n, "")
@@ -390,7 +268,7 @@ def count_collectives(program: Any) -> CommReport:
   if hasattr(program, "compile") and not hasattr(program, "memory_analysis"):
     program = program.compile()
   text = program if isinstance(program, str) else program.as_text()
-  comps, entry, devices = _parse_module(text)
+  comps, entry, devices = parse_module(text)
   tables = {c: {i.name: i.shape for i in instrs} for c, instrs in comps.items()}
   ops: List[Collective] = []
 
@@ -410,93 +288,19 @@ def count_collectives(program: Any) -> CommReport:
         m = _TRIP.search(instr.attrs)
         n = int(m.group(1)) if m else None
         inner = trips * n if (trips is not None and n is not None) else None
-        for body in _called(instr.attrs, "body"):
+        for body in called(instr.attrs, "body"):
           walk(body, inner, True, seen + (comp,))
       elif instr.opcode == "conditional":
         for key in ("branch_computations", "true_computation",
                     "false_computation"):
-          for c in _called(instr.attrs, key):
+          for c in called(instr.attrs, key):
             walk(c, trips, in_loop, seen + (comp,))
       elif instr.opcode == "call":
-        for c in _called(instr.attrs, "to_apply"):
+        for c in called(instr.attrs, "to_apply"):
           walk(c, trips, in_loop, seen + (comp,))
       elif instr.opcode in ("fusion", "async-start", "custom-call"):
-        for c in _called(instr.attrs, "calls"):
+        for c in called(instr.attrs, "calls"):
           walk(c, trips, in_loop, seen + (comp,))
 
   walk(entry, 1, False, ())
   return CommReport(tuple(ops), devices)
-
-
-# ---- host <-> device moves (a program lowered for a GPU) -----------------------
-_PLACEMENT = re.compile(r'annotate_device_placement\((%[\w.]+)(?:#\d+)?\).*'
-                        r'_xla_buffer_placement = "(\w+)"\}\} : '
-                        r'\(tensor<((?:\d+x)*)(\w+)>')
-_HOST_CALL = re.compile(r'^\s*(%[\w.]+)(?::\d+)? = (?:func\.)?call @\S+\(.*'
-                        r'_xla_compute_type = "host"')
-_STABLEHLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "f64": 8}
-
-
-def host_moves(lowered_text: str, shapes, shard_shapes=(),
-               devices: int = 1) -> Dict[str, int]:
-  """Bytes moved to each memory kind ({"pinned_host", "device"}) by the
-  memory-kind annotations (`jax.device_put` to a memory kind) of arrays of
-  one of `shapes` (e.g. the chunk shapes) in a program's StableHLO text,
-  lowered for a GPU (`step.trace(...).lower(lowering_platforms=("cuda",))`:
-  on CPU the moves lower to nothing). Shapes there are global, so the bytes
-  are for all devices together. The host annotation of a host
-  computation's own result (jax 0.11+ writes one) moves nothing and is not
-  counted. `shard_shapes`: shapes of one device's piece of a chunk, as a
-  move inside `shard_map` shows it (a stage-3 gather of a shard kept in
-  host memory), counted `devices` times (a move in a loop body, e.g. a
-  scanned stack's per-layer gather, is counted once)."""
-  shapes = {tuple(s) for s in shapes}
-  pieces = {tuple(s) for s in shard_shapes} - shapes
-  out = {"pinned_host": 0, "device": 0}
-  from_host_calls = set()
-  for line in lowered_text.splitlines():
-    if "func.func" in line:
-      from_host_calls = set()   # SSA names are per function
-    call = _HOST_CALL.match(line)
-    if call:
-      from_host_calls.add(call.group(1))
-    move = _PLACEMENT.search(line)
-    if not move:
-      continue
-    operand, where, dims, dtype = move.groups()
-    shape = tuple(int(d) for d in dims.split("x") if d)
-    times = 1 if shape in shapes else devices if shape in pieces else 0
-    if (times and where in out and
-        not (where == "pinned_host" and operand in from_host_calls)):
-      out[where] += times * math.prod(shape) * _STABLEHLO_BYTES[dtype]
-  return out
-
-
-_HOST_WRITE = re.compile(r'custom_call @' + compat.ANALYSIS_TARGET +
-                         r'\(.*\) \{.*\} : \((.*)\) -> \(\)')
-_TENSOR = re.compile(r'tensor<([\dx]*)x?(\w+)>')
-
-
-def host_writes(lowered_text: str, devices: int) -> int:
-  """Bytes the disk tier's gradient sink (`disk_stream.sink`) sends from
-  the devices to the host, in a program lowered for a GPU on a machine
-  without one, where each device's write stands as a custom call
-  (`compat.write_on_host`): its array operands (shapes per device, inside
-  `shard_map`), counted `devices` times, its scalars (the device's index)
-  not."""
-  total = 0
-  for line in lowered_text.splitlines():
-    call = _HOST_WRITE.search(line)
-    if not call:
-      continue
-    for dims, dtype in _TENSOR.findall(call.group(1)):
-      shape = tuple(int(d) for d in dims.split("x") if d)
-      if shape:
-        total += devices * math.prod(shape) * _STABLEHLO_BYTES[dtype]
-  return total
-
-
-def host_computations(lowered_text: str) -> int:
-  """Calls run as host computations (`compute_on("device_host")`)."""
-  return sum(bool(_HOST_CALL.match(line))
-             for line in lowered_text.splitlines())

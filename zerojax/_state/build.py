@@ -18,6 +18,7 @@ from zerojax._core import meshes
 from zerojax._core import optim
 from zerojax._core import optstate
 from zerojax._core import precision
+from zerojax._core import opt_reshard
 from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._core.chunking import (beside, named_units, repeated_blocks,
@@ -213,7 +214,7 @@ def place(params, opt_state, step, extras, static_extras, *, tx, apply_fn,
   layout, shapes, where = plan_state(params, opt_state, step, extras, static_extras,
                                      tx=tx, apply_fn=apply_fn, config=config,
                                      mesh=mesh, model_dims=model_dims)
-  opt = reshard.opt_to_views(layout, opt_state, shapes.opt_state,
+  opt = opt_reshard.opt_to_views(layout, opt_state, shapes.opt_state,
                              where.opt_state, shard_axes(config), release)
   master, rest = reshard.to_chunks(layout, params, where.master,
                                    shard_axes(config), release)

@@ -25,8 +25,8 @@ from zerojax.nn import _peruse as peruse
 from zerojax._options.config import batch_axes, manual_axes, shard_axes
 from zerojax._options.policy import Forward, policy
 from zerojax._state.state import chunk_spec
-from zerojax._train.step import (check_mutable, check_signature, check_state,
-                                 shard_batch)
+from zerojax._train.inputs import (check_mutable, check_signature, check_state,
+                                   shard_batch)
 
 
 def eval_step(fn: Callable, *, mutable: tuple = (),

@@ -17,13 +17,11 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from zerojax._train import disk_stream
 from zerojax._tiers import disk_tier
@@ -32,10 +30,12 @@ from zerojax._core import offload
 from zerojax.nn import _peruse as peruse
 from zerojax._core import precision
 from zerojax import nn as zero_nn
-from zerojax._options.config import batch_axes, shard_axes
+from zerojax._options.config import shard_axes
 from zerojax._train.grads import grads_and_metrics
+from zerojax._train.inputs import (check_mutable, check_signature, check_state,
+                                   shard_batch)
 from zerojax._options.policy import policy
-from zerojax._state.state import ZeroTrainState, check_live, state_shardings
+from zerojax._state.state import ZeroTrainState, state_shardings
 from zerojax._train.update import forward_reads_master, gather_updated, update
 
 
@@ -161,106 +161,6 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
   return new_state, metrics
 
 
-def check_state(state, caller: str, mutable: tuple = ()) -> None:
-  """A live ZeroTrainState that has the `mutable` fields, else a clear error."""
-  if not isinstance(state, ZeroTrainState):
-    raise TypeError(f"{caller} takes the ZeroTrainState from zerojax.shard(), "
-                    f"got {type(state).__name__}.")
-  check_live(state, caller)
-  missing = [m for m in mutable if m not in state.extras]
-  if missing:
-    static = [m for m in missing if m in dict(state.static_extras)]
-    where = (f"{static} are static (pytree_node=False) fields, which a step "
-             "cannot change" if static else
-             f"the state's own fields are {sorted(state.extras) or 'none'}")
-    raise ValueError(
-        f"mutable={mutable}: the state has no field {missing[0]!r} ({where}). "
-        "Keep it in a TrainState subclass before zerojax.shard, e.g. class "
-        "TrainState(train_state.TrainState): batch_stats: Any, created with "
-        "batch_stats=variables['batch_stats'].")
-
-
-def check_mutable(mutable, caller: str) -> tuple:
-  """`mutable` as a tuple of field names, else a TypeError."""
-  if isinstance(mutable, str):
-    mutable = (mutable,)
-  if not (isinstance(mutable, (tuple, list))
-          and all(isinstance(m, str) for m in mutable)):
-    raise TypeError(f"{caller}(mutable={mutable!r}) must be a tuple of field "
-                    "names of your TrainState, e.g. ('batch_stats',).")
-  return tuple(mutable)
-
-
-def check_signature(fn: Callable, with_rng: bool, mutable: tuple,
-                    caller: str) -> None:
-  """A TypeError naming the expected call when `fn` cannot take the
-  arguments the step passes: `(params, batch)`, `rng` third when the step
-  is given one, each `mutable` field by keyword."""
-  try:
-    signature = inspect.signature(fn)
-  except (TypeError, ValueError):   # a builtin or C callable: not known
-    return
-  args = ("params", "batch") + (("rng",) if with_rng else ())
-  try:
-    signature.bind(*args, **{m: None for m in mutable})
-  except TypeError as e:
-    call = ", ".join(args + tuple(f"{m}=..." for m in mutable))
-    other = ("pass no rng to the step, or give the function an rng "
-             "parameter" if with_rng else
-             "pass the step an rng (step(state, batch, rng)), or drop the "
-             "function's third parameter")
-    raise TypeError(
-        f"{caller}: the function{signature} cannot be called as fn({call}) "
-        f"({e}); {other}.") from None
-
-
-def _describe(x) -> str:
-  if hasattr(x, "shape"):
-    return f"a 0-d array ({x!r})"
-  return f"a {type(x).__name__} ({x!r:.60})"
-
-
-def shard_batch(state, batch, accum_steps: int = 1):
-  """`batch` split over the data axis (and the replica axis: `batch_axes`),
-  checked: every array with the same leading (global batch) axis, a
-  multiple of devices x `accum_steps`. `ShapeDtypeStruct`s (an abstract
-  batch, for `.lower`) get the sharding."""
-  devices = state.num_batch_shards
-  per_step = devices * accum_steps
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError("the batch has no arrays.")
-  for path, x in leaves:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or not np.ndim(x):
-      raise ValueError(
-          f"batch{jax.tree_util.keystr(path)} is {_describe(x)}: every batch "
-          "value must be an array whose leading axis is the global batch "
-          "(pass a scalar as an array of shape [batch], or close over it in "
-          "loss_fn).")
-  sizes = {np.shape(x)[0] for _, x in leaves}
-  if len(sizes) != 1:
-    first = {}
-    for path, x in leaves:
-      first.setdefault(np.shape(x)[0], jax.tree_util.keystr(path))
-    raise ValueError(
-        "every batch array needs the same leading (global batch) axis; got "
-        + ", ".join(f"{n} (batch{k})" for n, k in sorted(first.items())) + ".")
-  if 0 in sizes:
-    raise ValueError("the batch is empty (leading size 0): a step on it "
-                     "would average over no examples; skip it.")
-  size = sizes.pop()
-  if size % per_step:
-    raise ValueError(
-        f"global batch {size} is not divisible by {devices} devices "
-        f"x accum_steps {accum_steps} = {per_step}; use a multiple of "
-        f"{per_step}.")
-  sharding = NamedSharding(state.mesh, P(batch_axes(state.config)))
-  return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-      if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
-      batch)
-
-
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
                mutable: tuple = (), donate: bool = True,
                weighted: bool = False) -> Callable:
@@ -341,33 +241,39 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       raise TypeError(f"train_step({name}={value!r}) must be True or False.")
   mutable = check_mutable(mutable, "train_step")
 
-  @functools.lru_cache(maxsize=None)
-  def jitted_holding(held: frozenset):
-    """The step holding `held` (modules beside the blocks) for the step."""
-    return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
-                                     weighted, {}, held, None),
-                   donate_argnums=(0,) if donate else ())
-
+  heard: dict = {}   # per held set, what its step's trace heard
   programs: dict = {}   # the disk tier's, per state structure
   choices: dict = {}    # `zerojax.nn._peruse`'s, per program: (held, why)
 
+  @functools.lru_cache(maxsize=None)
+  def jitted_holding(held: frozenset):
+    """The step holding `held` (modules beside the blocks) for the step;
+    its trace fills `heard[held]` (`grads_and_metrics`)."""
+    return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
+                                     weighted, {}, held,
+                                     heard.setdefault(held, set())),
+                   donate_argnums=(0,) if donate else ())
+
   def chosen(state, batch, rng) -> tuple:
-    """`(held, why)` for this program (`zerojax.nn._peruse.choose`), once."""
+    """`(held, why)` for this program (`zerojax.nn._peruse.choose`), once.
+    What the blocks could gather at their calls is heard in the trace of
+    the step holding every module beside them, the usual choice, which is
+    then the step's own trace (jax keeps it for the call)."""
     key = (state.layout, state.config, state.mesh,
            jax.tree_util.tree_structure(batch),
            tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)),
            rng is None)
     if key not in choices:
-      def heard():
-        out = set()
-        jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
-                                  {}, frozenset(), out)).trace(state, batch,
-                                                               rng)
-        return frozenset(out)
+      def hear():
+        every = peruse.chunks(state.layout, state.config)
+        jitted_holding(every)   # its sink made
+        heard[every].clear()    # filled again by a new trace
+        jitted_holding(every).trace(state, batch, rng)
+        return frozenset(heard[every])
       footprint = lambda held: memory.compiled_footprint(jitted_holding(
           held).lower(state, batch, rng).compile())["device"]
       # (an NNX layout has no chunks beside its blocks: nothing to choose)
-      choices[key] = peruse.choose(state.layout, state.config, heard,
+      choices[key] = peruse.choose(state.layout, state.config, hear,
                                    footprint)
     return choices[key]
 

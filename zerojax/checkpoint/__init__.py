@@ -29,8 +29,9 @@ Never imports `step`.
 The package: `_format` (what is on disk: layout and config JSON, cutting
 chunks into leaves), `_integrity` (steps, checksums, the metadata's checks),
 `_save` (asynchronous saves and their completion, also at exit),
-`_restore` (reading onto any mesh and stage) and `_export` (plain numpy
-trees).
+`_restore` (a checkpoint checked and restored onto any mesh and stage),
+`_read` (its arrays read: as saved, repacked, or onto the host) and
+`_export` (plain numpy trees).
 """
 from zerojax.checkpoint._export import export_params
 from zerojax.checkpoint._restore import restore

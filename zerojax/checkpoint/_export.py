@@ -7,11 +7,13 @@ from typing import Any, Optional
 import jax
 
 from zerojax._core import frozen
+from zerojax._core import opt_reshard
 from zerojax._core import reshard
 from zerojax.checkpoint._format import (CHUNK_FORMATS, cut_chunks,
                                         layout_from_json, nest_by_names,
                                         params_shapes)
-from zerojax.checkpoint._restore import open_step, restore_to_host
+from zerojax.checkpoint._read import restore_to_host
+from zerojax.checkpoint._restore import open_step
 from zerojax._options.config import shard_axes
 from zerojax._state.gathered import to_host
 from zerojax._state.state import ZeroTrainState, check_live, loaded_master
@@ -44,7 +46,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   abstract = params_shapes(layout)
   params = reshard.to_tree(layout, loaded_master(state),
                            frozen.restored(layout, state.rest), axis)
-  opt_state = reshard.opt_to_tree(layout, state.opt_state,
+  opt_state = opt_reshard.opt_to_tree(layout, state.opt_state,
                                   jax.eval_shape(state.tx.init, abstract), axis)
   out = {"step": state.step, "params": params, "opt_state": opt_state}
   if state.loss_scale is not None:
