@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # (jax reads the device count only when it starts a backend: in main)
+import gpt2_flags  # noqa: E402
 import gpt2_medium  # noqa: E402
 from gpt2 import GPT  # noqa: E402
 import jax  # noqa: E402
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "directory")
   p.add_argument("--base-steps", type=int, default=30,
                  help="without --base: steps of the pretraining run")
-  p.add_argument("--preset", choices=["auto", *gpt2_medium.PRESETS],
+  p.add_argument("--preset", choices=["auto", *gpt2_flags.PRESETS],
                  default="auto",
                  help="the base's preset (default: cpu here, medium on a GPU)")
   p.add_argument("--text", metavar="FILE", help="fine-tune on this file's "
@@ -151,7 +152,7 @@ def main(argv=None) -> dict:
   # the base's model, as gpt2_medium.py resolves it, with adapters added
   flags = ["--preset", args.preset] + (["--text", args.text] if args.text
                                        else [])
-  cfg, run = gpt2_medium.resolve(gpt2_medium.parse_args(flags + (
+  cfg, run = gpt2_flags.resolve(gpt2_flags.parse_args(flags + (
       ["--seq", str(args.seq)] if args.seq else [])), backend, len(devices))
   cfg = dataclasses.replace(cfg, lora_rank=args.rank)
   precision = args.precision if args.precision != "auto" else run["precision"]

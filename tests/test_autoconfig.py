@@ -19,8 +19,9 @@ from models import zopts, Transformer, lm_batches, lm_loss_fn
 
 
 @functools.lru_cache(maxsize=None)
-def _problem():
-  model = Transformer(vocab=64, width=64, layers=4, seq=16)
+def _problem(**model):
+  model = Transformer(**{"vocab": 64, "width": 64, "layers": 4, "seq": 16,
+                         **model})
   batch = lm_batches(model.vocab, batch=16, seq=model.seq, steps=1)[0]
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
@@ -114,7 +115,8 @@ def test_a_budget_below_stage3_recomputes_or_offloads():
 
 
 def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
-  plain, loss_fn, batch = _problem()
+  # every candidate is compiled before the refusal: the smallest model
+  plain, loss_fn, batch = _problem(vocab=16, width=16, layers=1, seq=8)
   with pytest.raises(ValueError, match=r"no configuration fits "
                      r"device_budget=1,000\. The least is stage 3.*bytes "
                      r"over the device budget"):
