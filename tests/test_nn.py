@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
+from footprints import create_footprint
 from models import zopts
 from models import (Bridged, ListedLM, ResidualBlock, ResidualMLP, ScannedLM,
                     assert_blocks_bounded,
@@ -821,7 +822,7 @@ def test_create_equals_init_then_shard_and_stays_sharded():
       assert a.sharding == b.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(len(c.leaves) == 1 for c in made.layout.chunks)
-  fp = zerojax._state.sharded_init.create_footprint(
+  fp = create_footprint(
       init_fn, jax.random.key(7), apply_fn=model.apply, tx=tx, stage=2,
       precision="bfloat16", blocks=zerojax.Blocks(stacked=("blocks",)), mesh=one)
   assert len(fp["programs"]) == 3   # the chunks, the rest, the assembly
@@ -832,7 +833,7 @@ def test_create_peak_is_the_sharded_state_plus_one_leaf():
   model = ScannedLM(layers=4, width=256, vocab=512, layerwise=False)
   tokens = jnp.zeros((1, 8), jnp.int32)
   init_fn = lambda r: model.init(r, tokens)["params"]
-  fp = zerojax._state.sharded_init.create_footprint(
+  fp = create_footprint(
       init_fn, jax.random.key(0), apply_fn=model.apply, tx=optax.adam(1e-3),
       stage=3, blocks=zerojax.Blocks(stacked=("blocks",)))
   leaves = jax.tree_util.tree_leaves(jax.eval_shape(init_fn, jax.random.key(0)))

@@ -16,6 +16,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from footprints import create_footprint
 from models import zopts
 from models import (NnxBlock, NnxResidualBlock, NnxTransformer, TOLERANCE,
                     assert_blocks_bounded, nnx_listed, nnx_problem,
@@ -274,7 +275,7 @@ def test_nnx_create_equals_shard_of_the_built_model():
 
 @pytest.mark.slow
 def test_nnx_create_never_holds_the_whole_model():
-  fp = zerojax._state.sharded_init.create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
+  fp = create_footprint(_nnx_lm, jax.random.key(0), tx=TX,
                                              stage=3)
   params = jax.eval_shape(lambda r: nnx.to_pure_dict(
       nnx.state(_nnx_lm(r), nnx.Param)), jax.random.key(0))

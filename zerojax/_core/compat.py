@@ -70,10 +70,9 @@ GPU_OVERLAP_FLAGS = {
     "xla_gpu_enable_while_loop_double_buffering": "true",
 }
 # ... and every matmul on cuBLAS rather than XLA's Triton GEMM fusions (as
-# MaxText's GPU scripts set): GPT-2 medium's stage-3 step on one H100 took
-# 119.0 ms with Triton's, 108.2 ms without (2026-11-26, README "On GPUs"),
-# its tied head's three matmuls over a 50,257-row vocabulary ran at about
-# 235 TFLOP/s as Triton fusions.
+# MaxText's GPU scripts set): GPT-2's tied head over a 50,257-row
+# vocabulary ran slowly as Triton fusions (docs/decisions.md, "The GPU
+# leases").
 GPU_FLAGS = {**GPU_OVERLAP_FLAGS, "xla_gpu_enable_triton_gemm": "false"}
 
 
@@ -136,8 +135,8 @@ def gpu_flags_at_import() -> None:
     _log.warning(
         "zerojax: jax started its GPU backend before zerojax was imported, "
         "without zerojax's XLA flags (collectives beside compute, matmuls on "
-        "cuBLAS: GPT-2 medium's stage-3 step took 119.0 ms instead of 108.2 "
-        "ms on one H100 without the cuBLAS one). Import zerojax first, or set "
+        "cuBLAS, which made GPT-2 medium's step about a tenth faster on one "
+        "H100). Import zerojax first, or set "
         "os.environ['XLA_FLAGS'] = zerojax.with_gpu_flags(...) before "
         "jax starts.")
 

@@ -111,8 +111,8 @@ def stored(layout: ChunkLayout, view_state: Any) -> Any:
   """The optax state over chunk views as `ZeroTrainState.opt_state` keeps
   it: each chunk's statistic in the chunk's own shape. A view has its
   leaf's rank, so unit axes (`[layers, 1, length]`), and TensorStore copies
-  an array with a unit axis before writing it (measured: +2.5 s of CPU per
-  GPT-2-medium save); the step reshapes to views inside its program, where
+  an array with a unit axis before writing it; the step reshapes to views
+  inside its program, where
   a reshape costs nothing. Inside jit or eval_shape."""
   return _reshaped(layout, view_state, lambda c: layout.chunks[c].shape)
 

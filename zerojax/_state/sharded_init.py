@@ -12,13 +12,12 @@ program; small leaves share a program up to the largest leaf's bytes, or
 1 MiB if more).
 Separate programs, rather than one per chunk, are what bounds the
 peak: inside one program XLA's scheduler keeps several gathered leaves alive
-at once (measured: 18.9 MB temp for a chunk whose largest leaf is 4.2 MB).
+at once (docs/decisions.md, "Figures out of the code's comments").
 At any moment a device holds the shards made so far plus one leaf, so the
 peak is about the sharded state plus the largest leaf (or 1 MiB). Values equal
 `jax.jit(init_fn)(rng)` followed by `zerojax.shard`, bit for bit.
 `init_fn` is traced once (a jitted function every program calls, whose
-trace JAX caches): a model is built in Python once, not once per program
-(a 12-block unrolled model: 18 s to 10 s for linen, 14 s to 9 s for NNX).
+trace JAX caches): a model is built in Python once, not once per program.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax._tiers import disk_tier
 from zerojax.nn import _frontend as frontend
 from zerojax._core import frozen
-from zerojax._state import memory
 from zerojax._core import meshes
 from zerojax._core import offload
 from zerojax._core import reshard
@@ -70,8 +68,8 @@ class _GroupProgram:
   one program, `make(rng)`, makes every chunk, each as `(master, compute
   or None)`, as one program makes a replicated packed chunk. On one device
   the state holds every parameter anyway, so it holds no more than the
-  state and its temporaries. A program or two per chunk took 8.4 s for 76
-  single-leaf chunks, against 3.4 s packed; this one 4.2 s (4.2 packed)."""
+  state and its temporaries; one program compiles faster than a program
+  or two per chunk."""
   make: Callable
 
   def __call__(self, rng) -> list:
@@ -105,51 +103,6 @@ def _compute(made: list) -> tuple:
   """`state.compute` from the made `(master, compute or None)` pairs."""
   return (tuple(c for _, c in made)
           if any(c is not None for _, c in made) else ())
-
-
-def create_footprint(init_fn: Callable, rng: jax.Array, *,
-                     apply_fn: Optional[Callable] = None,
-                     tx: optax.GradientTransformation, stage: int = 3,
-                     mesh: Optional[Mesh] = None, **options) -> dict:
-  """Per-device bytes `create` needs at its peak, from the compiled programs:
-  the chunks made so far plus the running program's argument + output +
-  temp - alias (see `zerojax.compiled_footprint`).
-
-  Returns:
-    {"peak": bytes, "programs": the footprint dict of every program, in the
-    order `create` runs them}.
-  """
-  chunks, rest_program, assemble = _create_programs(
-      init_fn, rng, apply_fn, tx, stage, mesh, options)
-  held, peak, prints = 0, 0, []
-
-  def run(program, *args):
-    nonlocal peak
-    fp = memory.compiled_footprint(program.lower(*args).compile())
-    peak = max(peak, held + fp["footprint"])
-    prints.append(fp)
-    return jax.eval_shape(program, *args)
-
-  made = []
-  for make in chunks:
-    if isinstance(make, _GroupProgram):
-      pairs = run(make.make, rng)
-      held += memory.per_device_bytes(pairs)
-      made.extend(pairs)
-      continue
-    master = run(make.start, rng)
-    for add_leaf in make.leaves:
-      master = run(add_leaf, rng, master)
-    held += memory.per_device_bytes(master)
-    compute = run(make.cast, master) if make.cast else None
-    held += memory.per_device_bytes(compute)
-    made.append((master, compute))
-  rest = run(rest_program, rng)
-  held += memory.per_device_bytes(rest)
-  # the assembling program's arguments are the chunks held so far (donated)
-  held = 0
-  run(assemble, tuple(m for m, _ in made), _compute(made), rest)
-  return {"peak": peak, "programs": prints}
 
 
 def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, options):

@@ -2,13 +2,12 @@
 `os.pwrite` / `os.preadv` in pieces on a thread pool, and a stream that
 reads the next chunk while the current one is updated and writes the
 previous one back meanwhile. Knows nothing of JAX or optax: it moves numpy
-arrays. The disk tier (`offload_optimizer="disk"`) reads and writes its
+arrays. The disk tier (`offload="disk"`) reads and writes its
 files through it (`disk_tier`, `disk_stream`).
 
-Why raw files: on this machine a 64 MiB float32 array wrote in 35-46 ms and
-read in 20-27 ms this way, against 58-109 ms and 28-36 ms through
-tensorstore's zarr driver (uncompressed, the same pieces; both mostly from
-the page cache), and a raw file needs no metadata of its own: the layout
+Why raw files: they wrote and read faster than tensorstore's zarr driver
+(uncompressed, the same pieces: docs/decisions.md, "Figures out of the
+code's comments"), and a raw file needs no metadata of its own: the layout
 already says every chunk's shape and dtype.
 
 Files are scratch: what they hold is rebuilt from a checkpoint on restore,

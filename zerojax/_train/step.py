@@ -50,8 +50,9 @@ def _global_norm(grads, layout, summed: bool) -> jax.Array:
   `summed`: the gradients were summed over devices (or micro-batches). If
   not (one device, one micro-batch), a flat chunk's gradient is the
   concatenate of its leaves' gradients, and XLA's CPU backend writes its
-  square out in full before the dot's reduction reads it (measured:
-  +12.6 MB of temporaries, +2 ms per 3.2M elements): such a chunk's norm
+  square out in full before the dot's reduction reads it (more temporaries
+  and time: docs/decisions.md, "Figures out of the code's comments"):
+  such a chunk's norm
   is then a dot per leaf, read where the backward left each leaf's
   gradient (XLA folds a slice of a concatenate into its operand). The sum
   is then taken in another order: the norm may differ in its last bits."""
