@@ -54,7 +54,7 @@ from zerojax._train import disk_stream
 from benchmarks import charts
 from benchmarks import memory, speed
 from benchmarks import variants as V
-from zerojax._plan.hlo import host_moves, host_writes
+from zerojax._plan.transfers import host_moves, host_writes
 from benchmarks.user_models import CONFIGS
 
 CASES = {   # name -> (stage, ZeroConfig fields beside the tier's)
