@@ -52,10 +52,10 @@ def _global_norm(grads, layout, summed: bool) -> jax.Array:
   concatenate of its leaves' gradients, and XLA's CPU backend writes its
   square out in full before the dot's reduction reads it (more temporaries
   and time: docs/decisions.md, "Figures out of the code's comments"):
-  such a chunk's norm
-  is then a dot per leaf, read where the backward left each leaf's
-  gradient (XLA folds a slice of a concatenate into its operand). The sum
-  is then taken in another order: the norm may differ in its last bits."""
+  such a chunk's norm is then a dot per leaf, read where the backward left
+  each leaf's gradient (XLA folds a slice of a concatenate into its
+  operand). The sum is then taken in another order: the norm may differ in
+  its last bits."""
   def squares(g):
     axes = tuple(range(g.ndim))
     return jax.lax.dot_general(g, g, ((axes, axes), ((), ())),
