@@ -23,22 +23,21 @@ import numpy as np
 
 _log = logging.getLogger("zerojax")
 
-# Compiles of programs that are analysed but never run, or run once on a few
-# elements (the optimizer probes): no LLVM optimisation (about half the
-# compile time), and no CPU fusion emitters where this XLA has them (a fifth
-# to two thirds less again). The HLO, buffer assignment and collectives are
+# Compiles of programs that are analysed but never run (the planner's, the
+# tests'): no LLVM optimisation (about half the compile time), and no CPU
+# fusion emitters where this XLA has them (a fifth to two thirds less
+# again). The HLO, buffer assignment and collectives are
 # unchanged; buffers can differ by a few hundred bytes without the emitters.
 FAST_COMPILE = {"xla_backend_optimization_level": 0,
                 "xla_cpu_use_fusion_emitters": False}
 
 
 @functools.cache
-def _accepted(name: str, value, backend) -> bool:
+def _accepted(name: str, value) -> bool:
   """Whether this XLA compiles a trivial program with option `name`."""
   try:
-    with jax.default_device(jax.local_devices(backend=backend)[0]):
-      jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(
-          compiler_options={name: value})
+    jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(
+        compiler_options={name: value})
   except Exception as e:  # noqa: BLE001 - XLA's error for an unknown option
     _log.info("zerojax: this XLA refuses compile option %s=%r (%s); "
               "compiling without it.", name, value, str(e).splitlines()[0])
@@ -46,12 +45,11 @@ def _accepted(name: str, value, backend) -> bool:
   return True
 
 
-def compiler_options(options: Optional[dict] = None, backend=None) -> dict:
+def compiler_options(options: Optional[dict] = None) -> dict:
   """The subset of `options` (default `FAST_COMPILE`) that this jax's XLA
-  accepts for `backend` (default: the default backend), each option probed
-  once."""
+  accepts on the default backend, each option probed once."""
   options = FAST_COMPILE if options is None else options
-  return {k: v for k, v in options.items() if _accepted(k, v, backend)}
+  return {k: v for k, v in options.items() if _accepted(k, v)}
 
 
 # XLA's GPU scheduler overlaps a collective with compute only when allowed to
