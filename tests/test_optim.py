@@ -148,14 +148,37 @@ def test_factored_statistics_are_refused():
     zerojax.shard(state, stage=3)
 
 
+@pytest.mark.parametrize("shard_counts,packings", [(None, 1), ((2, 3), 2)])
+def test_an_update_that_moves_zeros_is_refused(monkeypatch, shard_counts,
+                                               packings):
+  """A transformation whose update of a zero is not zero would move the
+  chunks' padding: the padded packing shows it, and where no shard count
+  pads every chunk (12 surrogate elements over 2 or 3 shards), the small
+  padded packing beside it does."""
+  optim = zerojax._core.optim
+  if shard_counts is not None:
+    monkeypatch.setattr(optim, "_SHARD_COUNTS", shard_counts)
+  params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}   # 9 + 3 surrogate
+  surrogate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      tuple(min(d, 3) for d in x.shape), x.dtype), params)
+  assert len(optim._packings(surrogate, [True] * 2, (1, 1), ())) == packings
+  shift = optax.GradientTransformation(
+      lambda p: optax.EmptyState(),
+      lambda u, s, p=None: (jax.tree.map(lambda g: g + 0.5, u), s))
+  state = train_state.TrainState.create(apply_fn=None, params=params,
+                                        tx=optax.chain(optax.sgd(0.1), shift))
+  with pytest.raises(ValueError, match="moves zero padding"):
+    zerojax.shard(state, stage=1)
+
+
 @pytest.mark.parametrize("kind,offload,runs", [
-    ("mlp", False, 4), ("transformer", False, 4), ("transformer", True, 7)])
+    ("mlp", False, 3), ("transformer", False, 3), ("transformer", True, 6)])
 def test_probes_run_eagerly_a_few_runs_of_the_update(monkeypatch, kind,
                                                      offload, runs):
   """The first shard()'s probes compile no program over the tree: they run
-  `tx` eagerly, once per run (the tree for the labels, the tree and two
-  packings for the element-wise check, with offload a packing and its two
-  halves), each run calling `tx.update` once per probe step. A second
+  `tx` eagerly, once per run (the tree for the labels, the tree and one
+  padded packing for the element-wise check, with offload a packing and
+  its two halves), each run calling `tx.update` once per probe step. A second
   check of the same tx and tree runs nothing."""
   _, params, _, _ = make_problem(kind)
   adam = optax.adam(1e-3)

@@ -532,16 +532,19 @@ class ChunkLayout:
     show (the others' representatives empty too; their entries of `chunks`
     are not read), for an update of some chunks at a time.
     """
-    out = []
+    out, empty = [], {}
     reps = {self.representative(c): c for c in range(len(self.chunks))
             if only is None or c in only}
     for i, info in enumerate(self.leaves):
       if i in reps:
         c = reps[i]
         out.append(jnp.reshape(chunks[c], self.view_shape(c)))
-      else:
+      else:  # one (immutable) empty array per rank and dtype, shared
         dt = info.dtype if fill_dtype is None else fill_dtype
-        out.append(jnp.zeros((0,) * info.ndim if info.ndim else (), dt))
+        key = (info.ndim, np.dtype(dt))
+        if key not in empty:
+          empty[key] = jnp.zeros((0,) * info.ndim if info.ndim else (), dt)
+        out.append(empty[key])
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   def from_views(self, tree: Any, only: Optional[frozenset] = None) -> tuple:

@@ -26,21 +26,28 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
   flat = jax.tree_util.tree_leaves(opt_state)
   views, treedef = jax.tree_util.tree_flatten(view_state)
   places = jax.tree_util.tree_leaves(shardings)
-  out, jobs, at = [], [], []
+  out, jobs, at, zeros = [], [], [], {}
   for j, (c, i, view, sharding) in enumerate(
       zip(table.chunk, table.leaf, views, places)):
     if c is None:
       # counts and scalars as they are; a chunk's other leaves (their
-      # statistics are in the chunk's) and empty views zero
+      # statistics are in the chunk's) and empty views zero, made on the
+      # host and placed in one call below
       in_chunk = i is not None and layout.leaves[i].chunk >= 0
-      out.append(reshard.copy(flat[j], sharding)
-                 if not in_chunk and np.shape(flat[j]) == view.shape else
-                 jax.device_put(jnp.zeros(view.shape, view.dtype), sharding))
+      if not in_chunk and np.shape(flat[j]) == view.shape:
+        out.append(reshard.copy(flat[j], sharding))
+      else:
+        zeros[len(out)] = (np.zeros(view.shape, view.dtype), sharding)
+        out.append(None)
       continue
     members = {m: flat[k] for m, k in zip(layout.chunks[c].leaves, table.members[j])}
     at.append(len(out))
     out.append(None)
     jobs.append((c, members, sharding, view.dtype, view.shape))
+  if zeros:
+    arrays, places = zip(*zeros.values())
+    for k, x in zip(zeros, jax.device_put(list(arrays), list(places))):
+      out[k] = x
   for k, x in zip(at, reshard.packed(layout, jobs, axis_name, release)):
     out[k] = x
   return jax.tree_util.tree_unflatten(treedef, out)

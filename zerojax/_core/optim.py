@@ -116,15 +116,32 @@ def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
   return _run_probe(probe, packed)
 
 
+_SHARD_COUNTS = (2, 3, 5, 7, 11, 13)
+
+
 def _packings(surrogate, trainable, labels, stacked) -> tuple:
-  """The runs (`_chunk_updates`) of `tx` on all chunks of two packings of
-  the surrogate: many leaves per chunk (exposes per-tensor reductions) and
-  small padded chunks (exposes updates that move zeros)."""
+  """The runs (`_chunk_updates`) of `tx` whose updates `_compare` reads:
+  each class of leaves in one chunk (exposes per-tensor reductions), over
+  the first shard count that leaves every chunk padded (exposes updates
+  that move zeros); where none does, that packing over 2 shards and the
+  small padded one (`_small_packing`)."""
   size = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(surrogate))
-  return tuple((ChunkLayout.build(surrogate, num_shards=2, chunk_size=chunk_size,
-                                  trainable=trainable, labels=labels,
-                                  stacked=stacked), None)
-               for chunk_size in (size + 1, 5))
+  build = lambda shards, chunk_size: ChunkLayout.build(
+      surrogate, num_shards=shards, chunk_size=chunk_size, trainable=trainable,
+      labels=labels, stacked=stacked)
+  for shards in _SHARD_COUNTS:
+    whole = build(shards, size + 1)
+    if all(c.padding for c in whole.chunks):
+      return ((whole, None),)
+  return ((build(2, size + 1), None), _small_packing(surrogate, trainable,
+                                                     labels, stacked))
+
+
+def _small_packing(surrogate, trainable, labels, stacked) -> tuple:
+  """A run of `tx` on small padded chunks over 2 shards (many chunks)."""
+  return (ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
+                            trainable=trainable, labels=labels,
+                            stacked=stacked), None)
 
 
 def _is_float(leaf) -> bool:
@@ -221,7 +238,7 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   """Why running `tx` on chunk views differs from running it on the tree.
 
   Runs `tx` on a small surrogate tree (random values, each axis capped at
-  3) and on its two `_packings`.
+  3) and on its `_packings`.
   """
   treedef, surrogate, params, grads = _random_surrogate(abstract_params,
                                                        trainable)
@@ -297,17 +314,17 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   """Why updating chunks in two separate calls of `tx` differs from one call
   over all of them (a transformation that reads every gradient at once:
   `clip_by_global_norm` inside `tx`, ...). Gradients are drawn large
-  (x1000) so that clipping thresholds are crossed. The chunks are the
-  small padded packing of `_chunked_mismatch`."""
+  (x1000) so that clipping thresholds are crossed. The chunks are
+  `_small_packing`'s."""
   _, surrogate, params, grads = _random_surrogate(
       abstract_params, trainable, grad_scale=1e3)
-  runs = _packings(surrogate, trainable, labels, stacked)
-  layout = runs[1][0]
+  run = _small_packing(surrogate, trainable, labels, stacked)
+  layout = run[0]
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
   try:
-    whole = _chunk_updates(tx, runs[1:], params, grads)[0]
+    whole = _chunk_updates(tx, (run,), params, grads)[0]
     split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
                            grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
