@@ -68,6 +68,7 @@ CONFIGS = {**models.CONFIGS, **user_models.CONFIGS, **third_party.CONFIGS}
 # the issue sets goals for, at half the time.
 USER_VARIANTS = tuple(f"zero-{s}" for s in V.ZERO_STAGES) + (
     "plain-dp", "1dev-zero-0", "1dev-optax")
+SMOKE_VARIANTS = ("zero-3", "plain-dp")
 # 32 rows of 256 features per device, in --quick and --full alike
 MLP_SPEED = dict(config="mlp-3m", batch=256, seq=None, rounds=9,
                  variants=USER_VARIANTS)
@@ -76,7 +77,7 @@ MLP_SPEED = dict(config="mlp-3m", batch=256, seq=None, rounds=9,
 def _third_party(config: str, **kw) -> tuple:
   """The speed config of a third-party model (`benchmarks.third_party`),
   none where its package is not installed (`_meta` says so)."""
-  return ((dict(config=config, variants=USER_VARIANTS, **kw),)
+  return ((dict(config=config, **{"variants": USER_VARIANTS, **kw}),)
           if config in CONFIGS else ())
 
 
@@ -89,15 +90,19 @@ MODES = {
         speed=(dict(config="tiny", batch=8, seq=16, rounds=1,
                     variants=("zero-3", "plain-dp", "gspmd-fsdp"),
                     options=memory.analysis_options()),
-               # every variant of the user models, one step each (and the
-               # warm-up): compiled the sweeps' faster way
+               # the user models, one step each (and the warm-up),
+               # compiled the sweeps' faster way: every variant of one,
+               # stage 3 and its baseline of the others (each variant of
+               # each is stepped in tests/test_benchmarks.py)
                dict(config="mlp-tiny", batch=8, seq=None, rounds=1,
                     variants=USER_VARIANTS, options=memory.sweep_options()),
                dict(config="transformer-tiny", batch=8, seq=16, rounds=1,
-                    variants=USER_VARIANTS, options=memory.sweep_options()),
+                    variants=SMOKE_VARIANTS, options=memory.sweep_options()),
                *_third_party("hf-gpt2-tiny", batch=8, seq=16, rounds=1,
+                             variants=SMOKE_VARIANTS,
                              options=memory.sweep_options()),
                *_third_party("hf-llama-tiny", batch=8, seq=16, rounds=1,
+                             variants=SMOKE_VARIANTS,
                              options=memory.sweep_options())),
         memory=dict(configs=("tiny",), batch=8, seq=16),
         depth=dict(config="tiny", layers=(1, 2)),
