@@ -159,8 +159,7 @@ def test_an_update_that_moves_zeros_is_refused(monkeypatch, shard_counts,
   if shard_counts is not None:
     monkeypatch.setattr(optim, "_SHARD_COUNTS", shard_counts)
   params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}   # 9 + 3 surrogate
-  surrogate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      tuple(min(d, 3) for d in x.shape), x.dtype), params)
+  _, surrogate, _, _ = optim._random_surrogate(params, [True] * 2)
   assert len(optim._packings(surrogate, [True] * 2, (1, 1), ())) == packings
   shift = optax.GradientTransformation(
       lambda p: optax.EmptyState(),

@@ -126,22 +126,26 @@ def _packings(surrogate, trainable, labels, stacked) -> tuple:
   that move zeros); where none does, that packing over 2 shards and the
   small padded one (`_small_packing`)."""
   size = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(surrogate))
-  build = lambda shards, chunk_size: ChunkLayout.build(
-      surrogate, num_shards=shards, chunk_size=chunk_size, trainable=trainable,
-      labels=labels, stacked=stacked)
+  first = None
   for shards in _SHARD_COUNTS:
-    whole = build(shards, size + 1)
-    if all(c.padding for c in whole.chunks):
-      return ((whole, None),)
-  return ((build(2, size + 1), None), _small_packing(surrogate, trainable,
-                                                     labels, stacked))
+    whole = _packing(surrogate, trainable, labels, stacked, shards, size + 1)
+    if all(c.padding for c in whole[0].chunks):
+      return (whole,)
+    first = first or whole
+  return first, _small_packing(surrogate, trainable, labels, stacked)
 
 
 def _small_packing(surrogate, trainable, labels, stacked) -> tuple:
   """A run of `tx` on small padded chunks over 2 shards (many chunks)."""
-  return (ChunkLayout.build(surrogate, num_shards=2, chunk_size=5,
-                            trainable=trainable, labels=labels,
-                            stacked=stacked), None)
+  return _packing(surrogate, trainable, labels, stacked, 2, 5)
+
+
+def _packing(surrogate, trainable, labels, stacked, shards: int,
+             chunk_size: int) -> tuple:
+  """A run of `tx` on all chunks of the surrogate packed over `shards`."""
+  return (ChunkLayout.build(surrogate, num_shards=shards,
+                            chunk_size=chunk_size, trainable=trainable,
+                            labels=labels, stacked=stacked), None)
 
 
 def _is_float(leaf) -> bool:

@@ -42,9 +42,9 @@ def _trainable(config: ZeroConfig, params) -> list:
 
 def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   """The optimizer probes (`optim`: eager runs of `tx` on a few-element
-  surrogate of the tree, cached per tx and tree) on the layer stacks a layout over
-  `num_shards` devices has (`layer_stacks`): the leaves' optimizer
-  classes; raises when `tx` cannot run on chunks."""
+  surrogate of the tree, cached per tx and tree) on the layer stacks a
+  layout over `num_shards` devices has (`layer_stacks`): the leaves'
+  optimizer classes; raises when `tx` cannot run on chunks."""
   abstract = jax.eval_shape(lambda p: p, params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
