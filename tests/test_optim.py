@@ -100,6 +100,17 @@ def test_per_tensor_transformations_are_refused(tx, culprit):
     zerojax.shard(state, stage=3)
 
 
+def test_classes_that_differ_only_in_optimizer_state_are_told_apart():
+  # sgd with and without momentum give the same first update: the probes'
+  # second step tells them apart
+  params = {"a": jnp.ones((4, 3)), "b": jnp.ones((4, 3)), "c": jnp.ones(3)}
+  tx = optax.multi_transform(
+      {"x": optax.sgd(1e-2), "y": optax.sgd(1e-2, momentum=0.9)},
+      {"a": "x", "b": "y", "c": "x"})
+  labels = zerojax._core.optim.leaf_labels(tx, params, [True] * 3)
+  assert labels[0] == labels[2] != labels[1]
+
+
 @pytest.mark.slow
 def test_trained_optimizer_state_is_carried_over():
   """A TrainState with momentum already built up shards without loss."""

@@ -30,6 +30,7 @@ Packing rules (ColossalAI Gemini's chunks, adapted to SPMD):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -80,7 +81,7 @@ class LeafInfo:
   def size(self) -> int:
     """Elements the leaf occupies in its chunk (per layer when stacked; per
     model row when split over the model axis)."""
-    n = int(np.prod(self.local_shape, dtype=np.int64))
+    n = math.prod(self.local_shape)
     return n // self.shape[0] if self.stacked else n
 
 

@@ -6,10 +6,11 @@ views (`check_tx`), the layout planned over the devices (`plan_layout`,
 all build through here."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zerojax._tiers import disk_tier
 from zerojax.nn import _frontend as frontend
@@ -40,12 +41,21 @@ def _trainable(config: ZeroConfig, params) -> list:
   return [not bool(f) for f in frozen]
 
 
+def _abstract(params) -> Any:
+  """The shapes and dtypes of `params` (arrays or shapes), read off the
+  leaves: nothing traced."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(
+          np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)),
+      params)
+
+
 def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   """The optimizer probes (`optim`: eager runs of `tx` on a few-element
   surrogate of the tree, cached per tx and tree) on the layer stacks a
   layout over `num_shards` devices has (`layer_stacks`): the leaves'
   optimizer classes; raises when `tx` cannot run on chunks."""
-  abstract = jax.eval_shape(lambda p: p, params)
+  abstract = _abstract(params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   stacks = layer_stacks(abstract, config, num_shards)
@@ -90,7 +100,7 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   with nothing offloaded each leaf is a chunk of its own (`per_leaf`).
   `linen`: a linen model's (an NNX model holds what is beside its
   blocks)."""
-  abstract = jax.eval_shape(lambda p: p, params)
+  abstract = _abstract(params)
   if labels is None:
     labels = check_tx(tx, abstract, config, num_shards)
   # stage 3 gathers a stack's chunks per layer, an unrolled block's alone
