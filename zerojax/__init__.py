@@ -20,7 +20,7 @@ from zerojax._options.groups import (Axes, Blocks, DynamicLossScale, Offload,
 from zerojax._train.evaluation import eval_step
 from zerojax import checkpoint, deepspeed, losses, nn
 # internal: importable, not in __all__
-from zerojax._core.layout import ChunkLayout
+from zerojax._core.layout import ChunkLayout  # noqa: F401 (state.layout)
 from zerojax._state.memory import (MemoryReport, compiled_footprint,
                                    estimate_memory, memory_report)
 from zerojax._plan.planner import OffloadPlan, plan_offload
