@@ -26,7 +26,7 @@ accelerator):
     time; the largest chunk bounds it. `shard()` checks that `tx` gives the
     same result updated a part at a time (`optim.check_separable`) and
     refuses, e.g., `clip_by_global_norm` inside `tx` (use
-    `ZeroConfig(clip_norm=...)`, which clips before the update).
+    `shard(..., clip_norm=...)`, which clips before the update).
   - Master / parameter shards (`offload_params`, or the master under
     `offload_optimizer` where it is a sharded copy): they stay on host
     through the forward and backward passes. At stage 3 each chunk's gather
@@ -99,7 +99,7 @@ def check_backend(mesh) -> None:
     if HOST not in kinds:
       raise ValueError(f"offload needs memory kind {HOST!r}, which "
                        f"{device} does not have (it has {sorted(kinds)}); "
-                       "turn offload_optimizer/offload_params off.")
+                       "leave offload off (offload=None).")
 
 
 def has_host_memory(mesh) -> bool:

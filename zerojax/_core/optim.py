@@ -353,9 +353,10 @@ def check_separable(tx, abstract_params, trainable, labels, stacked=()) -> None:
   why = _split_mismatch(tx, abstract_params, trainable, labels, stacked)
   if why is not None:
     raise ValueError(
-        f"offload_optimizer updates the offloaded chunks one at a time (so "
+        f"optimizer offload updates the offloaded chunks one at a time (so "
         f"that one chunk's optimizer state is on the device at once), but "
         f"optax transformation {_transform_name(tx)!r} cannot run that way: "
-        f"{why}. Clip with ZeroConfig(clip_norm=...) instead of inside tx "
-        "(it clips by the global norm before the update, as DeepSpeed's "
-        "gradient_clipping does), or turn offload_optimizer off.")
+        f"{why}. Clip with zerojax.shard(..., clip_norm=...) instead of "
+        "inside tx (it clips by the global norm before the update, as "
+        "DeepSpeed's gradient_clipping does), or keep the optimizer state on "
+        "the device (offload=None).")

@@ -265,7 +265,8 @@ def _communication(ds: dict, zero: dict) -> dict:
     fields["reduce_dtype"] = names[dtype]
   if ds.get("prescale_gradients"):
     raise ValueError("prescale_gradients=true has no zerojax equivalent: "
-                     "gradients are reduced in reduce_dtype and divided "
+                     "gradients are reduced in the reduce dtype "
+                     "(zerojax.Precision(reduce=...)) and divided "
                      "after. Remove the key.")
   factor = ds.get("gradient_predivide_factor", 1.0)
   if float(factor) != 1.0:

@@ -11,9 +11,9 @@ import optax
 
 _REFUSED_OPTIMIZERS = {
     "onebitadam": "it compresses DeepSpeed's own all-reduce; use Adam or "
-                  "AdamW (and quantize_grads for compressed gradients)",
+                  "AdamW (and zero_quantized_gradients for compressed gradients)",
     "zerooneadam": "it compresses DeepSpeed's own all-reduce; use Adam or "
-                   "AdamW (and quantize_grads for compressed gradients)",
+                   "AdamW (and zero_quantized_gradients for compressed gradients)",
     "onebitlamb": "LAMB reads whole tensors (trust ratios), which flat ZeRO "
                   "chunks cannot give it; use AdamW",
     "lamb": "LAMB reads whole tensors (trust ratios), which flat ZeRO chunks "
