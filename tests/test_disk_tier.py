@@ -22,7 +22,7 @@ import zerojax
 from zerojax._tiers import disk_tier
 from zerojax._state.state import loaded_master
 import disk_worker
-from models import zopts
+from models import zopts, assert_same_numbers, OWN_EMITTERS
 from models import (OFFLOADED_UPDATE_CASES,
                     make_problem, reference_run, zero_run)
 
@@ -50,14 +50,17 @@ def _params(state):
 
 
 def _check_against_host_tier(disk, host):
-  """The statistics bit-identical to the host tier's; the masters within an
-  ulp of themselves plus one of the update (lr = 1e-2)."""
+  """The statistics the host tier's (`assert_same_numbers`); the masters
+  within an ulp of themselves plus one of the update (lr = 1e-2)."""
   got = jax.tree_util.tree_leaves(disk_tier.mapped(disk, disk.opt_state))
   want = jax.tree_util.tree_leaves(host.opt_state)
   assert len(got) == len(want)
   for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert_same_numbers(g, w)
   for g, w in zip(loaded_master(disk), host.master):
+    if not OWN_EMITTERS:   # the statistics already differ by rounding
+      assert_same_numbers(g, w)
+      continue
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2 ** -22,
                                atol=2 * np.spacing(np.float32(1e-2)))
 

@@ -12,7 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from models import zopts, make_problem, zero_run
+from models import zopts, assert_same_numbers, make_problem, zero_run
 
 TX = optax.adam(1e-2)   # one object: zerojax probes each (tx, tree) once
 CHUNK = 3000            # a dozen chunks: the planner has rungs to choose from
@@ -60,8 +60,8 @@ def test_the_first_step_places_what_fits_and_trains_as_planned():
   assert f"planned placement, device_budget={budget}" in str(report)
   manual, manual_losses = zero_run(zerojax.shard(
       _plain(), stage=3, chunk_size=CHUNK, **zopts(FULL)), loss_fn, batches)
-  np.testing.assert_array_equal(auto_losses, manual_losses)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(auto),
+  assert_same_numbers(auto_losses, manual_losses)
+  jax.tree_util.tree_map(assert_same_numbers, _params(auto),
                          _params(manual))
 
 
