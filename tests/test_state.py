@@ -75,6 +75,16 @@ def test_gather_params_to_host_is_numpy_and_equal():
     zerojax.gather_params(z, to="cpu")
 
 
+def test_numpy_float64_parameters_are_held_as_jax_holds_them():
+  # without x64, jax holds a float64 array as float32: so do the chunks
+  params = {"w": np.ones((16, 8)), "b": np.zeros(8)}
+  state = train_state.TrainState.create(apply_fn=None, params=params,
+                                        tx=optax.adam(1e-3))
+  z = zerojax.shard(state, stage=3)
+  assert {c.dtype for c in z.layout.chunks} == {np.dtype(np.float32)}
+  assert {x.dtype for x in z.master} == {np.dtype(np.float32)}
+
+
 def test_host_parameters_reach_each_device_as_its_part_only(monkeypatch):
   """Stage 3 from numpy parameters (as a pretrained loader returns them)
   and from device arrays: the same state, bit for bit. Leaves this process

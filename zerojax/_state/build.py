@@ -43,11 +43,10 @@ def _trainable(config: ZeroConfig, params) -> list:
 
 def _abstract(params) -> Any:
   """The shapes and dtypes of `params` (arrays or shapes), read off the
-  leaves: nothing traced."""
+  leaves: nothing traced (the dtypes as jax canonicalizes them, a numpy
+  float64 array's float32 without x64, as `jax.eval_shape` gives)."""
   return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(
-          np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)),
-      params)
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
 
 
 def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
