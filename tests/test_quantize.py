@@ -170,11 +170,10 @@ def _run(stage, mesh=None, **fields):
 def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   """The quantized path with an exact encoding gives the plain
   collectives' results bit for bit (the parameters: `assert_same_numbers`);
-  on hpZ (both hops) the losses bit for
-  bit and the parameters to float32 rounding (an ulp of a gradient, through
-  the update): the identity gradient path sums the replica hop in another
-  order than XLA's CPU reduce-scatter does there (its weight gathers alone
-  are bit-identical)."""
+  on hpZ (both hops) the losses bit for bit and the parameters to float32
+  rounding (an ulp of a gradient, through the update): the identity
+  gradient path sums the replica hop in another order than XLA's CPU
+  reduce-scatter does there (its weight gathers alone are bit-identical)."""
   fields = dict(compute_dtype=compute_dtype)
   mesh, hybrid = None, setting == "hpz"
   if setting == "offload":

@@ -168,7 +168,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
   params = [np.full(s, 0.75, x.dtype) for s, x in zip(shapes, leaves)]
   grads = [[np.full(s, v, x.dtype) if t else np.zeros(s, x.dtype)
             for s, x, t in zip(shapes, leaves, trainable)]
-           for v in (0.3, -0.55)[:_PROBE_STEPS]]
+           for v in (0.3, -0.55, 0.9)[:_PROBE_STEPS]]
   outs = _tree_updates(tx, treedef, params, grads)
   signatures = {}
   labels = []
