@@ -605,3 +605,32 @@ def test_a_checkpoint_written_with_the_flat_fields_restores_as_the_groups(
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
       zerojax.gather_params(state), params)
+
+def test_a_checkpoint_holding_scalar_placeholders_restores_and_trains_on(
+    tmp_path):
+  """tests/fixtures/scalar_placeholder_checkpoint was saved before a scalar
+  leaf's optimizer view was emptied, on 8 devices, after one step of
+  `shard(state, stage=1)` of the problem below: its adam state holds a
+  shape () `mu` and `nu` for the scalar `scale`, which shares its chunk
+  with `w` and `b`. It restores in place (8 devices) and repacked (2), and
+  a further step equals the second step of a run never saved."""
+  import jax.numpy as jnp
+  params = {"scale": jnp.float32(0.5), "w": jnp.arange(12.0).reshape(3, 4) / 10,
+            "b": jnp.zeros(4)}
+  loss_fn = lambda p, b: jnp.mean((p["scale"] * (b["x"] @ p["w"]) + p["b"]) ** 2)
+  batch = {"x": np.ones((8, 3), np.float32)}
+  like = train_state.TrainState.create(apply_fn=None, params=params,
+                                       tx=optax.adam(1e-2))
+  step = zerojax.train_step(loss_fn)
+  whole, _ = step(step(zerojax.shard(like, stage=1), batch)[0], batch)
+  path = tmp_path / "ckpt"
+  shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures",
+                               "scalar_placeholder_checkpoint"), path)
+  for mesh in (None, _mesh(2)):
+    state = zerojax.checkpoint.restore(path, like=like, mesh=mesh)
+    assert all(x.size == 0 for x in (state.opt_state[0].mu["scale"],
+                                     state.opt_state[0].nu["scale"]))
+    state, _ = step(state, batch)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        zerojax.gather_params(state), zerojax.gather_params(whole))

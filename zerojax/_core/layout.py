@@ -526,7 +526,9 @@ class ChunkLayout:
   def views(self, chunks: Sequence[Any], fill_dtype: Any = None,
             only: Optional[frozenset] = None) -> Any:
     """The tree optax sees: the original structure, each chunk held by its
-    representative leaf (reshaped, see `view_shape`), every other leaf empty.
+    representative leaf (reshaped, see `view_shape`), every other leaf empty
+    (a scalar as shape (0,): no rank-0 array is empty, and a scalar would
+    carry optimizer state and an update of its own through every step).
 
     An element-wise optax transformation applied to this tree is the same as
     applied to the original tree, element by element. `only`: the chunks to
@@ -544,7 +546,7 @@ class ChunkLayout:
         dt = info.dtype if fill_dtype is None else fill_dtype
         key = (info.ndim, np.dtype(dt))
         if key not in empty:
-          empty[key] = jnp.zeros((0,) * info.ndim if info.ndim else (), dt)
+          empty[key] = jnp.zeros((0,) * max(info.ndim, 1), dt)
         out.append(empty[key])
     return jax.tree_util.tree_unflatten(self.treedef, out)
 

@@ -47,6 +47,17 @@ def check_opt_state(saved: dict, want: dict) -> None:
                      describe_mismatch(saved, want, "").split("\n", 1)[1])
 
 
+def without_scalar_placeholders(saved, views) -> dict:
+  """The signature (`shape_signature`) of a chunk-form checkpoint's
+  optimizer state `saved`, less what checkpoints written before a scalar
+  leaf's view was emptied (`ChunkLayout.views`) hold for it: a shape ()
+  statistic where `views`, the state over this layout's views, holds an
+  empty (0,) one. Those carried nothing but zeros."""
+  now = shape_signature(views)
+  return {k: s for k, s in shape_signature(saved).items()
+          if not (s == () and now.get(k) == (0,))}
+
+
 def loss_scale(state: ZeroTrainState, loaded: dict) -> ZeroTrainState:
   if "loss_scale" not in loaded or state.loss_scale is None:
     return state
@@ -92,7 +103,7 @@ def restore_chunk_form(path, saved, saved_layout, sums, *, like, abstract,
           [jnp.zeros(c.shape, c.dtype) for c in layout_saved.chunks]))
       return optstate.stored(layout_saved, views)
     views = jax.eval_shape(saved_opt)
-    check_opt_state(shape_signature(saved["opt_state"]),
+    check_opt_state(without_scalar_placeholders(saved["opt_state"], views),
                      shape_signature(non_empty(views)))
     tree_opt = jax.eval_shape(like.tx.init, abstract)
     extras = _replicated_like(saved.get("extras", {}), mesh)
@@ -146,8 +157,13 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
             "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
             "rest": [jax.tree_util.tree_map(sds, x, s)
                      for x, s in zip(shapes.rest, where.rest)],
+            # (a scalar placeholder an older checkpoint holds, where the
+            # state now holds an empty view: read, then dropped below)
             "opt_state": jax.tree_util.tree_map_with_path(
-                lambda p, _: opt["/".join(path_names(p))], saved["opt_state"])}
+                lambda p, x: opt["/".join(path_names(p))]
+                if np.shape(x) == opt["/".join(path_names(p))].shape else
+                jax.ShapeDtypeStruct((), x.dtype, sharding=NamedSharding(
+                    mesh, P())), saved["opt_state"])}
   target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
   for key in ("loss_scale", "extras"):
     if key in saved:
