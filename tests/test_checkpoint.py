@@ -606,6 +606,7 @@ def test_a_checkpoint_written_with_the_flat_fields_restores_as_the_groups(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
       zerojax.gather_params(state), params)
 
+
 def test_a_checkpoint_holding_scalar_placeholders_restores_and_trains_on(
     tmp_path):
   """tests/fixtures/scalar_placeholder_checkpoint was saved before a scalar

@@ -153,17 +153,21 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
   containers (optax.masked's, namedtuples read back as dicts) fits."""
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   opt = by_path(jax.tree_util.tree_map(sds, shapes.opt_state, where.opt_state))
+
+  def opt_target(path, x):
+    want = opt["/".join(path_names(path))]
+    if np.shape(x) == want.shape:
+      return want
+    # a scalar placeholder of an older checkpoint where the state now holds
+    # an empty view (`without_scalar_placeholders`): read, dropped below
+    return jax.ShapeDtypeStruct((), x.dtype, sharding=NamedSharding(mesh, P()))
+
   target = {"step": sds(shapes.step, where.step),
             "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
             "rest": [jax.tree_util.tree_map(sds, x, s)
                      for x, s in zip(shapes.rest, where.rest)],
-            # (a scalar placeholder an older checkpoint holds, where the
-            # state now holds an empty view: read, then dropped below)
             "opt_state": jax.tree_util.tree_map_with_path(
-                lambda p, x: opt["/".join(path_names(p))]
-                if np.shape(x) == opt["/".join(path_names(p))].shape else
-                jax.ShapeDtypeStruct((), x.dtype, sharding=NamedSharding(
-                    mesh, P())), saved["opt_state"])}
+                opt_target, saved["opt_state"])}
   target = {k: v for k, v in target.items() if k in saved}  # orbax drops []
   for key in ("loss_scale", "extras"):
     if key in saved:
