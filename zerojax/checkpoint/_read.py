@@ -160,7 +160,7 @@ def _read_chunks(path, saved, shapes, where, mesh, sums) -> dict:
       return want
     # a scalar placeholder of an older checkpoint where the state now holds
     # an empty view (`without_scalar_placeholders`): read, dropped below
-    return jax.ShapeDtypeStruct((), x.dtype, sharding=NamedSharding(mesh, P()))
+    return _replicated_like(x, mesh)
 
   target = {"step": sds(shapes.step, where.step),
             "master": [sds(x, s) for x, s in zip(shapes.master, where.master)],
