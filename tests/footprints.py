@@ -22,7 +22,7 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
     {"peak": bytes, "programs": the footprint dict of every program, in the
     order `create` runs them}.
   """
-  chunks, rest_program, assemble = sharded_init._create_programs(
+  chunks, rest_program, split, assemble = sharded_init._create_programs(
       init_fn, rng, apply_fn, tx, stage, mesh, options)
   held, peak, prints = 0, 0, []
 
@@ -51,5 +51,6 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
   held += memory.per_device_bytes(rest)
   # the assembling program's arguments are the chunks held so far (donated)
   held = 0
-  run(assemble, tuple(m for m, _ in made), sharded_init._compute(made), rest)
+  run(assemble, *split(tuple(m for m, _ in made), sharded_init._compute(made),
+                      rest))
   return {"peak": peak, "programs": prints}

@@ -92,11 +92,12 @@ def create(init_fn: Callable, rng: jax.Array, *,
     apply_fn, tx: as for `TrainState.create` (no `apply_fn` for NNX).
     stage, mesh, **options: as for `zerojax.shard`.
   """
-  chunks, rest_program, assemble = _create_programs(
+  chunks, rest_program, split, assemble = _create_programs(
       init_fn, rng, apply_fn, tx, stage, mesh, options)
   made = [pair for make in chunks for pair in make(rng)]
   master = tuple(m for m, _ in made)
-  return disk_tier.spill(assemble(master, _compute(made), rest_program(rng)))
+  return disk_tier.spill(assemble(*split(master, _compute(made),
+                                         rest_program(rng))))
 
 
 def _compute(made: list) -> tuple:
@@ -194,5 +195,22 @@ def _create_programs(init_fn, rng, apply_fn, tx, stage, mesh, options):
           _compute(shapes),
           jax.eval_shape(make_rest, rng))
   out = state_shardings(jax.eval_shape(assemble, *args))
-  return (chunks, rest_program,
-          jax.jit(assemble, out_shardings=out, donate_argnums=(0, 1, 2)))
+  # The chunks are made on the device. A master the state keeps in host
+  # memory (offloaded, or on its way to the disk tier's files) cannot reuse
+  # its device buffer: those are passed apart, not donated (else jax warns).
+  moved = frozenset(c for c, s in enumerate(out.master)
+                    if s.memory_kind != offload.DEVICE)
+
+  def split(master, compute, rest_and_extras):
+    """`assemble`'s arguments as `assemble_split` takes them: the masters
+    that stay on the device, and those that leave it."""
+    kept = tuple(None if c in moved else m for c, m in enumerate(master))
+    leaving = tuple(m if c in moved else None for c, m in enumerate(master))
+    return kept, leaving, compute, rest_and_extras
+
+  def assemble_split(kept, leaving, compute, rest_and_extras):
+    master = tuple(h if m is None else m for m, h in zip(kept, leaving))
+    return assemble(master, compute, rest_and_extras)
+
+  return (chunks, rest_program, split,
+          jax.jit(assemble_split, out_shardings=out, donate_argnums=(0, 2, 3)))
