@@ -49,7 +49,8 @@ def create_footprint(init_fn: Callable, rng: jax.Array, *,
     made.append((master, compute))
   rest = run(rest_program, rng)
   held += memory.per_device_bytes(rest)
-  # the assembling program's arguments are the chunks held so far (donated)
+  # the assembling program's arguments are the chunks held so far (donated,
+  # but for the masters that leave the device: `sharded_init` splits them)
   held = 0
   run(assemble, *split(tuple(m for m, _ in made), sharded_init._compute(made),
                       rest))
