@@ -169,7 +169,10 @@ def _run(stage, mesh=None, **fields):
     (3, "float32", "offload")])
 def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   """The quantized path with an exact encoding gives the plain
-  collectives' results bit for bit (the parameters: `assert_same_numbers`);
+  collectives' results bit for bit (losses and parameters:
+  `assert_same_numbers`, so within float32 rounding under the tests' older
+  emitters, which fuse the two programs differently on some CPUs: an ulp
+  of the third loss with offload on an AMD EPYC with AVX-512);
   on hpZ (both hops) the losses bit for bit and the parameters to float32
   rounding (an ulp of a gradient, through the update): the identity
   gradient path sums the replica hop in another order than XLA's CPU
@@ -184,7 +187,8 @@ def test_identity_encoding_is_bit_identical(stage, compute_dtype, setting):
   plain = _run(stage, mesh, **fields)
   ident = _run(stage, mesh, quantize_weights="identity",
                quantize_grads="identity", quantize_block=64, **fields)
-  np.testing.assert_array_equal(plain[0], ident[0])
+  (np.testing.assert_array_equal if hybrid else assert_same_numbers)(
+      plain[0], ident[0])
   same = (functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-8)
           if hybrid else assert_same_numbers)
   jax.tree_util.tree_map(same, plain[1], ident[1])
