@@ -1,6 +1,8 @@
 """The offload budget planner: least offload that fits, checked against real
 sharded states compiled here; impossible budgets; bad input."""
 
+import contextlib
+
 import jax
 import numpy as np
 import optax
@@ -86,6 +88,43 @@ def test_plan_is_the_least_offload_that_fits(problem, base, abstract, bounds):
   assert over > budget and fewer_host < host
   assert plan.budget_bytes == budget and plan.ladder[plan.rung] == plan.fields
   assert len(plan.tried) < len(plan.ladder)      # bisected, not swept
+
+
+@contextlib.contextmanager
+def _lowerings():
+  """jax's events of lowering, compiling or reading its compilation cache
+  inside the block."""
+  seen = []
+  listener = lambda event, seconds, **kw: (
+      seen.append(event) if any(what in event for what in (
+          "to_mlir", "backend_compile", "compilation_cache")) else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax._src.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_planning_again_compiles_nothing(problem, abstract):
+  """Planning the same loss and state again (`plan_offload`, then
+  offload="auto" at the first step, which plans the state as created,
+  its config saying "auto") lowers no step again; another loss function
+  is compiled afresh: a loss is known by its identity, as under
+  `jax.jit` (`zerojax._plan.remembered`)."""
+  plain, loss_fn, batch = problem
+  budget = 10 ** 9
+  first = zerojax.plan_offload(abstract, loss_fn, batch, budget,
+                               compiler_options=OPTIONS)
+  auto = zerojax.shard_shape(plain, stage=3, chunk_size=CHUNK,
+                             offload="auto", device_budget=budget)
+  with _lowerings() as lowered:
+    again = zerojax.plan_offload(auto, loss_fn, batch, budget,
+                                 compiler_options=OPTIONS)
+  assert lowered == [] and again == first
+  with _lowerings() as lowered:
+    other = zerojax.plan_offload(abstract, lambda p, b: loss_fn(p, b), batch,
+                                 budget, compiler_options=OPTIONS)
+  assert len(lowered) >= len(first.tried) and other.tried == first.tried
 
 
 def test_impossible_budget_names_the_shortfall(problem, abstract, bounds):

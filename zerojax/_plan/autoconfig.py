@@ -40,7 +40,7 @@ from zerojax._plan.planner import offload_ladder, plan_offload
 from zerojax._state.build import place, plan_state
 from zerojax._state.shard import device_budget_bytes, shard_shape
 from zerojax._state.state import ZeroTrainState, loaded_master
-from zerojax._train.step import train_step
+from zerojax._plan import remembered
 
 _log = logging.getLogger("zerojax")
 
@@ -151,8 +151,8 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
     raise ValueError(f"plan() chooses {', '.join(taken)} itself; leave them "
                      "out (pass the options every candidate keeps).")
   batch = jax.eval_shape(lambda b: b, batch)
-  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
-                    weighted=weighted)
+  step = remembered.step(loss_fn, has_aux=has_aux, mutable=mutable,
+                         weighted=weighted)
   if not isinstance(state, ZeroTrainState):
     state = shard_shape(state, 3, mesh, **({} if tx is None else {"tx": tx}),
                         **options)

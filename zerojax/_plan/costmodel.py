@@ -36,6 +36,7 @@ import numpy as np
 
 from zerojax._tiers import disk_tier
 from zerojax._plan import hlo
+from zerojax._plan import remembered
 from zerojax._plan import transfers
 from zerojax._state.memory import compiled_footprint
 from zerojax._plan.planner import host_bytes
@@ -151,10 +152,9 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   (bytes per device)."""
   if shapes.config.disk:   # its statistics as `OnDisk`s: nothing written
     shapes = disk_tier.spill(shapes)
-  compiled = step.lower(shapes, batch).compile()
-  footprint = compiled_footprint(compiled)
+  footprint, data, replica, flops = remembered.measured(step, shapes, batch,
+                                                        _read)
   held = host_bytes(shapes)
-  data, replica = _wire_by_link(compiled, shapes)
   moves = held or shapes.config.disk   # (the disk tier's gradient sink)
   pcie, sunk = _host_traffic(step, shapes, batch) if moves else (0.0, 0.0)
   on_disk = sum(x.nbytes for x in jax.tree_util.tree_leaves(
@@ -163,9 +163,6 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   disk = 2.0 * (on_disk + sunk)   # written and read back once a step
   host_update = (2.0 * (held + on_disk) if shapes.config.update_on == "host"
                  else 0.0)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops = float((cost or {}).get("flops", 0.0))
   half = np.dtype(shapes.config.compute_dtype).itemsize < 4
   modelled = (flops / figures["flops16" if half else "flops32"]
               + data / figures["link"] + replica / figures["node_link"]
@@ -176,6 +173,15 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   return Candidate(fields, int(footprint["device"]), int(held),
                    data, replica, pcie, host_update, disk, flops, modelled,
                    fits)
+
+
+def _read(compiled, shapes: ZeroTrainState) -> tuple:
+  """`(footprint, data-axis wire bytes, replica-axis wire bytes, FLOPs)` of
+  a candidate's compiled step."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return (compiled_footprint(compiled), *_wire_by_link(compiled, shapes),
+          float((cost or {}).get("flops", 0.0)))
 
 
 def _wire_by_link(compiled, shapes: ZeroTrainState) -> tuple:

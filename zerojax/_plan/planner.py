@@ -56,12 +56,12 @@ import jax
 import numpy as np
 
 from zerojax._core import offload
+from zerojax._plan import remembered
 from zerojax._options.groups import Offload
 from zerojax._state.memory import compiled_footprint, per_device_bytes
 from zerojax._options.policy import policy
 from zerojax._state.shard import device_budget_bytes
 from zerojax._state.state import ZeroTrainState, state_shardings
-from zerojax._train.step import train_step
 
 _log = logging.getLogger("zerojax")
 
@@ -159,6 +159,10 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
     compiler_options: XLA options for the compiles (the same as the run's,
       so the analysis matches what will run).
 
+  Asked again for the same loss function and state (`offload="auto"`
+  at the first step, after this), it compiles no rung twice
+  (`zerojax._plan.remembered`).
+
   Returns:
     An `OffloadPlan`; `zerojax.shard(..., offload=plan.offload)`.
 
@@ -181,16 +185,16 @@ def plan_offload(state: ZeroTrainState, loss_fn: Callable, batch: Any,
                      "finite number of bytes per device.")
   budget = int(budget_bytes)
   batch = jax.eval_shape(lambda b: b, batch)   # shapes only: nothing moved
-  step = train_step(loss_fn, has_aux=has_aux, mutable=mutable,
-                    weighted=weighted)
+  step = remembered.step(loss_fn, has_aux=has_aux, mutable=mutable,
+                         weighted=weighted)
   ladder = offload_ladder(state)
   measured = {}
 
   def device_bytes(rung):
     if rung not in measured:
       abstract = _abstract_state(state, ladder[rung])
-      compiled = step.lower(abstract, batch).compile(compiler_options)
-      measured[rung] = compiled_footprint(compiled)
+      measured[rung] = dict(remembered.measured(step, abstract, batch,
+                                                _footprint, compiler_options))
     return measured[rung]["device"]
 
   last = len(ladder) - 1
@@ -262,6 +266,10 @@ def _abstract_state(state, fields) -> ZeroTrainState:
   return jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
       state, state_shardings(state))
+
+
+def _footprint(compiled, abstract) -> dict:
+  return compiled_footprint(compiled)
 
 
 def _placement(abstract) -> tuple:
