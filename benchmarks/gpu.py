@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 from benchmarks import charts
 
@@ -165,6 +166,15 @@ def profile_summary(trace_dir: str, top: int = 40) -> list:
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                     recursive=True)
   data = ProfileData.from_file(max(files, key=os.path.getmtime))
+  with warnings.catch_warnings():
+    # jax 0.12's profile reader: "builtin type event_stats has no
+    # __module__ attribute" (Python 3.13)
+    warnings.filterwarnings("ignore", "builtin type .* has no __module__",
+                            DeprecationWarning)
+    return _planes(data, top)
+
+
+def _planes(data, top: int) -> list:
   planes = []
   for plane in data.planes:
     lines = []
