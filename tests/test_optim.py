@@ -214,3 +214,55 @@ def test_probes_run_eagerly_a_few_runs_of_the_update(monkeypatch, kind,
   assert len(updates) == runs * steps
   zerojax._state.build.check_tx(tx, params, config)
   assert len(updates) == runs * steps
+
+
+@pytest.mark.parametrize("mask,compact", [
+    (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p), True),
+    (_decay_mask, False)])   # this one reads every leaf as an array
+def test_the_update_leaves_out_empty_leaves_where_the_mask_allows(mask,
+                                                                  compact):
+  """On compact views (None for a view's empty leaves) where the probes
+  found `tx` alike on them, on the full views otherwise: the same training
+  as plain optax either way."""
+  tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.5, mask=mask)
+  losses, params, state = _run("mlp", tx)
+  assert zerojax._core.optim.compact_views(state.tx, state.layout) is compact
+  _assert_matches_reference("mlp", tx, losses, params)
+
+
+def _equations(jaxpr) -> int:
+  """The equations of `jaxpr`, those of the jaxprs it calls included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _equations(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _equations(sub)
+  return n
+
+
+def test_an_offloaded_update_traces_only_its_own_chunk():
+  """Offloaded chunks are updated one `tx.update` call each; on the full
+  views each call would trace adam's arithmetic on every leaf of the tree
+  (chunks x leaves; docs/decisions.md, "The update leaves out the views'
+  empty leaves"). Twice the leaves in twice the chunks: the step's trace
+  about twice as long, not four times."""
+  batch = {"x": jnp.ones((8, 4))}
+
+  def loss_fn(params, batch):
+    return sum(jnp.sum((x * batch["x"].mean()) ** 2)
+               for x in jax.tree_util.tree_leaves(params))
+
+  sizes = []
+  for n in (24, 48):
+    params = {f"w{i:02d}": jnp.full((16,), i / 10) for i in range(n)}
+    state = zerojax.shard(train_state.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adam(1e-2)), stage=3,
+        offload="host", chunk_size=64)
+    assert len(state.layout.chunks) == n // 4
+    traced = zerojax.train_step(loss_fn).trace(state, batch)
+    sizes.append(_equations(traced.jaxpr.jaxpr))
+  assert sizes[1] < 2.5 * sizes[0], sizes

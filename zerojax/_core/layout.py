@@ -524,7 +524,7 @@ class ChunkLayout:
                                              max(chunk.model_shards, 1),)
 
   def views(self, chunks: Sequence[Any], fill_dtype: Any = None,
-            only: Optional[frozenset] = None) -> Any:
+            only: Optional[frozenset] = None, compact: bool = False) -> Any:
     """The tree optax sees: the original structure, each chunk held by its
     representative leaf (reshaped, see `view_shape`), every other leaf empty
     (a scalar as shape (0,): no rank-0 array is empty, and a scalar would
@@ -533,7 +533,8 @@ class ChunkLayout:
     An element-wise optax transformation applied to this tree is the same as
     applied to the original tree, element by element. `only`: the chunks to
     show (the others' representatives empty too; their entries of `chunks`
-    are not read), for an update of some chunks at a time.
+    are not read), for an update of some chunks at a time. `compact`: None
+    instead of each empty leaf (the compact views, `optstate.update_compact`).
     """
     out, empty = [], {}
     reps = {self.representative(c): c for c in range(len(self.chunks))
@@ -542,6 +543,8 @@ class ChunkLayout:
       if i in reps:
         c = reps[i]
         out.append(jnp.reshape(chunks[c], self.view_shape(c)))
+      elif compact:
+        out.append(None)
       else:  # one (immutable) empty array per rank and dtype, shared
         dt = info.dtype if fill_dtype is None else fill_dtype
         key = (info.ndim, np.dtype(dt))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax._core import optstate
 from zerojax._core.layout import ChunkLayout
 
 # steps per probe run: the first shows what reads whole tensors or moves
@@ -65,12 +66,18 @@ def _surrogate_shapes(abstract_params) -> list:
           for x in jax.tree_util.tree_leaves(abstract_params)]
 
 
-def _run(tx, params, grads_seq):
-  """Updates of `tx` over a sequence of gradients (plain optax semantics)."""
-  state = tx.init(params)
+def _run(tx, params, grads_seq, full_params=None):
+  """Updates of `tx` over a sequence of gradients (plain optax semantics).
+  With `full_params` (the full views of compact views `params`), the state
+  is `tx.init`'s of those and each update `optstate.update_compact`."""
+  if full_params is None:
+    state, update = tx.init(params), tx.update
+  else:
+    state = tx.init(full_params)
+    update = functools.partial(optstate.update_compact, tx)
   outs = []
   for grads in grads_seq:
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     outs.append(updates)
   return outs
@@ -99,17 +106,22 @@ def _tree_updates(tx, treedef, params: list, grads: list) -> list:
       params, grads)
 
 
-def _chunk_updates(tx, runs: tuple, params: list, grads: list) -> list:
+def _chunk_updates(tx, runs: tuple, params: list, grads: list,
+                   compact: bool = False) -> list:
   """Per run `(layout, only)`: per step, the update chunks of `tx` on the
   views of the chunks in `only` (None: all; None for the others) packed
-  from `params` (leaves; `grads`: per step, leaves). The packing happens
-  on the host, in numpy."""
+  from `params` (leaves; `grads`: per step, leaves); on compact views with
+  `compact`, as the step then updates. The packing happens on the host, in
+  numpy."""
   def probe(packed):
     outs = []
     for (layout, only), (chunks, chunk_grads) in zip(runs, packed):
-      views = lambda cs, layout=layout, only=only: layout.views(cs, only=only)
+      views = lambda cs, layout=layout, only=only: layout.views(
+          cs, only=only, compact=compact)
+      full = layout.views(chunks, only=only) if compact else None
       outs.append([layout.from_views(u, only) for u in
-                   _run(tx, views(chunks), [views(g) for g in chunk_grads])])
+                   _run(tx, views(chunks), [views(g) for g in chunk_grads],
+                        full)])
     return outs
 
   pack = lambda layout, leaves: [layout.pack_chunk(c, leaves, xp=np)
@@ -240,26 +252,65 @@ def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
   return treedef, surrogate, params, grads
 
 
+# per (tx, tree): whether the step updates on compact views
+# (`compact_views`), as `_chunked_mismatch` found
+_COMPACT: dict = {}
+
+
+def _tree_key(tx, treedef, leaves) -> tuple:
+  """`_COMPACT`'s key: `leaves` as shapes and dtypes (arrays, shape structs
+  or a layout's `LeafInfo`s)."""
+  return (tx, treedef, tuple((tuple(x.shape), np.dtype(x.dtype))
+                             for x in leaves))
+
+
+def _probed_compact(tx, abstract_params) -> bool:
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  key = _tree_key(tx, treedef, leaves)
+  return _hashable(key) and _COMPACT.get(key, False)
+
+
+def compact_views(tx, layout: ChunkLayout) -> bool:
+  """Whether the step runs `tx` on compact views
+  (`optstate.update_compact`): where the probes (`check_elementwise`) found
+  `tx` gives the same updates on them as on the tree. Unprobed, or refused
+  there (a mask or label function that reads every leaf as an array), the
+  full views, on which `tx` also computes on each empty leaf."""
+  key = _tree_key(tx, layout.treedef, layout.leaves)
+  return _hashable(key) and _COMPACT.get(key, False)
+
+
 @_cached
 def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
   """Why running `tx` on chunk views differs from running it on the tree.
 
   Runs `tx` on a small surrogate tree (random values, each axis capped at
-  3) and on its `_packings`.
+  3) and on its `_packings`: on compact views first (what the step updates
+  on, `compact_views`, where they agree), else on the full views.
   """
   treedef, surrogate, params, grads = _random_surrogate(abstract_params,
                                                        trainable)
   runs = _packings(surrogate, trainable, labels, stacked)
   try:
     reference = _tree_updates(tx, treedef, params, grads)
-    chunked = _chunk_updates(tx, runs, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
-  for (layout, _), outs in zip(runs, chunked):
-    why = _compare(layout, reference, outs)
-    if why is not None:
-      return why
-  return None
+  leaves, tree = jax.tree_util.tree_flatten(abstract_params)
+  key = _tree_key(tx, tree, leaves)
+  for compact in (True, False):
+    try:
+      chunked = _chunk_updates(tx, runs, params, grads, compact)
+    except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
+      why = f"it fails on chunk views ({type(e).__name__}: {e})"
+      continue
+    why = next((w for w in (_compare(layout, reference, outs)
+                            for (layout, _), outs in zip(runs, chunked))
+                if w is not None), None)
+    if why is None:
+      if _hashable(key):
+        _COMPACT[key] = compact
+      return None
+  return why
 
 
 def _compare(layout, reference, chunked) -> Optional[str]:
@@ -330,10 +381,11 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
+  compact = _probed_compact(tx, abstract_params)
   try:
-    whole = _chunk_updates(tx, (run,), params, grads)[0]
+    whole = _chunk_updates(tx, (run,), params, grads, compact)[0]
     split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
-                           grads)
+                           grads, compact)
   except Exception as e:  # noqa: BLE001 - any failure means "not separable"
     return f"it fails on a part of the chunks ({type(e).__name__}: {e})"
   for part, outs in zip(parts, split):

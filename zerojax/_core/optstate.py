@@ -1,8 +1,8 @@
 """The optax state over chunk views: which of its leaves holds which chunk's
 statistic (`owners`, the one answer the step, the shardings, `reshard` and
-the checkpoint read), the chunk shape it is stored in (`stored`), and the
-check of a `TrainState`'s own optimizer state against `tx`
-(`check_tree_state`).
+the checkpoint read), the chunk shape it is stored in (`stored`), the
+update on compact views (`update_compact`), and the check of a
+`TrainState`'s own optimizer state against `tx` (`check_tree_state`).
 """
 from __future__ import annotations
 
@@ -105,6 +105,44 @@ def _owners(layout: ChunkLayout, paths: tuple, shapes: tuple) -> Owners:
       for j, c in enumerate(chunk))
   return Owners(chunk=chunk, leaf=tuple(leaf), prefix=tuple(prefix),
                 members=members)
+
+
+def update_compact(tx, grads: Any, state: Any, params: Any) -> tuple:
+  """`tx.update(grads, state, params)` on compact views
+  (`ChunkLayout.views(compact=True)`: None for each leaf the views leave
+  empty), `state` kept in the form `tx.init` of the full views gives.
+
+  On the full views `tx` computes on every empty leaf too, in each call: on
+  a tree of n leaves, an update of one chunk at a time traces n leaves'
+  arithmetic per chunk. Here it sees the statistics `tx.init` of the
+  compact views has, taken from `state` by their paths (the same paths in
+  both forms: a leaf's statistic sits at its leaf's path); the others,
+  empty, are kept as they are. Returns `(updates, new state)`, the updates
+  compact, the state in the full form.
+
+  Raises:
+    ValueError: `tx` keeps statistics on compact views that the full
+      views' state lacks, or its update changes the state's structure
+      (`optim` then keeps the full views for it).
+  """
+  skeleton = jax.eval_shape(tx.init, params)
+  paths = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(skeleton)[0]]
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  at = {jax.tree_util.keystr(path): j for j, (path, _) in enumerate(flat)}
+  missing = [p for p in paths if p not in at]
+  if missing:
+    raise ValueError(f"optimizer state {missing[0]} of the compact views is "
+                     "not in the full views' state")
+  structure = jax.tree_util.tree_structure(skeleton)
+  updates, new = tx.update(grads, jax.tree_util.tree_unflatten(
+      structure, [flat[at[p]][1] for p in paths]), params)
+  if jax.tree_util.tree_structure(new) != structure:
+    raise ValueError("the update changes the optimizer state's structure")
+  out = [x for _, x in flat]
+  for p, x in zip(paths, jax.tree_util.tree_leaves(new)):
+    out[at[p]] = x
+  return updates, jax.tree_util.tree_unflatten(treedef, out)
 
 
 def stored(layout: ChunkLayout, view_state: Any) -> Any:

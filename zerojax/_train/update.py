@@ -16,6 +16,8 @@ but the re-gather's all-gathers.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,7 @@ from zerojax._comm import collectives
 from zerojax._core import compat
 from zerojax._tiers import disk_tier
 from zerojax._core import offload
+from zerojax._core import optim
 from zerojax._core import optstate
 from zerojax._options.config import manual_axes, shard_axes
 from zerojax._options.policy import Forward, policy
@@ -112,10 +115,14 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
     given = iter(views)
     views = [jnp.zeros((0,) * len(layout.view_shape(c)), np.dtype(x.dtype))
              if d else next(given) for x, c, d in zip(full, full_owners, on_disk)]
-  params = layout.views(master, only=chunks)
-  updates, new_opt = tx.update(
-      layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks),
-      jax.tree_util.tree_unflatten(treedef, views), params)
+  compact = optim.compact_views(tx, layout)
+  params = layout.views(master, only=chunks, compact=compact)
+  grad_views = layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks,
+                            compact=compact)
+  update = (functools.partial(optstate.update_compact, tx) if compact
+            else tx.update)
+  updates, new_opt = update(grad_views,
+                            jax.tree_util.tree_unflatten(treedef, views), params)
   if forward_reads_master(state):
     # applied in the chunk's own shape, not the view's: XLA's CPU backend
     # writes the new master into the donated one only if the update reads
