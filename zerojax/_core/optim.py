@@ -74,7 +74,8 @@ def _run(tx, params, grads_seq, full_params=None):
     state, update = tx.init(params), tx.update
   else:
     state = tx.init(full_params)
-    update = functools.partial(optstate.update_compact, tx)
+    update = functools.partial(optstate.update_compact, tx,
+                               skeleton=jax.eval_shape(tx.init, params))
   outs = []
   for grads in grads_seq:
     updates, state = update(grads, state, params)

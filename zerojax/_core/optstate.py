@@ -107,7 +107,8 @@ def _owners(layout: ChunkLayout, paths: tuple, shapes: tuple) -> Owners:
                 members=members)
 
 
-def update_compact(tx, grads: Any, state: Any, params: Any) -> tuple:
+def update_compact(tx, grads: Any, state: Any, params: Any,
+                   skeleton: Any = None) -> tuple:
   """`tx.update(grads, state, params)` on compact views
   (`ChunkLayout.views(compact=True)`: None for each leaf the views leave
   empty), `state` kept in the form `tx.init` of the full views gives.
@@ -118,14 +119,16 @@ def update_compact(tx, grads: Any, state: Any, params: Any) -> tuple:
   compact views has, taken from `state` by their paths (the same paths in
   both forms: a leaf's statistic sits at its leaf's path); the others,
   empty, are kept as they are. Returns `(updates, new state)`, the updates
-  compact, the state in the full form.
+  compact, the state in the full form. `skeleton`: `jax.eval_shape(tx.init,
+  params)`, where the caller has it.
 
   Raises:
     ValueError: `tx` keeps statistics on compact views that the full
       views' state lacks, or its update changes the state's structure
       (`optim` then keeps the full views for it).
   """
-  skeleton = jax.eval_shape(tx.init, params)
+  if skeleton is None:
+    skeleton = jax.eval_shape(tx.init, params)
   paths = [jax.tree_util.keystr(path) for path, _ in
            jax.tree_util.tree_flatten_with_path(skeleton)[0]]
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
