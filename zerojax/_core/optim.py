@@ -265,8 +265,7 @@ def _tree_key(tx, treedef, leaves) -> tuple:
                              for x in leaves))
 
 
-def _probed_compact(tx, abstract_params) -> bool:
-  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+def _recorded(tx, treedef, leaves) -> bool:
   key = _tree_key(tx, treedef, leaves)
   return _hashable(key) and _COMPACT.get(key, False)
 
@@ -277,8 +276,7 @@ def compact_views(tx, layout: ChunkLayout) -> bool:
   `tx` gives the same updates on them as on the tree. Unprobed, or refused
   there (a mask or label function that reads every leaf as an array), the
   full views, on which `tx` also computes on each empty leaf."""
-  key = _tree_key(tx, layout.treedef, layout.leaves)
-  return _hashable(key) and _COMPACT.get(key, False)
+  return _recorded(tx, layout.treedef, layout.leaves)
 
 
 @_cached
@@ -382,7 +380,8 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
-  compact = _probed_compact(tx, abstract_params)
+  leaves, tree = jax.tree_util.tree_flatten(abstract_params)
+  compact = _recorded(tx, tree, leaves)
   try:
     whole = _chunk_updates(tx, (run,), params, grads, compact)[0]
     split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
