@@ -230,6 +230,26 @@ def test_the_update_leaves_out_empty_leaves_where_the_mask_allows(mask,
   _assert_matches_reference("mlp", tx, losses, params)
 
 
+def test_a_state_sized_by_the_leaf_count_keeps_the_full_views():
+  """A statistic whose shape follows the number of leaves differs between
+  the compact and the full views: the probe finds that, and the step keeps
+  the full views."""
+  sgd = optax.sgd(0.1)
+
+  def init(params):
+    return (sgd.init(params),
+            jnp.zeros(len(jax.tree_util.tree_leaves(params))))
+
+  def update(updates, state, params=None):
+    updates, inner = sgd.update(updates, state[0], params)
+    return updates, (inner, state[1] + 1)
+
+  tx = optax.GradientTransformation(init, update)
+  losses, params, state = _run("mlp", tx)
+  assert not zerojax._core.optim.compact_views(state.tx, state.layout)
+  _assert_matches_reference("mlp", tx, losses, params)
+
+
 def _equations(jaxpr) -> int:
   """The equations of `jaxpr`, those of the jaxprs it calls included."""
   n = 0

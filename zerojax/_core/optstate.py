@@ -124,7 +124,8 @@ def update_compact(tx, grads: Any, state: Any, params: Any,
 
   Raises:
     ValueError: `tx` keeps statistics on compact views that the full
-      views' state lacks, or its update changes the state's structure
+      views' state lacks (at that path and shape: a statistic per leaf
+      count, say), or its update changes the state's structure
       (`optim` then keeps the full views for it).
   """
   if skeleton is None:
@@ -133,10 +134,10 @@ def update_compact(tx, grads: Any, state: Any, params: Any,
            jax.tree_util.tree_flatten_with_path(skeleton)[0]]
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
   at = {jax.tree_util.keystr(path): j for j, (path, _) in enumerate(flat)}
-  missing = [p for p in paths if p not in at]
-  if missing:
-    raise ValueError(f"optimizer state {missing[0]} of the compact views is "
-                     "not in the full views' state")
+  for p, want in zip(paths, jax.tree_util.tree_leaves(skeleton)):
+    if p not in at or np.shape(flat[at[p]][1]) != want.shape:
+      raise ValueError(f"optimizer state {p} of the compact views is not in "
+                       "the full views' state")
   structure = jax.tree_util.tree_structure(skeleton)
   updates, new = tx.update(grads, jax.tree_util.tree_unflatten(
       structure, [flat[at[p]][1] for p in paths]), params)
