@@ -40,6 +40,19 @@ def _hashable(key) -> bool:
   return True
 
 
+def _tree_key(tx, treedef, leaves) -> tuple:
+  """`tx` and a tree by its structure, shapes and dtypes (`leaves`: arrays,
+  shape structs or a layout's `LeafInfo`s): what a probe's answer depends
+  on."""
+  return (tx, treedef, tuple((tuple(x.shape), np.dtype(x.dtype))
+                             for x in leaves))
+
+
+def _key_of(tx, abstract_params) -> tuple:
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
+  return _tree_key(tx, treedef, leaves)
+
+
 def _cached(probe):
   """A probe's answer depends only on `tx` and the tree's structure, shapes
   and dtypes: computed once per (tx, tree), since `shard`, `create` and
@@ -48,8 +61,7 @@ def _cached(probe):
 
   @functools.wraps(probe)
   def cached(tx, abstract_params, *args):
-    leaves, treedef = jax.tree_util.tree_flatten(abstract_params)
-    key = (tx, treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves),
+    key = (_key_of(tx, abstract_params),
            tuple(tuple(a) if isinstance(a, list) else a for a in args))
     if not _hashable(key):  # probe every time
       return probe(tx, abstract_params, *args)
@@ -258,15 +270,8 @@ def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
 _COMPACT: dict = {}
 
 
-def _tree_key(tx, treedef, leaves) -> tuple:
-  """`_COMPACT`'s key: `leaves` as shapes and dtypes (arrays, shape structs
-  or a layout's `LeafInfo`s)."""
-  return (tx, treedef, tuple((tuple(x.shape), np.dtype(x.dtype))
-                             for x in leaves))
-
-
-def _recorded(tx, treedef, leaves) -> bool:
-  key = _tree_key(tx, treedef, leaves)
+def _recorded(key) -> bool:
+  """`_COMPACT`'s answer for `key` (`_tree_key`); False where none."""
   return _hashable(key) and _COMPACT.get(key, False)
 
 
@@ -276,7 +281,7 @@ def compact_views(tx, layout: ChunkLayout) -> bool:
   `tx` gives the same updates on them as on the tree. Unprobed, or refused
   there (a mask or label function that reads every leaf as an array), the
   full views, on which `tx` also computes on each empty leaf."""
-  return _recorded(tx, layout.treedef, layout.leaves)
+  return _recorded(_tree_key(tx, layout.treedef, layout.leaves))
 
 
 @_cached
@@ -294,8 +299,7 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
     reference = _tree_updates(tx, treedef, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
     return f"it fails on chunk views ({type(e).__name__}: {e})"
-  leaves, tree = jax.tree_util.tree_flatten(abstract_params)
-  key = _tree_key(tx, tree, leaves)
+  key = _key_of(tx, abstract_params)
   for compact in (True, False):
     try:
       chunked = _chunk_updates(tx, runs, params, grads, compact)
@@ -380,8 +384,7 @@ def _split_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional
   if len(layout.chunks) < 2:
     return None
   parts = [frozenset(range(k, len(layout.chunks), 2)) for k in (0, 1)]
-  leaves, tree = jax.tree_util.tree_flatten(abstract_params)
-  compact = _recorded(tx, tree, leaves)
+  compact = _recorded(_key_of(tx, abstract_params))
   try:
     whole = _chunk_updates(tx, (run,), params, grads, compact)[0]
     split = _chunk_updates(tx, tuple((layout, part) for part in parts), params,
