@@ -25,13 +25,14 @@ from zerojax._state.memory import (MemoryReport, compiled_footprint,
                                    estimate_memory, memory_report)
 from zerojax._plan.planner import OffloadPlan, plan_offload
 from zerojax._plan.autoconfig import Plan, plan
+from zerojax._plan.targets import GpuTarget
 from zerojax._state.sharded_init import create
 from zerojax._state.gathered import gather_model, gather_params
 from zerojax._state.shard import shard, shard_shape
 from zerojax._state.state import ZeroTrainState
 from zerojax._train.step import train_step
 
-__all__ = ["Axes", "Blocks", "DynamicLossScale", "MemoryReport", "Offload",
+__all__ = ["Axes", "Blocks", "DynamicLossScale", "GpuTarget", "MemoryReport", "Offload",
            "OffloadPlan", "Plan", "Precision", "Quantize", "ZeroConfig",
            "ZeroTrainState", "checkpoint", "compiled_footprint", "create",
            "deepspeed",

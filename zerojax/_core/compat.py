@@ -13,6 +13,7 @@ matmuls on cuBLAS.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -50,6 +51,24 @@ def compiler_options(options: Optional[dict] = None) -> dict:
   accepts on the default backend, each option probed once."""
   options = FAST_COMPILE if options is None else options
   return {k: v for k, v in options.items() if _accepted(k, v)}
+
+
+# XLA options of zerojax's own step program, passed to its `jax.jit`
+# (`step_compiler_options`): they change that program only, never another
+# of the process, and only the GPU compiler reads them. XLA's GPU compiler
+# combines independent reduce-scatters up to a size; once every update
+# waits for the whole backward (`train_step`), a stage-3 backward's
+# per-block gradients are independent, and combined, a block's
+# reduce-scatter waits for the blocks below it and the last group runs
+# after the backward with nothing to hide it. A zerojax chunk is already
+# one reduce-scatter per block (docs/stage3.md, "The program 8 GPUs run").
+STEP_OPTIONS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+                "xla_gpu_all_gather_combine_threshold_bytes": 0}
+
+
+def step_compiler_options() -> dict:
+  """`STEP_OPTIONS` as this XLA accepts them."""
+  return compiler_options(STEP_OPTIONS)
 
 
 # XLA's GPU scheduler overlaps a collective with compute only when allowed to
@@ -137,6 +156,22 @@ def gpu_flags_at_import() -> None:
         "H100). Import zerojax first, or set "
         "os.environ['XLA_FLAGS'] = zerojax.with_gpu_flags(...) before "
         "jax starts.")
+
+
+@contextlib.contextmanager
+def without_compilation_cache():
+  """A context in which jax's persistent compilation cache is off: a
+  program compiled for devices this process has no client of (a
+  `zerojax.GpuTarget`'s) is written to it but cannot be read back (jax
+  warns, then compiles again). jax decides once a process whether it uses
+  the cache: the decision is reset on entry and on exit."""
+  from jax._src import compilation_cache, config   # no public context
+  compilation_cache.reset_cache()
+  try:
+    with config.enable_compilation_cache(False):
+      yield
+  finally:
+    compilation_cache.reset_cache()
 
 
 def on_host(fn):

@@ -322,12 +322,20 @@ class ZeroConfig:
     return self.compute_dtype != np.dtype(jnp.float32)
 
 
+def collectives_overlap(mesh) -> bool:
+  """Whether `mesh`'s devices run collectives beside compute (GPUs, TPUs);
+  XLA's CPU backend runs each collective as a copy that blocks the
+  device. What a step orders for overlap (prefetch's default, the update
+  after the backward at stage 3) is decided by it."""
+  return mesh.devices.flat[0].platform != "cpu"
+
+
 def prefetches(config: ZeroConfig, mesh) -> bool:
   """`config.prefetch`, its default (None) decided for `mesh`'s devices: on
   where collectives run beside compute, off on XLA's CPU backend."""
   if config.prefetch is not None:
     return bool(config.prefetch)
-  return mesh.devices.flat[0].platform != "cpu"
+  return collectives_overlap(mesh)
 
 
 @dataclasses.dataclass(frozen=True)

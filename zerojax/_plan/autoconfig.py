@@ -37,6 +37,7 @@ from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._plan.costmodel import Candidate, figures_for
 from zerojax._options.groups import plan_chosen
 from zerojax._plan.planner import offload_ladder, plan_offload
+from zerojax._plan.targets import GpuTarget
 from zerojax._state.build import place, plan_state
 from zerojax._state.shard import device_budget_bytes, shard_shape
 from zerojax._state.state import ZeroTrainState, loaded_master
@@ -102,12 +103,12 @@ def _budget(value, name: str) -> Optional[int]:
   return int(value)
 
 
-def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
+def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
          host_budget=None, offload_dir=None, mesh=None, tx=None,
          has_aux: bool = False,
          mutable: tuple = (), weighted: bool = False,
          allow_quantized: bool = False, figures: Optional[dict] = None,
-         **options) -> Plan:
+         target: Optional[GpuTarget] = None, **options) -> Plan:
   """Chooses the ZeRO configuration of `state` for `loss_fn` on `batch`
   whose compiled step fits `device_budget` (and `host_budget`) bytes per
   device and is fastest modelled (see the module docstring).
@@ -129,6 +130,11 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
       change the numerics.
     figures: `DEVICE_FIGURES` entries to override (`flops16`, `flops32`,
       `link`, `node_link`, `pcie`, `host_update`, `disk`).
+    target: a `zerojax.GpuTarget`, a cluster this machine need not have:
+      each candidate is compiled for its GPUs (the mesh is the target's:
+      no `mesh=`) and ranked by the modelled step of its scheduled program
+      (`zerojax._plan.schedule`, overlap included); `device_budget`
+      defaults to the card's memory.
     **options: further `ZeroConfig` options every candidate keeps
       (`precision`, `accum_steps`, `frozen`, ...).
 
@@ -139,6 +145,15 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
     ValueError: nothing fits; the error names the candidate that needs the
       least device memory, its needs per memory kind and the shortfall.
   """
+  if target is not None:
+    if not isinstance(target, GpuTarget):
+      raise TypeError(f"plan(target={target!r}) takes a zerojax.GpuTarget.")
+    if mesh is not None:
+      raise TypeError("plan(target=...) plans on the target's own mesh; "
+                      "leave out mesh=.")
+    mesh = target.mesh()
+    if device_budget is None:
+      device_budget = target.memory_bytes
   device = _budget(device_budget, "device_budget")
   if device is None:
     raise TypeError("plan() needs device_budget= (bytes per device).")
@@ -159,11 +174,14 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget,
   elif options or tx is not None or mesh is not None:
     raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
                     "config from it; pass only the budgets and options.")
-  used = figures_for(state.mesh.devices.flat[0].device_kind, figures)
+  used = ((str(target), {"schedule": dataclasses.asdict(target.figures())})
+          if target is not None else
+          figures_for(state.mesh.devices.flat[0].device_kind, figures))
   tried = []
 
   def trial(fields):
-    cand = measure(state, step, batch, fields, used[1], device, host)
+    cand = measure(state, step, batch, fields, used[1], device, host,
+                   target)
     tried.append(cand)
     return cand
 
@@ -293,9 +311,10 @@ def _explicit(fields: dict) -> dict:
 
 def measure(state: ZeroTrainState, step: Callable, batch: Any, fields: dict,
             figures: dict, device_budget: int,
-            host_budget: Optional[int] = None) -> Candidate:
+            host_budget: Optional[int] = None,
+            target: Optional[GpuTarget] = None) -> Candidate:
   """`state` configured with `fields` (`_as_configured`), measured as the
   plan measures a candidate (`costmodel.measure`)."""
   return costmodel.measure(_as_configured(state, fields), step, batch,
                            _explicit(fields), figures, device_budget,
-                           host_budget)
+                           host_budget, target)

@@ -28,6 +28,7 @@ predicts a step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -145,15 +146,23 @@ def figures_for(device_kind: str, figures: Optional[dict] = None) -> tuple:
 
 def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
             figures: dict, device_budget: int,
-            host_budget: Optional[int] = None) -> Candidate:
+            host_budget: Optional[int] = None, target=None) -> Candidate:
   """The candidate `fields` (as the plan shows them), laid out as the
   abstract state `shapes`: its `step` (a `zerojax.train_step`) compiled for
   `batch` and read as the module docstring says, against the budgets
-  (bytes per device)."""
+  (bytes per device). With a `zerojax.GpuTarget`, compiled for its GPUs
+  and timed by the schedule of the program (`schedule.model_step`: its
+  collectives and host copies beside its compute) instead of the sum
+  below; the host update and the disk tier are added to it as below."""
   if shapes.config.disk:   # its statistics as `OnDisk`s: nothing written
     shapes = disk_tier.spill(shapes)
-  footprint, data, replica, flops = remembered.measured(step, shapes, batch,
-                                                        _read)
+  if target is not None:
+    footprint, data, replica, flops, program = remembered.measured(
+        step, shapes, batch, _scheduled_reader(target),
+        compile=target.compile)
+  else:
+    footprint, data, replica, flops = remembered.measured(step, shapes, batch,
+                                                          _read)
   held = host_bytes(shapes)
   moves = held or shapes.config.disk   # (the disk tier's gradient sink)
   pcie, sunk = _host_traffic(step, shapes, batch) if moves else (0.0, 0.0)
@@ -163,11 +172,17 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   disk = 2.0 * (on_disk + sunk)   # written and read back once a step
   host_update = (2.0 * (held + on_disk) if shapes.config.update_on == "host"
                  else 0.0)
-  half = np.dtype(shapes.config.compute_dtype).itemsize < 4
-  modelled = (flops / figures["flops16" if half else "flops32"]
-              + data / figures["link"] + replica / figures["node_link"]
-              + pcie / figures["pcie"] + host_update / figures["host_update"]
-              + disk / figures["disk"])
+  if target is not None:
+    outside = DEVICE_FIGURES["H100"]   # the host and its disk, per GPU
+    modelled = (program + host_update / outside["host_update"]
+                + disk / outside["disk"])
+  else:
+    half = np.dtype(shapes.config.compute_dtype).itemsize < 4
+    modelled = (flops / figures["flops16" if half else "flops32"]
+                + data / figures["link"] + replica / figures["node_link"]
+                + pcie / figures["pcie"]
+                + host_update / figures["host_update"]
+                + disk / figures["disk"])
   fits = (footprint["device"] <= device_budget
           and (host_budget is None or held <= host_budget))
   return Candidate(fields, int(footprint["device"]), int(held),
@@ -182,6 +197,15 @@ def _read(compiled, shapes: ZeroTrainState) -> tuple:
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return (compiled_footprint(compiled), *_wire_by_link(compiled, shapes),
           float((cost or {}).get("flops", 0.0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _scheduled_reader(target) -> Callable:
+  """`_read`'s figures and the modelled step of the scheduled program, for
+  `target` (one function per target: `remembered` keys on it)."""
+  def read(compiled, shapes: ZeroTrainState) -> tuple:
+    return _read(compiled, shapes) + (target.model(compiled).time,)
+  return read
 
 
 def _wire_by_link(compiled, shapes: ZeroTrainState) -> tuple:

@@ -56,11 +56,13 @@ _measured: collections.OrderedDict = collections.OrderedDict()
 
 def measured(step_fn: Callable, abstract: Any, batch: Any,
              read: Callable[[Any, Any], Any],
-             compiler_options: Optional[dict] = None) -> Any:
+             compiler_options: Optional[dict] = None,
+             compile: Optional[Callable] = None) -> Any:
   """`read(compiled, abstract)` of `step_fn.lower(abstract, batch)
-  .compile(compiler_options)`, once per (read, step, state, batch shapes,
-  options) among the last `_KEEP`. What `read` returns is kept, not the
-  compiled program (a large model's is large)."""
+  .compile(compiler_options)` (or `compile(lowered)`, a
+  `zerojax.GpuTarget`'s), once per (read, step, state, batch shapes,
+  options, compile) among the last `_KEEP`. What `read` returns is kept,
+  not the compiled program (a large model's is large)."""
   config = tuple((name, value) for name, value in
                  abstract.config.fields().items()
                  if name not in ("placement", "device_budget"))
@@ -68,9 +70,9 @@ def measured(step_fn: Callable, abstract: Any, batch: Any,
   shapes, batch_tree = jax.tree_util.tree_flatten(batch)
   key = (read, step_fn, config, tree, tuple(leaves), batch_tree,
          tuple((x.shape, x.dtype) for x in shapes),
-         tuple(sorted((compiler_options or {}).items())))
-  measure = lambda: read(
-      step_fn.lower(abstract, batch).compile(compiler_options), abstract)
+         tuple(sorted((compiler_options or {}).items())), compile)
+  build = compile or (lambda lowered: lowered.compile(compiler_options))
+  measure = lambda: read(build(step_fn.lower(abstract, batch)), abstract)
   if not _hashes(key):
     return measure()
   out = _measured.pop(key, None)   # put back last: the most recent

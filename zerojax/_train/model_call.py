@@ -17,7 +17,7 @@ from zerojax._core import frozen
 from zerojax._core import outputs
 from zerojax.nn import _peruse as peruse
 from zerojax import nn as zero_nn
-from zerojax._options.config import prefetches
+from zerojax._options.config import collectives_overlap, prefetches
 from zerojax._options.policy import Forward, Reduction, StagePolicy
 
 
@@ -41,6 +41,7 @@ class ModelCall:
     # a slot holds the gradient of a shard that is not differentiated
     self.slot_dtypes = [np.dtype(m.dtype) for m in state.master]
     self.prefetch = prefetches(state.config, state.mesh)
+    self.overlap = collectives_overlap(state.mesh)
 
   def differentiated(self) -> tuple:
     """Per chunk, what the gradient is taken with respect to: the chunk (or
@@ -95,7 +96,7 @@ class ModelCall:
     beside = frozenset(self.layout.stack_prefix(c)
                        for c in peruse.chunks(self.layout, self.cfg))
     with zero_nn.active(self.layout, self.cfg, called, self.prefetch,
-                        auto=(self.pol.gathers_params
+                        overlap=self.overlap, auto=(self.pol.gathers_params
                               and self.cfg.reshard_after_forward),
                         heard=heard, refused=refused, beside=beside):
       return (self.loss_fn(params, batch, rng, **fields) if self.with_rng

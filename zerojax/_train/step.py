@@ -26,11 +26,12 @@ from jax.sharding import NamedSharding
 from zerojax._train import disk_stream
 from zerojax._tiers import disk_tier
 from zerojax._state import memory
+from zerojax._core import compat
 from zerojax._core import offload
 from zerojax.nn import _peruse as peruse
 from zerojax._core import precision
 from zerojax import nn as zero_nn
-from zerojax._options.config import shard_axes
+from zerojax._options.config import collectives_overlap, shard_axes
 from zerojax._train.grads import grads_and_metrics
 from zerojax._train.inputs import (check_mutable, check_signature, check_state,
                                    shard_batch)
@@ -108,13 +109,20 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
   if cfg.clip_norm is not None:
     grads = _clip(grads, grad_norm, cfg.clip_norm)
 
-  if forward_reads_master(state):
+  if forward_reads_master(state) or (pol.gathers_params and
+                                     collectives_overlap(state.mesh)):
     # Every chunk's update waits for the loss and the whole backward (the
     # global norm reads every gradient), so that every read of what it
     # replaces comes first and XLA updates the donated buffer in place
     # instead of copying it at the start. Unordered otherwise: the loss,
     # and a block's backward that only feeds an earlier chunk's gradient,
-    # read it too. Bit for bit the same values (`nn.tie`).
+    # read it too. At stage 3, where collectives run beside compute, the
+    # backward's re-gathers read the master shards (cast to the compute
+    # dtype): unordered, XLA's GPU fusion merges a chunk's update with the
+    # cast its own re-gather sends, and every re-gather then waits for a
+    # reduce-scatter and an update (docs/stage3.md, "The program 8 GPUs
+    # run"). Bit for bit the same values (`nn.tie`); on CPU, where nothing
+    # overlaps, the order is left to XLA as before.
     #
     # A disk chunk's gradient is not held back: the sink writes it to its
     # file as the backward produces it (`disk_stream.sink`).
@@ -253,7 +261,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
                                      weighted, {}, held,
                                      heard.setdefault(held, set())),
-                   donate_argnums=(0,) if donate else ())
+                   donate_argnums=(0,) if donate else (),
+                   compiler_options=compat.step_compiler_options())
 
   def chosen(state, batch, rng) -> tuple:
     """`(held, why)` for this program (`zerojax.nn._peruse.choose`), once.

@@ -111,7 +111,7 @@ def _unit_call(module, arguments: _Arguments, call: Callable):
   # the forward gather waits for `token_in`: from the previous block's
   # input when prefetching (`_Chain`), else from this block's own
   token_in = None if chain is None else chain.take(module.parent)
-  link = _Link()
+  link = _Link(overlap=chain is not None and chain.overlap)
   if token_in is None and _anchor(values) is not None:
     token_in = jax.lax.stop_gradient(_token(values))
 
@@ -130,16 +130,19 @@ def _unit_call(module, arguments: _Arguments, call: Callable):
 
   spaces = []   # per variable of the block: its memory space
   inputs = set()   # (shape, dtype) of the block's array arguments
+  shards = set()   # ... and of its variables
 
   def forward(module, *values):
     spaces[:] = _memory_spaces(module.variables)
+    shards.update(_avals(module.variables))
     inputs.update(_avals(values[:-1]))
     (out, vjp_fn), token = gathered(
         lambda m, *v: nn.vjp(call, m, *v), module, values)
     return (out, token), vjp_fn
 
   def backward(vjp_fn, cotangents):
-    return _regathered_backward(vjp_fn, cotangents, link, inputs, spaces,
+    return _regathered_backward(vjp_fn, cotangents, link, inputs, shards,
+                                spaces,
                                 token_in)
 
   out, token = nn.custom_vjp(tied, forward_fn=forward,

@@ -132,9 +132,11 @@ def _token(values) -> Optional[jax.Array]:
 class _Link:
   """One unrolled block call; `consumed` once the next block's forward
   gather waits for its token (so its re-gather may wait for that block's
-  backward to start)."""
+  backward to start); `overlap`: the devices run collectives beside
+  compute (`_Chain.overlap`, see `_regathered_backward`)."""
 
-  def __init__(self):
+  def __init__(self, overlap: bool = False):
+    self.overlap = overlap
     self.consumed = False
 
 
@@ -144,8 +146,11 @@ class _Chain:
   waits for. Only blocks called from the same module method in the same JAX
   trace are chained (a block under another transformation starts afresh)."""
 
-  def __init__(self):
+  def __init__(self, overlap: bool = False):
     self.last = None   # (parent, trace, token, link)
+    # the devices run collectives beside compute (a GPU): what the
+    # backward ties is then less (`_regathered_backward`)
+    self.overlap = overlap
 
   def take(self, parent) -> Optional[jax.Array]:
     """The previous block's token, if a block of `parent` (a linen module,
@@ -170,14 +175,15 @@ def _avals(values) -> set:
 
 
 def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
-                         spaces: list, token_in) -> tuple:
+                         shards: set, spaces: list, token_in) -> tuple:
   """The backward of an unrolled block's call (linen or NNX): `vjp_fn`
   (of the rematerialised, gathered block; its residuals are the block's
   shards and inputs) applied to the output's cotangent, with the re-gather
   waiting for that cotangent, and the cotangent of the previous block's
-  token appended. `cotangents` is `(output's, token's)`, `inputs` the
-  `(shape, dtype)`s of the block's array arguments, `spaces` the memory
-  space of each shard (the first of `vjp_fn`'s results)."""
+  token appended. `cotangents` is `(output's, token's)`, `inputs` and
+  `shards` the `(shape, dtype)`s of the block's array arguments and of its
+  variables (shards), `spaces` the memory space of each shard (the first
+  of `vjp_fn`'s results)."""
   cotangent, token_cotangent = cotangents
   after = _anchor(cotangent)
   if after is not None:   # the re-gathers wait for the cotangent...
@@ -186,9 +192,30 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     # starts. The block's saved inputs still wait for its own, so only the
     # re-gather (shards, token) starts early.
     early = token_cotangent if link.consumed else after
-    vjp_fn = jax.tree_util.tree_map(
-        lambda r: r if _anchor(r) is None else tie(
-            r, after if _avals((r,)) <= inputs else early), vjp_fn)
+    #
+    # Where collectives run beside compute (`link.overlap`, a GPU), two
+    # things differ (docs/stage3.md, "The program 8 GPUs run"). The last
+    # block of a prefetch chain has no next block whose backward its
+    # re-gather could run beside: its shards are left untied, and XLA
+    # keeps its forward gather for its backward instead (FSDP2 leaves the
+    # last block unsharded after the forward); tied to its own cotangent,
+    # its re-gather had only its own weight gradient to run beside, or
+    # nothing. And the activations the block's remat saved are left as
+    # they are: their readers wait for the cotangent anyway, and a tie
+    # before a cuBLAS matmul is a kernel that copies the whole activation.
+    # On CPU, where nothing overlaps, everything is tied as before.
+    last = link.overlap and not link.consumed
+
+    def tied(r):
+      kind = _avals((r,))
+      if _anchor(r) is None:
+        return r
+      if kind <= inputs:
+        return tie(r, after)
+      if link.overlap and not kind <= shards:
+        return r   # a saved activation
+      return r if last else tie(r, early)
+    vjp_fn = jax.tree_util.tree_map(tied, vjp_fn)
   grads = vjp_fn(cotangent)
   # a shard in host memory (offload) takes its (unused: the gradient goes
   # to a device slot) cotangent there, as JAX requires

@@ -20,14 +20,17 @@ from zerojax.nn._gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
 
 @contextlib.contextmanager
 def active(layout, config, called: Optional[set] = None,
-           prefetch: bool = False, auto: bool = False,
+           prefetch: bool = False, overlap: bool = False,
+           auto: bool = False,
            heard: Optional[set] = None, refused: Optional[dict] = None,
            beside: frozenset = frozenset()):
   """Set by the step while it traces the user's loss (trace-time metadata).
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
   step learns which stacks and blocks opted in, without guessing. With
-  `prefetch`, unrolled blocks are chained (`_Chain`). With `auto`, linen
+  `prefetch`, unrolled blocks are chained (`_Chain`; with `overlap`, the
+  devices run collectives beside compute, the chain's last block keeps its
+  forward gather for its backward). With `auto`, linen
   blocks that hold chunks of their own (repeated blocks, scanned stacks,
   `per_use` modules) are gathered per call without an opt-in
   (`intercept`); with `heard` too (the step's hearing trace), such blocks
@@ -43,7 +46,7 @@ def active(layout, config, called: Optional[set] = None,
         owners.setdefault(layout.stack_prefix(c), []).append(c)
   token = _ACTIVE.set(_Context(layout, config,
                                set() if called is None else called,
-                               _Chain() if prefetch else None, owners,
+                               _Chain(overlap=overlap) if prefetch else None, owners,
                                heard is not None,
                                set() if heard is None else heard,
                                {} if refused is None else refused,

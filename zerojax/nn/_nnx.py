@@ -138,7 +138,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
   other = (own, tuple(state for _, state in objects))
   values = arguments.arrays
   token_in = None if chain is None else chain.take(path[:-1])
-  link = _Link()
+  link = _Link(overlap=chain is not None and chain.overlap)
   if token_in is None and _anchor(values) is not None:
     token_in = jax.lax.stop_gradient(_token(values))
 
@@ -161,7 +161,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
     finally:
       _AFTER.reset(token)
 
-  spaces, inputs = [], set()
+  spaces, inputs, kinds = [], set(), set()
 
   @jax.custom_vjp
   def tied(shards, other, *values):
@@ -170,6 +170,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
 
   def forward(shards, other, *values):
     spaces[:] = _memory_spaces(shards)
+    kinds.update(_avals(shards))
     inputs.update(_avals(values[:-1]))
     (out, vjp_fn, new), token = gathered(
         lambda *v: jax.vjp(lambda s, *a: rematted(s, other, *a), shards, *v,
@@ -179,7 +180,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
   def backward(vjp_fn, cotangents):
     cotangent, _, token_cotangent = cotangents
     grads = _regathered_backward(vjp_fn, (cotangent, token_cotangent), link,
-                                 inputs, spaces, token_in)
+                                 inputs, kinds, spaces, token_in)
     return (grads[0], None) + grads[1:]   # no gradient for the state
 
   tied.defvjp(forward, backward)

@@ -1,0 +1,247 @@
+"""The program 8 H100s would run, compiled on this CPU machine
+(`zerojax.GpuTarget`, `zerojax._plan.schedule`): every stage-3 backward
+re-gather and gradient reduce-scatter has compute scheduled beside it, and
+the per-GPU bytes are what the state and the activations need.
+
+Needs jax's CUDA plugin (`jax-cuda12-plugin`, `jax-cuda12-pjrt` at
+jaxlib's version; .ci/run installs them); without it these tests skip,
+except under CI, where they fail.
+"""
+import importlib.util
+import os
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zerojax
+from zerojax._plan import schedule
+
+_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+needs_plugin = pytest.mark.skipif(
+    not _PLUGIN and not os.environ.get("CI"),
+    reason="jax's CUDA plugin is not installed (pip install "
+           "jax-cuda12-plugin==<jaxlib's version> jax-cuda12-pjrt==<same>)")
+
+WIDTH, BLOCKS, ROWS = 1024, 4, 8192   # rows per GPU
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(WIDTH)(nn.gelu(nn.LayerNorm()(x)))
+
+
+class Net(nn.Module):
+  """Unscanned blocks, no zerojax edits: stage 3 finds and gathers them."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(BLOCKS):
+      x = Block(name=f"block_{i}")(x)
+    return nn.Dense(1)(x)
+
+
+def _abstract_state():
+  model = Net()
+  params = jax.eval_shape(lambda: model.init(
+      jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
+  tx = optax.adamw(1e-3)
+  state = train_state.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
+      params=params, tx=tx, opt_state=jax.eval_shape(tx.init, params))
+
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  return state, loss
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.dense(nnx.gelu(self.norm(x)))
+
+
+class NnxNet(nnx.Module):
+  """The same model in NNX: blocks in an `nnx.List`, called in a loop."""
+
+  def __init__(self, rngs):
+    self.blocks = nnx.List([NnxBlock(rngs) for _ in range(BLOCKS)])
+    self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def _compiled(target: zerojax.GpuTarget, front: str = "linen"):
+  """The stage-3 step (bf16 compute, AdamW) compiled for `target`, and its
+  abstract state."""
+  tx, mesh = optax.adamw(1e-3), target.mesh()
+  if front == "nnx":
+    zero = zerojax.shard_shape(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0))),
+                               tx=tx, stage=3, mesh=mesh, precision="bf16")
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  else:
+    state, loss = _abstract_state()
+    zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16")
+  rows = ROWS * target.devices
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                   sharding=NamedSharding(mesh, P("data")))
+           for k, shape in (("x", (rows, WIDTH)), ("y", (rows, 1)))}
+  step = zerojax.train_step(loss)
+  return target.compile(step.lower(zero, batch)), zero
+
+
+@needs_plugin
+@pytest.mark.parametrize("front", ["linen", "nnx"])
+def test_stage3_backward_collectives_overlap_compute_on_8_h100(front):
+  target = zerojax.GpuTarget("h100")
+  compiled, _ = _compiled(target, front)
+  model = target.model(compiled)
+  regathers = model.of("all-gather", "backward")
+  scatters = model.of("reduce-scatter")
+  forward = model.of("all-gather", "forward")
+  # (XLA may combine a few blocks' gathers into one op): the backward
+  # re-gathers every block but the last, whose forward gather it keeps
+  wire = lambda ops: sum(c.wire_bytes for c in ops)
+  assert wire(regathers) >= (BLOCKS - 1) / BLOCKS * 0.99 * wire(forward) > 0
+  assert scatters, model.summary()
+  alone = [c.name for c in regathers + scatters if not c.overlapped]
+  assert not alone, (alone, model.summary())
+  # the forward gathers but the first run beside compute too
+  assert sum(not c.overlapped for c in forward) <= 1, model.summary()
+
+
+@needs_plugin
+def test_stage3_gpu_bytes_are_state_plus_activations():
+  """Per-GPU bytes within 10% of what stage 3 should hold: the state
+  (`estimate_memory`), the batch, the compiled activations (the same step
+  compiled for one GPU on one GPU's rows: its temporaries) and two blocks
+  gathered with their gradients (prefetch gathers one block ahead)."""
+  eight, one = zerojax.GpuTarget("h100"), zerojax.GpuTarget("h100", 1, 1)
+  compiled, state = _compiled(eight)
+  ma = compiled.memory_analysis()
+  footprint = (ma.argument_size_in_bytes + ma.output_size_in_bytes
+               - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+  layout = state.layout
+  num_params = sum(info.size for info in layout.leaves)
+  persistent = zerojax.estimate_memory(
+      num_params, stage=3, num_devices=8,
+      compute_dtype=jnp.bfloat16)["persistent"]
+  batch = ROWS * (WIDTH + 1) * 2   # one GPU's rows, bfloat16
+  activations = _compiled(one)[0].memory_analysis().temp_size_in_bytes
+  block = max(sum(layout.leaves[i].size for i in chunk.leaves)
+              for chunk in layout.chunks if chunk.stack is not None)
+  window = 2 * block * (2 + 4)   # bfloat16 gathered, float32 gradient
+  expected = persistent + batch + activations + window
+  assert abs(footprint / expected - 1) <= 0.10, (footprint, expected)
+
+
+def test_gpu_target_refuses_what_it_cannot_compile_for():
+  with pytest.raises(ValueError, match="gpu='a42'.*h100"):
+    zerojax.GpuTarget("a42")
+  with pytest.raises(ValueError, match="hosts=0"):
+    zerojax.GpuTarget(hosts=0)
+  with pytest.raises(ValueError, match="gpus_per_host=2.5"):
+    zerojax.GpuTarget(gpus_per_host=2.5)
+  with pytest.raises(ValueError, match="node_link=0"):
+    zerojax.GpuTarget(node_link=0)
+
+
+# ---- the modelled step on a hand-written schedule (no plugin needed) ------
+_HLO = """HloModule m, is_scheduled=true, num_partitions=8
+
+%fused (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[128,1024], x: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[128,1024]{1,0} parameter(0)
+  %x = bf16[1024,1024]{1,0} parameter(1)
+  %ag = (bf16[128,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%a), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %mm = bf16[1024,1024]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused
+  %w = bf16[1024,1024]{1,0} all-gather-done(%ag)
+  ROOT %mm2 = bf16[1024,1024]{1,0} fusion(%w, %mm), kind=kCustom, calls=%fused
+}
+"""
+
+
+def _figures(**changes):
+  base = dict(flops_16=1e12, flops_32=5e11, memory_bandwidth=1e12,
+              link=1e8, node_link=1e7, pcie=1e9, gpus_per_host=8,
+              collective_latency=0.0, kernel_launch=0.0)
+  return schedule.Figures(**{**base, **changes})
+
+
+def test_model_step_hides_a_gather_under_the_matmul_beside_it():
+  flops = 2.0 * 1024 ** 3
+  gather = 7 / 8 * 1024 * 1024 * 2            # ring wire bytes
+  # slow link: the gather outlasts the matmul beside it
+  m = schedule.model_step(_HLO, _figures())
+  (ag,) = m.collectives
+  assert (ag.kind, ag.between, ag.asynchronous) == ("all-gather", 1, True)
+  assert m.flops == pytest.approx(2 * flops)
+  matmul = flops / 1e12   # compute-bound at these figures
+  assert ag.duration == pytest.approx(gather / 1e8)
+  assert ag.exposed == pytest.approx(gather / 1e8 - matmul)
+  assert m.time == pytest.approx(2 * matmul + ag.exposed)
+  # a fast link: hidden whole
+  fast = schedule.model_step(_HLO, _figures(link=1e12))
+  assert fast.exposed == pytest.approx(0.0)
+  assert fast.time == pytest.approx(2 * matmul)
+  # the group spans two hosts: the inter-node link
+  hosts = schedule.model_step(_HLO, _figures(gpus_per_host=4))
+  assert hosts.collectives[0].duration == pytest.approx(gather / 1e7)
+
+
+# ---- planning for a cluster this machine does not have --------------------
+@pytest.mark.slow
+@needs_plugin
+def test_plan_for_64_gpus_compiles_each_candidate_for_them():
+  target = zerojax.GpuTarget("h100", hosts=8)
+  state, loss = _abstract_state()
+  rows = 64 * target.devices
+  batch = {"x": jax.ShapeDtypeStruct((rows, WIDTH), jnp.bfloat16),
+           "y": jax.ShapeDtypeStruct((rows, 1), jnp.bfloat16)}
+  plain = zerojax.plan(state, loss, batch, target=target, precision="bf16")
+  assert plain.device_budget == target.memory_bytes > 79 * 2 ** 30
+  assert {c.fields["stage"] for c in plain.candidates} == {0, 1, 2, 3}
+  # a budget below stage 0-2's bytes: stage 3, whose bytes and modelled
+  # step are those of its program compiled for the 64 GPUs
+  three = next(c for c in plain.candidates if c.fields["stage"] == 3)
+  two = next(c for c in plain.candidates if c.fields["stage"] == 2)
+  tight = zerojax.plan(state, loss, batch, target=target, precision="bf16",
+                       device_budget=(two.device_bytes + three.device_bytes)
+                       // 2)
+  assert tight.chosen.fields["stage"] == 3
+  zero = zerojax.shard_shape(state, stage=3, mesh=target.mesh(),
+                             precision="bf16")
+  compiled = target.compile(zerojax.train_step(loss).lower(zero, batch))
+  assert tight.chosen.device_bytes == zerojax.compiled_footprint(
+      compiled)["device"]
+  assert tight.chosen.modelled_s == pytest.approx(
+      target.model(compiled).time, rel=1e-6)
+  assert "8 x 8 H100" in str(tight)
+
+
+def test_plan_target_refuses_a_mesh_and_what_is_no_target():
+  state, loss = _abstract_state()
+  batch = {"x": jax.ShapeDtypeStruct((8, WIDTH), jnp.float32),
+           "y": jax.ShapeDtypeStruct((8, 1), jnp.float32)}
+  with pytest.raises(TypeError, match="target='h100'.*GpuTarget"):
+    zerojax.plan(state, loss, batch, target="h100")
+  with pytest.raises(TypeError, match="leave out mesh="):
+    zerojax.plan(state, loss, batch, target=zerojax.GpuTarget(),
+                 mesh=jax.make_mesh((8,), ("data",)))
