@@ -127,10 +127,11 @@ class GpuTarget:
   def compile(self, lowered, options: Optional[dict] = None):
     """`lowered` (lowered on a mesh of `mesh()`) compiled for these GPUs,
     with the XLA flags zerojax sets on a GPU machine
-    (`zerojax._core.compat.GPU_FLAGS`) and `options` on top."""
+    (`zerojax._core.compat.GPU_FLAGS`, those this XLA still has as
+    options) and `options` on top."""
+    flags = compat.compiler_options(_options(compat.GPU_FLAGS))
     with compat.without_compilation_cache():
-      return lowered.compile(compiler_options={
-          **_options(compat.GPU_FLAGS), **(options or {})})
+      return lowered.compile(compiler_options={**flags, **(options or {})})
 
   def figures(self) -> schedule.Figures:
     return schedule.Figures(node_link=self.node_link,
