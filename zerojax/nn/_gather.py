@@ -200,10 +200,13 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     # keeps its forward gather for its backward instead (FSDP2 leaves the
     # last block unsharded after the forward); tied to its own cotangent,
     # its re-gather had only its own weight gradient to run beside, or
-    # nothing. And the activations the block's remat saved are left as
-    # they are: their readers wait for the cotangent anyway, and a tie
-    # before a cuBLAS matmul is a kernel that copies the whole activation.
-    # On CPU, where nothing overlaps, everything is tied as before.
+    # nothing. And the activations the block's remat saved wait for the
+    # cotangent through an optimization barrier, not the bit tie: before a
+    # cuBLAS matmul a bit tie is a kernel of its own that copies the whole
+    # activation, and left untied, what the backward recomputes from them
+    # moves into the forward and is held (docs/decisions.md, "Ties on the
+    # program 8 GPUs run"). On CPU, where nothing overlaps, everything is
+    # bit-tied as before.
     last = link.overlap and not link.consumed
 
     def tied(r):
@@ -213,7 +216,7 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
       if kind <= inputs:
         return tie(r, after)
       if link.overlap and not kind <= shards:
-        return r   # a saved activation
+        return jax.lax.optimization_barrier((r, after))[0]
       return r if last else tie(r, early)
     vjp_fn = jax.tree_util.tree_map(tied, vjp_fn)
   grads = vjp_fn(cotangent)
