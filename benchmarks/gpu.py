@@ -153,7 +153,21 @@ def _child(variant: str, config: str, batch_per_device: int, seq: int,
           "tflops_per_s": tflops,
           "mfu": tflops * 1e12 / (peak * n) if peak else None,
           "peak_bytes": stats.get("peak_bytes_in_use"),
-          "bytes_limit": stats.get("bytes_limit")}
+          "bytes_limit": stats.get("bytes_limit"),
+          "modelled_step_s": modelled_step(v.compiled(), n)}
+
+
+def modelled_step(compiled, n: int):
+  """The modelled step of this program as compiled here
+  (`zerojax.GpuTarget.model`: the same model the GPU-compiled tier ranks
+  by), beside the measured one, on an H100 or H200; else None."""
+  import jax
+  import zerojax
+  kind = jax.devices()[0].device_kind
+  gpu = next((g for g in ("h200", "h100") if g.upper() in kind), None)
+  if gpu is None:
+    return None
+  return zerojax.GpuTarget(gpu, 1, n).model(compiled).time
 
 
 def profile_summary(trace_dir: str, top: int = 40) -> list:

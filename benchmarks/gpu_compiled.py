@@ -122,6 +122,10 @@ def child(model: str, variant: str, gpu: str, hosts: int) -> dict:
   footprint = (ma.argument_size_in_bytes + ma.output_size_in_bytes
                - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
   model_step = target.model(compiled)
+  if os.environ.get("ZEROJAX_HLO_DIR"):   # the programs, for reading later
+    with open(os.path.join(os.environ["ZEROJAX_HLO_DIR"],
+                           f"{model}-{variant}-{gpu}-{hosts}.hlo"), "w") as f:
+      f.write(compiled.as_text())
   row = dict(model=model, variant=variant, target=str(target), gpu=gpu,
              hosts=hosts, gpus=target.devices, num_params=cfg.num_params,
              seq=seq, rows_per_gpu=rows, compile_s=round(compile_s, 1),

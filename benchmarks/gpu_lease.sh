@@ -7,6 +7,9 @@
 # in PROFILE_VARIANTS (default: zero-3 plain-dp) also leave a summary of a
 # three-step jax.profiler trace in $OUT/profile_<variant>.json. Back here,
 # `python -m benchmarks.run --gpu --rows rows.jsonl` writes the results.
+# Each row also carries `modelled_step_s`, the GPU-compiled tier's model of
+# the very program it timed (`zerojax.GpuTarget.model`): the check of that
+# model against a real step (issue 60).
 #
 #   BUDGET=480 PER_VARIANT=150 bash benchmarks/gpu_lease.sh
 #   (BATCH, SEQ, STEPS, ATTENTION, CONFIG, XLA_FLAGS, VARIANTS change what runs)

@@ -57,8 +57,11 @@ def _blocks(module, name: str, layerwise: bool):
 
 @dataclasses.dataclass(frozen=True)
 class HFGPT2Config(TransformerConfig):
-  """transformer-6m's fields, and learned positions."""
+  """transformer-6m's fields, and learned positions; `dtype`, the Hugging
+  Face modules' computation dtype (their `dtype=` argument, "bfloat16"
+  for bf16 compute)."""
   positions: int = 128
+  dtype: str = "float32"
 
   @property
   def num_params(self) -> int:
@@ -83,7 +86,8 @@ class HFGPT2(nn.Module):
                        n_positions=cfg.positions)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     with _blocks(_hf, "FlaxGPT2Block", cfg.layerwise):
-      return _hf.FlaxGPT2LMHeadModule(config, name="gpt2")(
+      return _hf.FlaxGPT2LMHeadModule(config, dtype=jnp.dtype(cfg.dtype),
+                                      name="gpt2")(
           tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
 
 
@@ -94,6 +98,7 @@ class HFLlamaConfig(TransformerConfig):
   kv_heads: int = 2
   hidden: int = 704
   positions: int = 128   # the rotary table's length
+  dtype: str = "float32"  # as HFGPT2Config's
 
   @property
   def num_params(self) -> int:
@@ -123,7 +128,8 @@ class HFLlama(nn.Module):
                           max_position_embeddings=cfg.positions)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     with _blocks(_llama, "FlaxLlamaDecoderLayer", cfg.layerwise):
-      return _llama.FlaxLlamaForCausalLMModule(config, name="llama")(
+      return _llama.FlaxLlamaForCausalLMModule(
+          config, dtype=jnp.dtype(cfg.dtype), name="llama")(
           tokens, jnp.ones_like(tokens), positions)[0]
 
 

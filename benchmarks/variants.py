@@ -156,7 +156,7 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           num_devices: int, materialize: bool = True, seed: int = 0,
           options: Optional[dict] = None, compute_dtype=None,
           replicas: int = 1, model_shards: int = 1,
-          **zero_fields) -> Variant:
+          mesh: Optional[Mesh] = None, **zero_fields) -> Variant:
   """Builds variant `name` (see the module docstring) of a model config.
 
   Args:
@@ -178,6 +178,9 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
       `model_axis="model"`, plain-dp is then data parallelism beside the
       model's own tensor parallelism (Megatron's TP + DP under `jax.jit`:
       each weight placed by its partition spec, replicated over data).
+    mesh: the mesh to use (devices of another platform: a
+      `zerojax.GpuTarget`'s, with `materialize=False`; its leading axis
+      "replica" under `replicas`, else one axis "data").
     **zero_fields: extra `ZeroConfig` fields for zero-* variants.
   """
   if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
@@ -187,7 +190,11 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
   n = 1 if one_device else num_devices
   if one_device:
     global_batch = max(global_batch // num_devices, 1)
-  if model_shards > 1:
+  if mesh is not None:
+    data = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    if "replica" in mesh.axis_names:
+      zero_fields = {**zero_fields, "replica_axis": "replica"}
+  elif model_shards > 1:
     mesh = jax.make_mesh((n // model_shards, model_shards), ("data", "model"),
                          axis_types=(AxisType.Auto,) * 2)
     data = NamedSharding(mesh, P("data"))
@@ -203,7 +210,11 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
   cfg = cfg.for_variant(name, data)
   make, model = _make_train_state(cfg, seed)
   loss_fn = cfg.make_loss_fn(model)
-  batch = jax.device_put(cfg.make_batch(global_batch, seq, seed), data)
+  batch = cfg.make_batch(global_batch, seq, seed)
+  on_host = mesh.devices.flat[0].platform == jax.devices()[0].platform
+  batch = (jax.device_put(batch, data) if on_host else
+           jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+               x.shape, x.dtype, sharding=data), batch))
   source = make() if materialize else jax.eval_shape(make)
 
   if name.startswith(("zero-", "1dev-zero-")):

@@ -243,3 +243,28 @@ def test_plan_target_refuses_a_mesh_and_what_is_no_target():
   with pytest.raises(TypeError, match="leave out mesh="):
     zerojax.plan(state, loss, batch, target=zerojax.GpuTarget(),
                  mesh=jax.make_mesh((8,), ("data",)))
+
+
+_SCANNED = """HloModule m, is_scheduled=true, num_partitions=1
+
+%fused (p0: f32[24,1024,1024], p1: s32[]) -> f32[1,1024,1024] {
+  %p0 = f32[24,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+}
+
+ENTRY %main (w: f32[24,1024,1024], i: s32[]) -> f32[1,1024,1024] {
+  %w = f32[24,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %layer = f32[1,1024,1024]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_model_step_reads_one_layer_of_a_stacked_operand():
+  """A scanned layer's kernel that slices its stacked operand reads the
+  slice, not the stack."""
+  m = schedule.model_step(_SCANNED, _figures())
+  layer = 1024 * 1024 * 4
+  assert m.compute == pytest.approx((2 * layer + 4) / 1e12)

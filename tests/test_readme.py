@@ -327,3 +327,22 @@ def test_configuration_block_gives_the_groups_it_names(quick_start):
   assert config.stage == 3 and config.precision.compute == jax.numpy.bfloat16
   assert config.offload == zerojax.Offload("host")
   assert config.quantize == zerojax.Quantize(weights="int8")
+
+
+@pytest.mark.slow
+def test_the_gpu_target_block_compiles_and_plans_for_64_gpus():
+  """docs/stage3.md's `GpuTarget` block, on a small model (jax's CUDA
+  plugin needed: tests/test_gpu_compiled.py)."""
+  import jax.numpy as jnp
+  from test_gpu_compiled import WIDTH, _abstract_state, needs_plugin
+  if needs_plugin.args[0]:
+    pytest.skip(needs_plugin.kwargs["reason"])
+  abstract, loss_fn = _abstract_state()
+  rows = 8 * 64
+  batch = {"x": jax.ShapeDtypeStruct((rows, WIDTH), jnp.bfloat16),
+           "y": jax.ShapeDtypeStruct((rows, 1), jnp.bfloat16)}
+  out = _run(_block('target = zerojax.GpuTarget("h100", hosts=8)'),
+             make_train_state=lambda: abstract, loss_fn=loss_fn,
+             step=zerojax.train_step(loss_fn), batch=batch)
+  assert out["model"].time > 0 and out["state"].mesh.size == 64
+  assert out["plan"].chosen.fields["stage"] in (0, 1, 2, 3)

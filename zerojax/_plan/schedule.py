@@ -113,6 +113,7 @@ class StepModel:
     return out
 
   def to_dict(self) -> dict:
+    """The figures, and `summary()` as `collectives`."""
     return dict(time_s=self.time, compute_s=self.compute,
                 exposed_s=self.exposed, flops=self.flops,
                 exposed_fraction=self.exposed / self.time if self.time else 0.0,
@@ -120,11 +121,8 @@ class StepModel:
 
 
 def _elements(shape: str) -> List[Tuple[str, List[int]]]:
-  out = []
-  for dtype, dims in _ARRAY.findall(shape):
-    out.append((dtype, [int(d.strip().lstrip("<=")) for d in dims.split(",")
-                        if d.strip()]))
-  return out
+  return [(dtype, [int(d.strip().lstrip("<=")) for d in dims.split(",")
+                   if d.strip()]) for dtype, dims in _ARRAY.findall(shape)]
 
 
 def _passes(instr: Instr) -> str:
@@ -184,12 +182,7 @@ class _Costs:
         dims = [int(d.strip().strip('"')) for d in m.group(1).split(",")
                 if d.strip()] if m else [len(_elements(
                     self._operand_shape(comp, instr, 0))[0][1]) - 1]
-        result = _elements(instr.shape)
-        lhs = _elements(self._operand_shape(comp, instr, 0))
-        if result and lhs:
-          k = math.prod(lhs[0][1][d] for d in dims)
-          return (2.0 * math.prod(result[0][1]) * k,
-                  lhs[0][0] in ("bf16", "f16"))
+        return self._dot_flops(comp, instr, dims)
       if "fmha" in target or "flash" in target:
         q = _elements(self._operand_shape(comp, instr, 0))
         kv = _elements(self._operand_shape(comp, instr, 1))
@@ -212,10 +205,52 @@ class _Costs:
     return 0.0, False
 
   def bytes(self, comp: str, instr: Instr) -> float:
-    total = hlo.shape_bytes(instr.shape)
+    """Bytes a kernel reads and writes: its operands and result, except
+    that a fusion's operand read only through slices counts the slices,
+    and a result that updates a slice in place counts the update (a
+    scanned layer's step reads one layer of its stacked operands)."""
+    fused = called(instr.attrs, "calls") if instr.opcode == "fusion" else []
+    inner = self.comps.get(fused[0], []) if fused else []
+    total = 0
     for k in range(len(instr.operands)):
-      total += hlo.shape_bytes(self._operand_shape(comp, instr, k))
+      whole = hlo.shape_bytes(self._operand_shape(comp, instr, k))
+      total += min(whole, self._sliced(inner, k)) if inner else whole
+    total += (self._updated(inner) if inner else
+              hlo.shape_bytes(instr.shape))
     return float(total)
+
+  @staticmethod
+  def _sliced(inner: List[Instr], k: int) -> float:
+    """Bytes a fused computation reads of its parameter `k`: the results
+    of the slices that are its only readers, else all of it."""
+    param = next((i for i in inner if i.opcode == "parameter"
+                  and _parameter_number(i) == k), None)
+    if param is None:
+      return math.inf
+    readers = [i for i in inner if param.name in i.operands]
+    if readers and all(i.opcode in ("dynamic-slice", "slice") and
+                       i.operands[0] == param.name for i in readers):
+      return float(sum(hlo.shape_bytes(i.shape) for i in readers))
+    return math.inf
+
+  @staticmethod
+  def _updated(inner: List[Instr]) -> float:
+    """Bytes a fused computation writes: its root's, or the update of a
+    root `dynamic-update-slice` (in place)."""
+    root = inner[-1] if inner else None
+    if root is None:
+      return 0.0
+    if root.opcode == "dynamic-update-slice":
+      update = next((i for i in inner if i.name == root.operands[1]), None)
+      if update is not None:
+        return float(hlo.shape_bytes(update.shape))
+    return float(hlo.shape_bytes(root.shape))
+
+
+def _parameter_number(instr: Instr) -> Optional[int]:
+  """`n` of a `parameter(n)` instruction."""
+  return int(instr.operands[0]) if instr.operands and \
+      instr.operands[0].isdigit() else None
 
 
 def _trips(instr: Instr) -> int:
@@ -274,7 +309,6 @@ class _Simulation:
   def branch_cost(self, comp: str) -> float:
     return sum(self.costs.bytes(comp, i) for i in self.comps[comp]
                if i.opcode not in _FREE)
-
   # -- the queues -----------------------------------------------------------
   def issue(self, queue: str, kind: str, wire: float, duration: float,
             passes: str) -> _InFlight:
@@ -355,13 +389,10 @@ def model_step(text: str, figures: Figures) -> StepModel:
 def _merge(timed: List[Timed]) -> Tuple[Timed, ...]:
   """One entry per collective: a loop body's, run once per trip, keeps its
   first trip's figures (`trips` says how many)."""
-  seen, out = set(), []
+  first: Dict[tuple, Timed] = {}
   for t in timed:
-    key = (t.computation, t.name)
-    if key not in seen:
-      seen.add(key)
-      out.append(t)
-  return tuple(out)
+    first.setdefault((t.computation, t.name), t)
+  return tuple(first.values())
 
 
 def _async_inner(comps, instr: Instr) -> Optional[Tuple[str, Instr]]:

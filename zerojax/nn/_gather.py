@@ -192,21 +192,13 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     # starts. The block's saved inputs still wait for its own, so only the
     # re-gather (shards, token) starts early.
     early = token_cotangent if link.consumed else after
-    #
-    # Where collectives run beside compute (`link.overlap`, a GPU), two
-    # things differ (docs/stage3.md, "The program 8 GPUs run"). The last
-    # block of a prefetch chain has no next block whose backward its
-    # re-gather could run beside: its shards are left untied, and XLA
-    # keeps its forward gather for its backward instead (FSDP2 leaves the
-    # last block unsharded after the forward); tied to its own cotangent,
-    # its re-gather had only its own weight gradient to run beside, or
-    # nothing. And the activations the block's remat saved wait for the
-    # cotangent through an optimization barrier, not the bit tie: before a
-    # cuBLAS matmul a bit tie is a kernel of its own that copies the whole
-    # activation, and left untied, what the backward recomputes from them
-    # moves into the forward and is held (docs/decisions.md, "Ties on the
-    # program 8 GPUs run"). On CPU, where nothing overlaps, everything is
-    # bit-tied as before.
+    # Where collectives run beside compute (`link.overlap`, a GPU; see
+    # docs/stage3.md, "The program 8 GPUs run"): the last block of a
+    # prefetch chain, whose re-gather has no next block's backward to run
+    # beside, keeps its forward gather (its shards untied, as FSDP2 keeps
+    # the last block); and saved activations wait behind an optimization
+    # barrier, since before a cuBLAS matmul a bit tie is a kernel copying
+    # the activation. On CPU everything is bit-tied as before.
     last = link.overlap and not link.consumed
 
     def tied(r):
