@@ -321,6 +321,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--remodel", metavar="HLO_DIR",
+                      help="model the results' programs again from the HLO "
+                           "a run left in ZEROJAX_HLO_DIR (no compiles)")
   parser.add_argument("--out", default=os.path.join(
       os.path.dirname(__file__), "results"))
   args = parser.parse_args()
@@ -331,8 +334,28 @@ def main():
   import jax
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
       "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__}
-  rows = measure(QUICK if args.quick else TARGETS)
+  if args.remodel:
+    with open(os.path.join(args.out, "gpu_compiled.json")) as f:
+      saved = json.load(f)
+    rows = [remodel(r, args.remodel) for r in saved["rows"]]
+    meta = {**saved["meta"], "remodelled": meta["date"]}
+  else:
+    rows = measure(QUICK if args.quick else TARGETS)
   print(write(rows, args.out, meta))
+
+
+def remodel(row: dict, hlo_dir: str) -> dict:
+  """`row` with its modelled step read again from its saved program."""
+  if "error" in row:
+    return row
+  import zerojax
+  path = os.path.join(hlo_dir, f"{row['model']}-{row['variant']}-"
+                      f"{row['gpu']}-{row['hosts']}.hlo")
+  with open(path) as f:
+    text = f.read()
+  from zerojax._plan import schedule
+  target = zerojax.GpuTarget(row["gpu"], row["hosts"])
+  return {**row, **schedule.model_step(text, target.figures()).to_dict()}
 
 
 if __name__ == "__main__":

@@ -222,15 +222,18 @@ class _Costs:
   @staticmethod
   def _sliced(inner: List[Instr], k: int) -> float:
     """Bytes a fused computation reads of its parameter `k`: the results
-    of the slices that are its only readers, else all of it."""
+    of the slices that are its only readers (nothing of a buffer updated
+    in place), else all of it."""
     param = next((i for i in inner if i.opcode == "parameter"
                   and _parameter_number(i) == k), None)
     if param is None:
       return math.inf
     readers = [i for i in inner if param.name in i.operands]
-    if readers and all(i.opcode in ("dynamic-slice", "slice") and
-                       i.operands[0] == param.name for i in readers):
-      return float(sum(hlo.shape_bytes(i.shape) for i in readers))
+    if readers and all(i.operands[0] == param.name and i.opcode in (
+        "dynamic-slice", "slice", "dynamic-update-slice") for i in readers):
+      # (the buffer a dynamic-update-slice updates in place is not read)
+      return float(sum(hlo.shape_bytes(i.shape) for i in readers
+                       if i.opcode != "dynamic-update-slice"))
     return math.inf
 
   @staticmethod
