@@ -231,10 +231,12 @@ def test_plan_for_64_gpus_compiles_each_candidate_for_them():
       compiled)["device"]
   assert tight.chosen.modelled_s == pytest.approx(
       target.model(compiled).time, rel=1e-6)
+  assert tight.chosen.flops == pytest.approx(target.model(compiled).flops)
+  assert tight.chosen.flops > 0
   assert "8 x 8 H100" in str(tight)
 
 
-def test_plan_target_refuses_a_mesh_and_what_is_no_target():
+def test_plan_target_refuses_a_mesh_figures_a_sharded_state_and_no_target():
   state, loss = _abstract_state()
   batch = {"x": jax.ShapeDtypeStruct((8, WIDTH), jnp.float32),
            "y": jax.ShapeDtypeStruct((8, 1), jnp.float32)}
@@ -243,6 +245,12 @@ def test_plan_target_refuses_a_mesh_and_what_is_no_target():
   with pytest.raises(TypeError, match="leave out mesh="):
     zerojax.plan(state, loss, batch, target=zerojax.GpuTarget(),
                  mesh=jax.make_mesh((8,), ("data",)))
+  with pytest.raises(TypeError, match="leave out figures=.*node_link"):
+    zerojax.plan(state, loss, batch, target=zerojax.GpuTarget(),
+                 figures={"link": 1e9})
+  with pytest.raises(TypeError, match="not a ZeroTrainState"):
+    zerojax.plan(zerojax.shard_shape(state, stage=3), loss, batch,
+                 target=zerojax.GpuTarget())
 
 
 _SCANNED = """HloModule m, is_scheduled=true, num_partitions=1

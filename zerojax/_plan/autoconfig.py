@@ -151,6 +151,14 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
     if mesh is not None:
       raise TypeError("plan(target=...) plans on the target's own mesh; "
                       "leave out mesh=.")
+    if figures is not None:
+      raise TypeError("plan(target=...) models with the target's own "
+                      "figures; leave out figures= (the link between hosts "
+                      "is GpuTarget(node_link=...)).")
+    if isinstance(state, ZeroTrainState):
+      raise TypeError("plan(target=...) lays the state out on the target's "
+                      "devices: pass the TrainState (or its shapes, "
+                      "jax.eval_shape of its init), not a ZeroTrainState.")
     mesh = target.mesh()
     if device_budget is None:
       device_budget = target.memory_bytes

@@ -204,7 +204,8 @@ def _scheduled_reader(target) -> Callable:
   """`_read`'s figures and the modelled step of the scheduled program, for
   `target` (one function per target: `remembered` keys on it)."""
   def read(compiled, shapes: ZeroTrainState) -> tuple:
-    return _read(compiled, shapes) + (target.model(compiled).time,)
+    model = target.model(compiled)   # (its FLOPs: XLA counts none here)
+    return _read(compiled, shapes)[:3] + (model.flops, model.time)
   return read
 
 
