@@ -173,7 +173,7 @@ def measure(shapes: ZeroTrainState, step: Callable, batch: Any, fields: dict,
   host_update = (2.0 * (held + on_disk) if shapes.config.update_on == "host"
                  else 0.0)
   if target is not None:
-    outside = DEVICE_FIGURES["H100"]   # the host and its disk, per GPU
+    outside = target.device_figures   # the host and its disk, per GPU
     modelled = (program + host_update / outside["host_update"]
                 + disk / outside["disk"])
   else:

@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh
 
 from zerojax._core import compat
 from zerojax._plan import schedule
+from zerojax._plan.costmodel import DEVICE_FIGURES
 
 # XLA's description of each card (`GpuTargetConfigProto` text), and the
 # facts of another card that differ from it. XLA's H100 SXM spec
@@ -40,16 +41,13 @@ _SPEC = {"h100": ("h100_sxm.txtpb", {}),
              "device_memory_size": "151397597184",
              "name": '"NVIDIA H200 141GB HBM3e"',
              "device_description_str": '"NVIDIA H200 141GB HBM3e"'})}
-# Dense FLOP/s and bytes/s one way (vendor data sheets, SXM parts): the
-# tensor cores' 16-bit and TF32 peaks (the rates XLA's own H100 and H200
-# specs give: 132 SMs x 4 units x 512 16-bit FMAs a clock at 1.83 GHz),
-# NVLink 4 (18 links of 25 GB/s a direction), PCIe 5 x16.
-_FIGURES = {"h100": dict(flops_16=989e12, flops_32=494e12,
-                         memory_bandwidth=3.35e12, link=450e9, pcie=55e9),
-            "h200": dict(flops_16=989e12, flops_32=494e12,
-                         memory_bandwidth=4.8e12, link=450e9, pcie=55e9)}
+# The card's peaks and links are the planner's (`costmodel.DEVICE_FIGURES`,
+# vendor data sheets) and its memory bandwidth its description's; a
+# float32 matmul runs on the tensor cores as TF32, at half the 16-bit rate
+# (XLA's H100 and H200 specs: 132 SMs x 4 units x 256 TF32 FMAs a clock).
+TF32_OF_16BIT = 0.5
 # one 400 Gb/s InfiniBand NDR port per GPU (DGX H100 / H200)
-NODE_LINK = 50e9
+NODE_LINK = DEVICE_FIGURES["H100"]["node_link"]
 
 
 def _options(flags: dict) -> dict:
@@ -97,8 +95,15 @@ class GpuTarget:
   @property
   def memory_bytes(self) -> int:
     """The card's memory (its description's `device_memory_size`)."""
-    return int(re.search(r"device_memory_size: (\d+)",
-                         self.config_text()).group(1))
+    return int(self._field("device_memory_size"))
+
+  @property
+  def device_figures(self) -> dict:
+    """The planner's figures of this card (`costmodel.DEVICE_FIGURES`)."""
+    return DEVICE_FIGURES[self.gpu.upper()]
+
+  def _field(self, name: str) -> str:
+    return re.search(rf"\n\s*{name}: ([^\n]*)", self.config_text()).group(1)
 
   def config_text(self) -> str:
     """XLA's `GpuTargetConfigProto` of the card, as text."""
@@ -134,9 +139,13 @@ class GpuTarget:
       return lowered.compile(compiler_options={**flags, **(options or {})})
 
   def figures(self) -> schedule.Figures:
-    return schedule.Figures(node_link=self.node_link,
-                            gpus_per_host=self.gpus_per_host,
-                            **_FIGURES[self.gpu])
+    """What the modelled step reads of this card and its links."""
+    card = self.device_figures
+    return schedule.Figures(
+        flops_16=card["flops16"], flops_32=TF32_OF_16BIT * card["flops16"],
+        memory_bandwidth=float(self._field("memory_bandwidth")),
+        link=card["link"], node_link=self.node_link, pcie=card["pcie"],
+        gpus_per_host=self.gpus_per_host)
 
   def model(self, compiled) -> schedule.StepModel:
     """The modelled step of a program compiled for this target."""

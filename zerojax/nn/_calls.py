@@ -142,8 +142,7 @@ def _unit_call(module, arguments: _Arguments, call: Callable):
 
   def backward(vjp_fn, cotangents):
     return _regathered_backward(vjp_fn, cotangents, link, inputs, shards,
-                                spaces,
-                                token_in)
+                                spaces, token_in)
 
   out, token = nn.custom_vjp(tied, forward_fn=forward,
                              backward_fn=backward)(module, *values, token_in)

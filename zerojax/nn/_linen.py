@@ -28,9 +28,9 @@ def active(layout, config, called: Optional[set] = None,
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
   step learns which stacks and blocks opted in, without guessing. With
-  `prefetch`, unrolled blocks are chained (`_Chain`; with `overlap`, the
-  devices run collectives beside compute, the chain's last block keeps its
-  forward gather for its backward). With `auto`, linen
+  `prefetch`, unrolled blocks are chained (`_Chain`; `overlap`: the
+  devices run collectives beside compute, and the backward ties less, see
+  `_regathered_backward`). With `auto`, linen
   blocks that hold chunks of their own (repeated blocks, scanned stacks,
   `per_use` modules) are gathered per call without an opt-in
   (`intercept`); with `heard` too (the step's hearing trace), such blocks
@@ -46,7 +46,7 @@ def active(layout, config, called: Optional[set] = None,
         owners.setdefault(layout.stack_prefix(c), []).append(c)
   token = _ACTIVE.set(_Context(layout, config,
                                set() if called is None else called,
-                               _Chain(overlap=overlap) if prefetch else None, owners,
+                               _Chain(overlap) if prefetch else None, owners,
                                heard is not None,
                                set() if heard is None else heard,
                                {} if refused is None else refused,
