@@ -196,14 +196,23 @@ def extra_fields(state) -> tuple:
 def loaded_master(state) -> tuple:
   """The master chunks with those on disk read into their shardings (for
   `gather_params` and exports, which build the whole tree anyway)."""
-  if not any(disk_tier.is_on_disk(x) for x in state.master):
-    return state.master
-  where = state_shardings(
-      state.replace(master=disk_tier.abstract(state.master))).master
-  return tuple(jax.device_put(np.asarray(m), s) if disk_tier.is_on_disk(x)
-               else x for x, m, s in zip(
-                   state.master, disk_tier.mapped(state, state.master),
-                   where))
+  return loaded(state, "master")
+
+
+def loaded(state, field: str) -> Any:
+  """`state.<field>` (its master chunks or optimizer state) with each
+  `OnDisk` read into its sharding (for exports, which build the whole tree
+  anyway)."""
+  tree = getattr(state, field)
+  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=disk_tier.is_on_disk)
+  if not any(disk_tier.is_on_disk(x) for x in flat):
+    return tree
+  where = jax.tree_util.tree_leaves(getattr(state_shardings(state.replace(
+      **{field: disk_tier.abstract(tree)})), field))
+  mapped = jax.tree_util.tree_leaves(disk_tier.mapped(state, tree))
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.device_put(np.asarray(m), s) if disk_tier.is_on_disk(x) else x
+      for x, m, s in zip(flat, mapped, where)])
 
 
 def check_live(state: ZeroTrainState, caller: str) -> None:

@@ -16,7 +16,8 @@ from zerojax.checkpoint._read import restore_to_host
 from zerojax.checkpoint._restore import open_step
 from zerojax._options.config import shard_axes
 from zerojax._state.gathered import to_host
-from zerojax._state.state import ZeroTrainState, check_live, loaded_master
+from zerojax._state.state import (ZeroTrainState, check_live, loaded,
+                                  loaded_master)
 
 
 def export_params(directory_or_state: Any, *, step: Optional[int] = None,
@@ -46,7 +47,7 @@ def _tree_form(state: ZeroTrainState) -> dict:
   abstract = params_shapes(layout)
   params = reshard.to_tree(layout, loaded_master(state),
                            frozen.restored(layout, state.rest), axis)
-  opt_state = opt_reshard.opt_to_tree(layout, state.opt_state,
+  opt_state = opt_reshard.opt_to_tree(layout, loaded(state, "opt_state"),
                                   jax.eval_shape(state.tx.init, abstract), axis)
   out = {"step": state.step, "params": params, "opt_state": opt_state}
   if state.loss_scale is not None:

@@ -182,14 +182,20 @@ def _layout_problem(layout: Any) -> str:
         return f"chunk {c}'s leaves disagree with the leaves' chunks"
       if not 0 <= chunk["used"] <= chunk["length"]:
         return f"chunk {c} uses {chunk['used']} of {chunk['length']} elements"
+      # leaves may start at aligned offsets (whole quantization blocks), so
+      # they end within the chunk's length; `used` counts their elements
       end = 0
       for offset, size, path, _ in mine:
         if offset < end:
           return f"leaf {path} at offset {offset} overlaps the leaf before it"
         end = offset + size
-        if end > chunk["used"]:
+        if end > chunk["length"]:
           return (f"leaf {path} ends at {end}, past chunk {c}'s "
-                  f"{chunk['used']} used elements")
+                  f"{chunk['length']} elements")
+      if sum(size for _, size, *_ in mine) != chunk["used"]:
+        return (f"chunk {c}'s leaves hold "
+                f"{sum(size for _, size, *_ in mine)} elements, not the "
+                f"{chunk['used']} it says it uses")
   except (KeyError, TypeError, IndexError) as e:
     return f"malformed ({type(e).__name__}: {e})"
   return ""

@@ -20,9 +20,8 @@ import numpy as np
 
 from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path, cut_chunks,
                                         layout_from_json)
-from zerojax._options.config import ZeroConfig
 from zerojax._core.layout import path_names
-from zerojax._state.shard import shard
+from zerojax._state.shard import config_and_mesh, shard
 
 _log = logging.getLogger("zerojax")
 
@@ -61,9 +60,10 @@ def differs(saved: dict, abstract) -> bool:
 
 
 def restore_into(values: dict, like, *, partial: bool, cast: bool,
-                 source: str, stage: Optional[int], mesh, **config_fields):
+                 source: str, mesh, fields: dict):
   """`like` sharded with its parameters the saved `values` ({leaf name:
-  array}) where both have them (the module docstring)."""
+  array}) where both have them (the module docstring), under the config
+  `fields` (the saved ZeroConfig's, the caller's options over them)."""
   mine = by_path(like.params)
   new = sorted(set(mine) - set(values))
   dropped = sorted(set(values) - set(mine))
@@ -98,8 +98,7 @@ def restore_into(values: dict, like, *, partial: bool, cast: bool,
       "kept): %s%s", len(mine) - len(new), len(mine), source, len(new),
       _few(new) or "none",
       f"; {len(dropped)} saved left out: {_few(dropped)}" if dropped else "")
-  config = ZeroConfig.from_fields(stage=3 if stage is None else stage,
-                                  **config_fields)
+  config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
   return shard(like.replace(params=merged), mesh=mesh, config=config)
 
 

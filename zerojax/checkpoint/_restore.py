@@ -174,8 +174,8 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
     values = {k: np.asarray(x) for k, x in
               by_path(params_part(directory)).items()}
     return restore_into(values, like, partial=partial, cast=cast,
-                        source="the parameter tree", stage=stage, mesh=mesh,
-                        **config_fields)
+                        source="the parameter tree", mesh=mesh,
+                        fields=_target_fields({}, stage, config_fields))
   path, meta, step, saved = open_step(directory, step)
   if (hasattr(like, "params") and hasattr(like, "tx")
       and not isinstance(like, ZeroTrainState)) and (
@@ -185,11 +185,15 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
     _check_like_tree(like)
     values = host_params(meta, restore_to_host(
         path, saved, meta and meta.get("checksums")))
-    if stage is None and meta is not None:
-      stage = config_from_json(meta["config"]).get("stage")
+    saved_fields = {}
+    if meta is not None:   # the saved ZeroConfig, its frozen leaves by name
+      saved_fields = config_from_json(meta["config"])
+      saved_fields["frozen"] = frozen_mask(meta, jax.eval_shape(
+          lambda p: p, tensor_parallel.unboxed(like.params)))
     return restore_into(values, like, partial=partial, cast=cast,
-                        source=f"checkpoint {path}", stage=stage, mesh=mesh,
-                        **config_fields)
+                        source=f"checkpoint {path}", mesh=mesh,
+                        fields=_target_fields(saved_fields, stage,
+                                              config_fields))
   if isinstance(like, ZeroTrainState):
     fields = like.config.fields()
     abstract = params_shapes(like.layout)
@@ -205,6 +209,33 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
   if meta is not None and not isinstance(like, ZeroTrainState):
     fields.update(config_from_json(meta["config"]))
     fields["frozen"] = frozen_mask(meta, abstract)
+  fields = _target_fields(fields, stage, config_fields)
+  config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
+  dims = _model_dims(like, boxed, meta, config, mesh)
+  target = dict(like=like, abstract=abstract, static_extras=static_extras,
+                config=config, mesh=mesh, model_dims=dims)
+  if meta is not None and meta.get("format") in CHUNK_FORMATS:
+    _check_dtypes({"/".join(i["names"]): i["dtype"]
+                   for i in meta["layout"]["leaves"]}, abstract, cast)
+  else:
+    _check_dtypes({k: jnp.dtype(x.dtype).name for k, x in
+                   by_path(saved.get("params", {})).items()}, abstract, cast)
+  if meta is not None and meta.get("format") in CHUNK_FORMATS:
+    state = restore_chunk_form(path, saved, meta["layout"],
+                                meta.get("checksums"),
+                                **target)
+  else:
+    state = restore_tree_form(path, saved, **target)
+  return disk_tier.spill(state)   # a disk tier's statistics: to fresh files
+
+
+def _target_fields(saved: dict, stage: Optional[int],
+                   config_fields: dict) -> dict:
+  """The config fields of a restored state: the saved ones (`saved`, the
+  checkpoint's ZeroConfig fields, or `like`'s), then `stage` and the
+  caller's `config_fields` over them; what the saving cluster planned is
+  planned again, and a saved tier's own fields go where the tier does."""
+  fields = dict(saved)
   if stage is not None:
     fields["stage"] = stage
   saved_placement = fields.get("placement", "manual")
@@ -230,23 +261,7 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
     for name in ("offload_dir", "sub_group_size"):
       if name not in config_fields:
         fields.pop(name, None)
-  config, mesh = config_and_mesh(fields.pop("stage", 3), mesh, fields)
-  dims = _model_dims(like, boxed, meta, config, mesh)
-  target = dict(like=like, abstract=abstract, static_extras=static_extras,
-                config=config, mesh=mesh, model_dims=dims)
-  if meta is not None and meta.get("format") in CHUNK_FORMATS:
-    _check_dtypes({"/".join(i["names"]): i["dtype"]
-                   for i in meta["layout"]["leaves"]}, abstract, cast)
-  else:
-    _check_dtypes({k: jnp.dtype(x.dtype).name for k, x in
-                   by_path(saved.get("params", {})).items()}, abstract, cast)
-  if meta is not None and meta.get("format") in CHUNK_FORMATS:
-    state = restore_chunk_form(path, saved, meta["layout"],
-                                meta.get("checksums"),
-                                **target)
-  else:
-    state = restore_tree_form(path, saved, **target)
-  return disk_tier.spill(state)   # a disk tier's statistics: to fresh files
+  return fields
 
 
 def _model_dims(like, abstract, meta, config, mesh) -> Optional[tuple]:
