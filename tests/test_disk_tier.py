@@ -23,7 +23,7 @@ from zerojax._tiers import disk_tier
 from zerojax._state.state import loaded_master
 import disk_worker
 from models import zopts, assert_same_numbers, OWN_EMITTERS, TOLERANCE
-from models import (OFFLOADED_UPDATE_CASES,
+from models import (OFFLOADED_UPDATE_CASES, assert_matches_reference,
                     make_problem, reference_run, zero_run)
 
 TX = optax.adam(1e-2)
@@ -476,3 +476,24 @@ def test_stage_3_bf16_create_and_eval_read_the_sharded_compute_copy(tmp_path):
       "disk": sum(x.nbytes for x in made.master) // 8}
   disk_tier.remove(shard)
   disk_tier.remove(made)
+
+
+def test_an_optimizer_without_statistics_at_fp32_stage3_runs_as_the_host_tier(
+    tmp_path, caplog):
+  """optax.sgd at stage 3 under fp32: nothing for the disk (no statistics;
+  the master shards are what the forward gathers, in host memory). The
+  state runs as the host tier updating on the host, said once, and trains
+  as plain optax does (was: a bare IndexError at the first step)."""
+  model, params, loss_fn, batches = _problem("mlp", steps=3)
+  tx = optax.sgd(0.1)
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  with caplog.at_level("WARNING", logger="zerojax"):
+    state = zerojax.shard(plain, stage=3, offload=zerojax.Offload(
+        tier="disk", dir=str(tmp_path)))
+  assert caplog.text.count("nothing to keep on disk") == 1
+  assert state.config.offload_optimizer is True
+  assert state.config.update_on == "host" and not disk_tier._on_disk(state)
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, _params(state),
+                           *reference_run(loss_fn, params, tx, batches))

@@ -219,6 +219,8 @@ def spill(state) -> Any:
       [("master", c) for c in range(len(state.master))]
       if master_on_disk(cfg) else [])
   arrays = flat + list(state.master)
+  if not any(c in chunks for _, c in to_disk[:len(arrays)]):
+    return _as_host_tier(state)
   out = []
   try:
     for x, (name, c) in zip(arrays, to_disk):
@@ -241,6 +243,24 @@ def spill(state) -> Any:
   return state.replace(
       opt_state=jax.tree_util.tree_unflatten(treedef, out[:len(flat)]),
       master=tuple(out[len(flat):]))
+
+
+def _as_host_tier(state) -> Any:
+  """A disk tier with nothing to put on disk (an optimizer without
+  statistics, e.g. `optax.sgd`, at stage 3 under fp32 compute, where the
+  master shards are what the forward gathers and stay in host memory):
+  the host tier, updating on the host, which places every array as the
+  disk tier would; said once."""
+  _log.warning(
+      "zerojax: Offload(tier='disk') has nothing to keep on disk here: the "
+      "offloaded chunks have no optimizer statistics (optax.sgd keeps none), "
+      "and at stage 3 under fp32 compute the "
+      "master shards stay in host memory for the gathers; running as "
+      "Offload(tier='host', update_on='host'), which holds the same arrays "
+      "in the same places.")
+  return state.replace(config=state.config.replace(
+      offload_optimizer=True, update_on="host", offload_dir=None,
+      sub_group_size=None))
 
 
 # ---- the files' lifetime -------------------------------------------------------
