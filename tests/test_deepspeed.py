@@ -85,7 +85,7 @@ def test_each_lightning_strategy_is_its_deepspeed_configuration(name, fields):
 def test_the_nvme_strategy_puts_the_optimizer_on_disk(tmp_path, caplog):
   model, params, _, _ = make_problem("mlp")
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=optax.sgd(0.1))
+                                        tx=optax.adam(0.1))
   with caplog.at_level("WARNING", logger="zerojax"):
     state = zerojax.shard_shape(plain, strategy="deepspeed_stage_3_offload_nvme",
                                 offload=zerojax.Offload("disk", dir=str(tmp_path),
@@ -106,14 +106,14 @@ def test_the_nvme_strategy_puts_the_optimizer_on_disk(tmp_path, caplog):
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
      r"offload_optimizer.device='gpu'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     r"offload_param needs stage 3"),
+     r"offload_param.device='cpu' needs zero_optimization.stage 3"),
     ({"zero_optimization": {"stage": 2, "reduce_scatter": False}},
-     r"reduce_scatter=false .* no zerojax equivalent"),
+     r"reduce_scatter=False .* no zerojax equivalent"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
      r"DeepSpeed key fp16.fp16_master_weights_and_grads"),
     ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
-     r"train_batch_size=30 is not train_micro_batch_size_per_gpu=4 x "
-     r"gradient_accumulation_steps=1 x 8 devices"),
+     r"train_batch_size=30, train_micro_batch_size_per_gpu=4 and "
+     r"gradient_accumulation_steps=1 disagree on 8 devices"),
 ], ids=["zero key", "top key", "device", "param stage", "reduce_scatter",
         "fp16 key", "batch"])
 def test_a_key_without_equivalent_is_refused_naming_it(config, match):
@@ -141,8 +141,8 @@ def test_precision_clipping_accumulation_and_communication_map():
       "quantize_grads": "int4", "chunk_size": 500000}
   assert ZeroConfig.from_deepspeed({"bf16": {"enabled": True}}).compute_dtype == (
       np.dtype(jax.numpy.bfloat16))
-  assert ZeroConfig.from_deepspeed(
-      {"gradient_accumulation_steps": "auto"}).accum_steps == 1
+  assert ZeroConfig.from_deepspeed({"gradient_accumulation_steps": "auto"},
+                                   accum_steps=3).accum_steps == 3
 
 
 def test_schedules_follow_deepspeeds_formulas():
@@ -237,9 +237,255 @@ def test_config_and_strategy_entry_errors():
 
 
 def test_the_docs_table_names_every_key():
+  """Each no-op by its dotted key, with its reason; each mapped key in its
+  section's table (by name); each strategy."""
   doc = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs",
                           "deepspeed.md")).read()
-  keys = (set(deepspeed.NO_OPS) | set(deepspeed._ZERO_MAPPED)
-          | set(deepspeed._TOP_MAPPED) | set(deepspeed.STRATEGIES))
-  missing = sorted(k for k in keys if f"`{k}`" not in doc)
+  missing = [f"{w}{k}" for w, section in deepspeed.NO_OPS.items()
+             for k, why in section.items()
+             if f"| `{w}{k}` | {why} |" not in doc]
+  missing += [f"{w}{k}" for w, keys in deepspeed.MAPPED.items() for k in keys
+              if k not in doc]
+  missing += [k for k in deepspeed.STRATEGIES if f"`{k}`" not in doc]
   assert not missing, missing
+
+
+# ---- real-world-shaped configurations (tests/fixtures/deepspeed/, written
+# for these tests): each maps to what DeepSpeed would run, stated here, or
+# is refused naming the key
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+
+
+def _fixture(name: str) -> str:
+  return os.path.join(FIXTURES, name)
+
+
+def _updates_agree(tx, want, counts, params=None):
+  """`tx` and `want` give the same update at each optax count in `counts`
+  (the counts set in a fresh state: the schedules compared far out)."""
+  params = params or {"w": np.linspace(-1, 1, 6, dtype=np.float32)}
+  grads = {"w": np.linspace(0.5, -0.5, 6, dtype=np.float32)}
+  for c in counts:
+    got, _ = tx.update(grads, optax.tree_utils.tree_set(
+        tx.init(params), count=np.int32(c)), params)
+    ref, _ = want.update(grads, optax.tree_utils.tree_set(
+        want.init(params), count=np.int32(c)), params)
+    np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-6, err_msg=str(c))
+
+
+def test_a_trainer_config_of_autos_takes_the_callers_values():
+  """Hugging Face's zero3 template: every value "auto". Unfilled, each is
+  refused naming the argument that fills it (was: fp32, no clipping, lr
+  1e-3, and WarmupDecayLR's lr 0 after the warm-up); filled, it is the
+  Trainer's run: AdamW(lr, betas, eps, wd), lr 0 -> lr over the warm-up
+  (log), then linearly to 0 at total_steps."""
+  path = _fixture("hf_trainer_zero3_auto.json")
+  with pytest.raises(ValueError, match=r"fp16.enabled \(pass precision=\); "
+                     r"bf16.enabled \(pass precision=\); "
+                     r"gradient_accumulation_steps \(pass accum_steps=\); "
+                     r"gradient_clipping \(pass clip_norm=\)"):
+    ZeroConfig.from_deepspeed(path)
+  cfg = ZeroConfig.from_deepspeed(path, precision="bf16", accum_steps=2,
+                                  clip_norm=1.0)
+  assert _fields(cfg, ("stage", "offload_optimizer", "offload_params",
+                       "compute_dtype", "accum_steps", "clip_norm", "prefetch",
+                       "chunk_size", "train_batch_size", "loss_scale")) == {
+      "stage": 3, "offload_optimizer": True, "offload_params": True,
+      "compute_dtype": np.dtype(jax.numpy.bfloat16), "accum_steps": 2,
+      "clip_norm": 1.0, "prefetch": True, "chunk_size": None,
+      "train_batch_size": None, "loss_scale": None}
+  with pytest.raises(ValueError, match=r"optimizer.params.lr \(pass lr=\); "
+                     r".*scheduler.params.total_num_steps \(pass "
+                     r"total_steps=\)"):
+    deepspeed.optimizer(path)
+  tx = deepspeed.optimizer(path, lr=1e-4, betas=(0.9, 0.95), eps=1e-6,
+                           weight_decay=0.01, warmup_steps=10,
+                           total_steps=100)
+
+  def schedule(t):
+    rising = jax.numpy.log(t + 1.0) / math.log(10)
+    return 1e-4 * jax.numpy.where(t < 10, rising,
+                                  jax.numpy.maximum(0.0, (100 - t) / 90))
+  _updates_agree(tx, optax.adamw(schedule, 0.9, 0.95, 1e-6,
+                                 weight_decay=0.01), [0, 5, 50, 99, 150])
+  with pytest.raises(ValueError, match=r"precision=\)"):
+    ZeroConfig.from_deepspeed(path, accum_steps=2, clip_norm=1.0)
+
+
+def test_accelerates_offload_template_keeps_its_lr_after_the_warm_up():
+  """accelerate's zero_stage3_offload: AdamW with adam_w_mode (was refused as
+  not mapped), WarmupDecayLR with total_num_steps "auto" (was: lr 0 from
+  step 1000 on). DeepSpeed, with the Trainer's 3000 steps: lr rises to the
+  optimizer's 5e-5 over 1000 steps, then falls linearly to 0 at 3000."""
+  path = _fixture("accelerate_zero3_offload.json")
+  cfg = ZeroConfig.from_deepspeed(path, clip_norm=1.0)
+  assert cfg.compute_dtype == np.dtype("float16")
+  assert cfg.loss_scale == zerojax.DynamicLossScale(
+      init_scale=2.0 ** 16, growth_interval=1000, min_scale=1.0)
+  assert (cfg.offload_optimizer, cfg.offload_params) == (True, True)
+  with pytest.raises(ValueError, match=r"scheduler.params.total_num_steps "
+                     r"\(pass total_steps=\)"):
+    deepspeed.optimizer(path, weight_decay=0.0)
+  tx = deepspeed.optimizer(path, weight_decay=0.0, total_steps=3000)
+
+  def schedule(t):
+    rising = jax.numpy.log(t + 1.0) / math.log(1000)
+    return 5e-5 * jax.numpy.where(t < 1000, rising, (3000 - t) / 2000)
+  _updates_agree(tx, optax.adamw(schedule, weight_decay=0.0),
+                 [0, 999, 1000, 1500, 2999])
+  with pytest.raises(ValueError, match=r"optimizer.params.lr=5e-05 and "
+                     r"lr=0.001 disagree"):
+    deepspeed.optimizer(path, lr=1e-3, weight_decay=0.0, total_steps=3000)
+
+
+def test_batch_sizes_derive_the_accumulation_and_the_step_checks_the_batch():
+  """bing_bert's shape: train_batch_size 4096 of micro-batches of 64 on 8
+  devices; DeepSpeed derives 8 accumulation steps (was: refused)."""
+  cfg = ZeroConfig.from_deepspeed(_fixture("bert_pretraining_batch.json"))
+  assert (cfg.accum_steps, cfg.train_batch_size, cfg.clip_norm) == (8, 4096,
+                                                                    1.0)
+  with pytest.raises(ValueError, match=r"optimizer.params.bias_correction="
+                     r"False is not mapped"):
+    deepspeed.optimizer(_fixture("bert_pretraining_batch.json"))
+  # the same rule, small: 32 = 2 x 2 x 8; the step takes 32 examples
+  small = ZeroConfig.from_deepspeed({"train_batch_size": 32,
+                                     "train_micro_batch_size_per_gpu": 2})
+  assert small.accum_steps == 2
+  model, params, loss_fn, batches = make_problem("mlp", batch=32, steps=1)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), config=small)
+  step = zerojax.train_step(loss_fn)
+  half = jax.tree_util.tree_map(lambda x: x[:16], batches[0])
+  with pytest.raises(ValueError, match=r"the batch has 16 examples, but the "
+                     r"DeepSpeed configuration's train_batch_size is 32"):
+    step(state, half)
+  _, metrics = step(state, batches[0])
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_megatron_shapes_and_deepspeeds_own_zeros():
+  """Megatron-DeepSpeed's shape: all three batch sizes (256 = 4 x 8 x 8);
+  reduce_bucket_size 0 (DeepSpeed: a collective per parameter; was
+  "chunk_size=0 must be positive") and gradient_clipping -1 (DeepSpeed
+  clips only above 0; was "clip_norm=...")."""
+  cfg = ZeroConfig.from_deepspeed(_fixture("megatron_gpt.json"))
+  assert _fields(cfg, ("stage", "accum_steps", "train_batch_size",
+                       "chunk_size", "clip_norm", "compute_dtype")) == {
+      "stage": 1, "accum_steps": 8, "train_batch_size": 256, "chunk_size": 1,
+      "clip_norm": None, "compute_dtype": np.dtype(jax.numpy.bfloat16)}
+  model, params, _, _ = make_problem("mlp")
+  state = zerojax.shard_shape(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), config=cfg)
+  # one leaf per chunk: a collective per parameter
+  assert len(state.layout.chunks) == len(jax.tree_util.tree_leaves(params))
+
+
+def test_string_values_are_read_as_deepspeed_reads_them():
+  """pydantic's reading: "false" is false (was: prefetch on), "4" is 4,
+  "True" is true, "5e8" is 5e8 (too large to bind the chunk search)."""
+  cfg = ZeroConfig.from_deepspeed(_fixture("string_values.json"))
+  assert _fields(cfg, ("stage", "prefetch", "accum_steps", "compute_dtype",
+                       "chunk_size", "train_batch_size")) == {
+      "stage": 2, "prefetch": False, "accum_steps": 4,
+      "compute_dtype": np.dtype(jax.numpy.bfloat16), "chunk_size": None,
+      "train_batch_size": 64}
+
+
+def test_param_offload_alone_keeps_the_optimizer_on_the_device():
+  """offload_param without offload_optimizer: DeepSpeed keeps the optimizer
+  state on the GPU (was: offloaded too). WarmupCosineLR with total =
+  warm-up: at the floor after the warm-up (was: NaN)."""
+  path = _fixture("param_offload_only.json")
+  cfg = ZeroConfig.from_deepspeed(path)
+  assert (cfg.offload_params, cfg.offload_optimizer) == (True, False)
+  tx = deepspeed.optimizer(path)
+  schedule = lambda t: 3e-4 * jax.numpy.where(t < 100, t / 100, 1e-4)
+  _updates_agree(tx, optax.adamw(schedule, 0.9, 0.95, 1e-8, weight_decay=0.1),
+                 [0, 50, 100, 101, 1000])
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"gradient_accumulation_steps": 2.5},
+     r"gradient_accumulation_steps=2.5 is not a whole number"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "nope"}},
+     r"zero_optimization.overlap_comm='nope' is not a boolean"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": True}},
+     r"zero_optimization.offload_optimizer=True must be a section"),
+    ({"pipeline": {"stages": 2}}, r"DeepSpeed key pipeline has no zerojax "
+     r"equivalent"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}},
+     r"zero_hpz_partition_size=3 does not divide the 8 devices"),
+    ({"communication_data_type": "fp8"},
+     r"communication_data_type='fp8': use one of"),
+    ({"fp16": {"enabled": True, "loss_scale": "big"}},
+     r"fp16.loss_scale='big' is not a number"),
+    ({"zero_optimization": {"stage": "three"}},
+     r"zero_optimization.stage='three' is not a ZeRO stage"),
+    ({"zero_optimization": {"stage": "auto"}},
+     r"left \"auto\" with nothing to fill them: zero_optimization.stage"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu",
+                                                  "ratio": 1.5}}},
+     r"offload_optimizer.ratio=1.5 is the share offloaded"),
+], ids=["fractional count", "boolean word", "section", "misplaced no-op",
+        "hpz", "dtype", "number", "stage", "auto stage", "ratio"])
+def test_each_front_door_error_names_the_key_and_its_value(config, match):
+  with pytest.raises(ValueError, match=match):
+    ZeroConfig.from_deepspeed(config)
+
+
+@pytest.mark.parametrize("scheduler,match", [
+    ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}},
+     r"scheduler.params.total_num_steps is missing"),
+    ({"type": "WarmupLR", "params": {"warmup_num_step": 10}},
+     r"scheduler.params.warmup_num_step are not parameters of WarmupLR"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "linaer"}},
+     r"scheduler.params.warmup_type='linaer': use one of 'log', 'linear'"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+     r"scheduler.params.warmup_num_steps=0 must be at least 1"),
+    ({"type": "WarmupLR", "params": {"last_batch_iteration": 10}},
+     r"last_batch_iteration=10: the schedule reads optax's update count"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}},
+     r"scheduler.params.total_num_steps \(pass total_steps=\)"),
+], ids=["decay without total", "misspelt key", "misspelt value", "no warm-up",
+        "resumed", "auto"])
+def test_scheduler_parameters_are_checked_as_strictly_as_the_optimizers(
+    scheduler, match):
+  with pytest.raises(ValueError, match=match):
+    deepspeed.optimizer({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                         "scheduler": scheduler})
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"betas": [0.9]}, r"optimizer.params.betas=\[0.9\] is two numbers"),
+    ({"lr": "fast"}, r"optimizer.params.lr='fast' is not a number"),
+    ({"adam_w_mode": "maybe"}, r"optimizer.params.adam_w_mode='maybe' is not "
+     r"a boolean"),
+    ({"lr": 1e-3, "foo": 1}, r"optimizer.params.foo of optimizer adam are not "
+     r"mapped"),
+], ids=["betas", "lr", "w mode", "unknown"])
+def test_optimizer_parameters_name_the_key(params, match):
+  with pytest.raises(ValueError, match=match):
+    deepspeed.optimizer({"optimizer": {"type": "Adam", "params": params}})
+
+
+def test_adamw_ignores_adam_w_mode_as_deepspeed_does():
+  params = {"w": np.linspace(-1, 1, 6, dtype=np.float32)}
+  for mode in (True, False, "false"):
+    tx = deepspeed.optimizer({"optimizer": {"type": "AdamW", "params": {
+        "lr": 0.01, "weight_decay": 0.1, "adam_w_mode": mode}}})
+    _updates_agree(tx, optax.adamw(0.01, weight_decay=0.1), [0, 3], params)
+
+
+def test_the_hpz_partition_is_checked_against_the_mesh():
+  cfg = ZeroConfig.from_deepspeed({"zero_optimization": {
+      "stage": 3, "zero_hpz_partition_size": 4}})
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.sgd(0.1))
+  mesh = lambda shape: jax.sharding.Mesh(
+      np.array(jax.devices()).reshape(shape), ("replica", "data"))
+  assert zerojax.shard_shape(plain, config=cfg, mesh=mesh((2, 4))).config.hpz
+  with pytest.raises(ValueError, match=r"zero_hpz_partition_size=4 is the "
+                     r"size of the mesh's 'data' axis .* which is 2 here"):
+    zerojax.shard_shape(plain, config=cfg, mesh=mesh((4, 2)))

@@ -145,6 +145,12 @@ class ZeroConfig:
   update_on: Optional[str] = None
   placement: str = "manual"
   device_budget: Union[None, int, float] = None
+  # what a DeepSpeed configuration states about the run, checked where the
+  # run shows it (`from_deepspeed`): the global batch one step takes (its
+  # train_batch_size), the data axis's size under hpZ (its
+  # zero_hpz_partition_size)
+  train_batch_size: Optional[int] = None
+  hpz_partition_size: Optional[int] = None
   prefetch: Optional[bool] = None
   skip_nonfinite: bool = False
   reshard_after_forward: bool = True
@@ -195,8 +201,10 @@ class ZeroConfig:
     or refused naming it (`zerojax.deepspeed`, `docs/deepspeed.md`). The
     `optimizer` and `scheduler` sections are
     `zerojax.deepspeed.optimizer(config)`'s."""
-    fields = deepspeed.config_fields(config, world_size=jax.device_count())
-    return cls.from_fields(**{**with_loss_scale(fields), **expand(options)})
+    given = expand(options)
+    fields = deepspeed.config_fields(config, world_size=jax.device_count(),
+                                     options=given)
+    return cls.from_fields(**{**with_loss_scale(fields), **given})
 
   def _set_fields(self, given: dict) -> None:
     """Sets every field (defaults for those not given), then checks them:
@@ -225,9 +233,10 @@ class ZeroConfig:
     for name, value in fields.items():
       object.__setattr__(self, name, value)
     for name in ("chunk_size", "min_chunk_size", "search_range",
-                 "search_interval", "accum_steps"):
-      groups.check_int(name, getattr(self, name),
-                       optional=name == "chunk_size")
+                 "search_interval", "accum_steps", "train_batch_size",
+                 "hpz_partition_size"):
+      groups.check_int(name, getattr(self, name), optional=name in (
+          "chunk_size", "train_batch_size", "hpz_partition_size"))
     self._check_joins()
     if self.frozen is not None and not callable(self.frozen):
       # A tree of bools is hashed as part of the static state: freeze it.

@@ -189,6 +189,15 @@ def config_and_mesh(stage, mesh, fields: dict) -> tuple:
       raise ValueError(f"mesh axes {mesh.axis_names} have no axis {axis!r}; "
                        f"pass axes=zerojax.Axes({name}=...) one of them or "
                        "build the mesh with that axis.")
+  partition = config.hpz_partition_size
+  if partition is not None and meshes.axes_size(mesh, config.axis_name) != (
+      partition):
+    raise ValueError(
+        f"the DeepSpeed configuration's zero_hpz_partition_size={partition} "
+        f"is the size of the mesh's {config.axis_name!r} axis (hpZ's "
+        f"partition), which is {meshes.axes_size(mesh, config.axis_name)} "
+        f"here: build the mesh with axes ('replica', {config.axis_name!r}) "
+        f"of sizes ({mesh.devices.size // partition}, {partition}).")
   if config.offload_optimizer or config.offload_params:
     offload.check_backend(mesh)
   return config, mesh
@@ -209,7 +218,12 @@ def _most_offload(config: ZeroConfig, mesh) -> ZeroConfig:
 def device_budget_bytes(config: ZeroConfig, mesh) -> int:
   """`config.device_budget` in bytes per device: itself, or its fraction of
   the first device's `memory_stats()["bytes_limit"]`."""
-  budget = config.device_budget
+  return budget_in_bytes(config.device_budget, mesh)
+
+
+def budget_in_bytes(budget, mesh) -> int:
+  """A device budget in bytes per device: itself, or (a float in (0, 1])
+  its fraction of the mesh's first device's `memory_stats()["bytes_limit"]`."""
   if isinstance(budget, (float, np.floating)) and budget <= 1.0:
     device = mesh.devices.flat[0]
     stats = device.memory_stats() or {}

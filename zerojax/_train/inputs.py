@@ -102,6 +102,14 @@ def shard_batch(state, batch, accum_steps: int = 1):
     raise ValueError("the batch is empty (leading size 0): a step on it "
                      "would average over no examples; skip it.")
   size = sizes.pop()
+  want = state.config.train_batch_size
+  if want is not None and size != want:
+    raise ValueError(
+        f"the batch has {size} examples, but the DeepSpeed configuration's "
+        f"train_batch_size is {want}: one zerojax step takes the whole batch "
+        "of one optimizer step (all its micro-batches, every device's), where "
+        "DeepSpeed's engine takes one micro-batch per call. Pass batches of "
+        f"{want}, or set train_batch_size to the batch you pass.")
   if size % per_step:
     raise ValueError(
         f"global batch {size} is not divisible by {devices} devices "

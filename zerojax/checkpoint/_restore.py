@@ -240,6 +240,9 @@ def _target_fields(saved: dict, stage: Optional[int],
     fields["stage"] = stage
   saved_placement = fields.get("placement", "manual")
   fields.update(config_fields)
+  if "hpz_partition_size" not in config_fields:
+    # a DeepSpeed configuration's check of the saving cluster's mesh
+    fields.pop("hpz_partition_size", None)
   if fields.get("replica_axis") is None and "hpz" not in config_fields:
     fields["hpz"] = False
   if saved_placement in ("auto", "planned"):
