@@ -129,3 +129,43 @@ def test_weighted_eval_is_the_global_ratio_and_bad_returns_are_named():
     zerojax.train_step(_masked_mean(model), weighted=True)(state, batches[0])
   with pytest.raises(TypeError, match=r"train_step\(weighted='yes'\)"):
     zerojax.train_step(_weighted(model), weighted="yes")
+
+
+def test_a_batch_of_negative_weight_is_a_skipped_step():
+  """Σ weight is the global batch's token count; a negative one has no
+  meaning, and the step skips it as it skips 0 (`metrics["skipped"]`, the
+  step count unchanged; docs: train_step)."""
+  model, params, batches = _problem()
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), stage=3)
+  step = zerojax.train_step(_weighted(model), weighted=True)
+  negative = {**batches[0], "mask": -batches[0]["mask"]}
+  state, m = step(state, negative)
+  assert bool(m["skipped"]) and float(m["weight"]) < 0
+  assert int(state.step) == 0
+
+
+def _fp16_run(loss_fn, weighted):
+  model, params, _, batches = make_problem("transformer", batch=128, steps=12)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)), stage=3,
+      precision="fp16")
+  step = zerojax.train_step(loss_fn(model), weighted=weighted)
+  skipped = 0
+  for b in batches:
+    state, m = step(state, {**b, "mask": np.ones(b["tokens"].shape,
+                                                 np.float32)})
+    skipped += int(m["skipped"])
+  return skipped, float(state.loss_scale.scale), float(m["loss"])
+
+
+@pytest.mark.slow
+def test_under_fp16_a_weighted_loss_scales_as_its_mean_does():
+  """128 tokens per device, 12 steps, the default dynamic scale (2**15):
+  the weighted loss and the same mean skip the same steps and end at the
+  same scale (was: 5 of 12 skipped and 1024, against 0 and 32768: the scale
+  multiplied the sum). [Note: a loss-scaled weighted loss]"""
+  weighted = _fp16_run(_weighted, True)
+  mean = _fp16_run(_masked_mean, False)
+  assert weighted[:2] == mean[:2], (weighted, mean)
+  np.testing.assert_allclose(weighted[2], mean[2], rtol=2e-2)

@@ -40,7 +40,8 @@ from zerojax.nn import _peruse as peruse
 from zerojax._options.config import batch_axes, manual_axes, shard_axes
 from zerojax._options.policy import Forward, Reduction, policy
 from zerojax._state.state import chunk_spec, state_shardings
-from zerojax._train.model_call import ModelCall, gather_modes
+from zerojax._train.model_call import (ModelCall, gather_modes,
+                                       weight_normalizer)
 
 
 def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
@@ -88,10 +89,13 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
     layerwise -= held
     modes.update(gather_modes(layout, pol, layerwise,
                               peruse.chunks(layout, cfg)))
+    # see [Note: a loss-scaled weighted loss]
+    renormalize = (lambda loss: weight_normalizer(loss[1])) if (
+        weighted and cfg.loss_scale is not None) else None
     grads, loss, aux, fields = _accumulate(
         jax.grad(functools.partial(forward, layerwise=layerwise), has_aux=True),
         diff, batch, dev_rng, fields, cfg.accum_steps, cfg.reduce_dtype,
-        batch_ax, jnp.sum if weighted else jnp.mean)
+        batch_ax, jnp.sum if weighted else jnp.mean, renormalize)
     quant = collectives.Wire.of(cfg).grads
     rows = [collectives.Wire.of(cfg, c).model for c in layout.chunks]
     if pol.reduction is Reduction.SCATTER_PER_STEP:
@@ -199,16 +203,26 @@ def taken_once(tree, scalar: list):
 
 
 def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
-                axis_name, combine=jnp.mean):
+                axis_name, combine=jnp.mean, renormalize=None):
   """`(summed gradients in reduce_dtype, loss, aux, fields)` over `k`
   micro-batches of this device's batch, in sequence: each reads the mutable
   `fields` the previous one wrote (`_agreed`). The micro-batches' losses
   are put together by `combine` (a weighted loss's sums and weights are
-  added); per-example aux values in batch order, scalars averaged."""
-  to_reduce = lambda g: tuple(x.astype(reduce_dtype) for x in g)
+  added); per-example aux values in batch order, scalars averaged. With
+  `renormalize` (of a micro-batch's loss), each micro-batch's gradient is
+  multiplied by it in the reduce dtype ([Note: a loss-scaled weighted
+  loss])."""
+  def to_reduce(g, loss):
+    g = tuple(x.astype(reduce_dtype) for x in g)
+    if renormalize is None:
+      return g
+    factor = renormalize(loss)
+    return tuple(x * factor.astype(reduce_dtype) for x in g)
+
   if k == 1:
     grads, (loss, aux, updates) = grad_fn(diff, batch, dev_rng, fields)
-    return to_reduce(grads), loss, aux, _agreed(fields, updates, axis_name)
+    return (to_reduce(grads, loss), loss, aux,
+            _agreed(fields, updates, axis_name))
   micro = jax.tree_util.tree_map(
       lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
 
@@ -217,7 +231,7 @@ def _accumulate(grad_fn, diff, batch, dev_rng, fields, k: int, reduce_dtype,
     i, micro_batch = xs
     micro_rng = jax.random.fold_in(dev_rng, i) if dev_rng is not None else None
     g, (loss, aux, updates) = grad_fn(diff, micro_batch, micro_rng, fields)
-    acc = jax.tree_util.tree_map(jnp.add, acc, to_reduce(g))
+    acc = jax.tree_util.tree_map(jnp.add, acc, to_reduce(g, loss))
     return (acc, _agreed(fields, updates, axis_name)), (loss, aux)
 
   zeros = tuple(jnp.zeros(np.shape(d), reduce_dtype) for d in diff)

@@ -114,6 +114,10 @@ class ModelCall:
     loss, aux = outputs.loss_and_aux(out, self.has_aux,
                                      outputs.batch_size(micro_batch),
                                      self.weighted)
+    if self.weighted and self.cfg.loss_scale is not None:
+      # see [Note: a loss-scaled weighted loss]
+      return loss[0] * (self.scale / weight_normalizer(loss[1])), (
+          loss, aux, updates)
     if self.weighted:
       return loss[0] * self.scale, (loss, aux, updates)
     loss = jnp.asarray(loss, jnp.float32)
@@ -346,3 +350,23 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict,
       shard, flat[prefix + (zero_nn.scale_key(i),)] = shard
     flat[prefix + (zero_nn.frozen_key(i),)] = shard
   return traverse_util.unflatten_dict(flat)
+
+
+# [Note: a loss-scaled weighted loss]
+# A weighted loss returns a sum over its micro-batch (`train_step(weighted=
+# True)`), which grows with the tokens in it. Under fp16 the loss scale
+# multiplies what is differentiated, so a scaled sum overflows the backward
+# where the scaled mean of the same tokens would not (128 tokens per device:
+# 5 of 12 steps skipped, the scale down at 1024, against none and 32768 for
+# the mean). So under a loss scale the sum is divided by its micro-batch's
+# weight before the backward (`weight_normalizer`), and each micro-batch's
+# gradient multiplied by it again, in the reduce dtype, before the gradients
+# are added (`grads._accumulate`): the backward sees the mean's magnitudes,
+# the step still divides Σ gradients of the sums by Σ weight. Without a loss
+# scale nothing changes (the same program, bit for bit).
+def weight_normalizer(weight) -> jax.Array:
+  """What a loss-scaled weighted micro-batch's sum is divided by before its
+  backward, and its gradient multiplied by after: its weight, 1 where that
+  is not positive. See [Note: a loss-scaled weighted loss]."""
+  weight = jnp.asarray(weight, jnp.float32)
+  return jnp.where(weight > 0, weight, 1.0)

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from zerojax._train import disk_stream
@@ -38,6 +40,8 @@ from zerojax._train.inputs import (check_mutable, check_signature, check_state,
 from zerojax._options.policy import policy
 from zerojax._state.state import ZeroTrainState, state_shardings
 from zerojax._train.update import forward_reads_master, gather_updated, update
+
+_log = logging.getLogger("zerojax")
 
 
 def _global_norm(grads, layout, summed: bool) -> jax.Array:
@@ -170,6 +174,29 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
   return new_state, metrics
 
 
+def _batch_bytes(batch) -> int:
+  return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(batch))
+
+
+def _check_planned_batch(planned: dict, config, batch) -> None:
+  """stage="auto" chose `config` for its first batch's program: a larger
+  batch is a program the plan did not measure against the budget. Said
+  once per chosen config (`planned`: config -> (planned batch bytes,
+  budget), the budget set to None once said)."""
+  size, budget = planned[config]
+  if budget is None or _batch_bytes(batch) <= size:
+    return
+  _log.warning(
+      "zerojax: stage='auto' chose its configuration for the first batch "
+      "(%d bytes); this batch holds %d bytes, a program the plan did not "
+      "measure against device_budget=%r. If it runs out of memory, shard "
+      "again with stage='auto' and pass the largest batch first (or plan "
+      "it: zerojax.plan(state, loss_fn, largest_batch, device_budget=...)).",
+      size, _batch_bytes(batch), budget)
+  planned[config] = (size, None)
+
+
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
                mutable: tuple = (), donate: bool = True,
                weighted: bool = False) -> Callable:
@@ -216,8 +243,11 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       Σ sum / Σ weight over the whole global batch (every device, every
       micro-batch, every replica), its gradient that ratio's, as under
       `jax.jit` on the whole batch; `metrics["weight"]` is Σ weight. A
-      global batch of weight 0 is a skipped step (`metrics["skipped"]`,
-      nothing changed; its loss NaN).
+      global batch of weight 0 or below (a negative Σ weight has no meaning)
+      is a skipped step (`metrics["skipped"]`, nothing changed). Under an
+      fp16 loss scale the backward sees each micro-batch's sum divided by
+      its weight, as a mean's would be ([Note: a loss-scaled weighted
+      loss]).
 
   Parameters stored in a 16-bit dtype with no float32 master (bfloat16
   params, the default precision) are widened for the forward, their
@@ -253,6 +283,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   heard: dict = {}   # per held set, what its step's trace heard
   programs: dict = {}   # the disk tier's, per state structure
   choices: dict = {}    # `zerojax.nn._peruse`'s, per program: (held, why)
+  planned: dict = {}    # stage="auto"'s chosen config -> its batch's bytes
 
   @functools.lru_cache(maxsize=None)
   def jitted_holding(held: frozenset):
@@ -311,9 +342,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
                                        weighted=weighted)
     elif state.config.placement == "plan":
       from zerojax._plan import autoconfig   # it compiles steps too
+      budget = state.config.device_budget
       state = autoconfig.place_as_chosen(state, loss_fn, batch,
                                          has_aux=has_aux, mutable=mutable,
                                          weighted=weighted)
+      planned[state.config] = (_batch_bytes(batch), budget)
+    elif planned and state.config in planned:
+      _check_planned_batch(planned, state.config, batch)
     batch = prepare(state, batch)
     if state.config.disk:   # a running step only: `lower` needs no files
       disk_tier.check_files(state)
