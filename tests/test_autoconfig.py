@@ -137,6 +137,14 @@ def test_nothing_fits_names_the_least_candidate_and_the_shortfall():
      r"plan\(\) chooses offload itself"),
     ({"device_budget": 2 ** 30, "blocks": zerojax.Blocks(remat="dots")},
      ValueError, r"plan\(\) chooses blocks=Blocks\(remat='dots'\) itself"),
+    # a fraction, as shard takes it (was: read as 0 bytes)
+    ({"device_budget": 0.5}, ValueError, r"device_budget=0.5 is a fraction "
+     r"of device memory, but cpu devices report none"),
+    ({"device_budget": 2 ** 30, "host_budget": 0.5}, ValueError,
+     r"host_budget=0.5 reads as 0 bytes"),
+    ({"device_budget": 2 ** 30, "figures": {"flops": 1e12}}, ValueError,
+     r"plan\(figures=...\) has no figure\(s\) \['flops'\]; the figures are "
+     r"flops16, flops32"),
 ])
 def test_bad_plan_input(kwargs, error, match):
   plain, loss_fn, batch = _problem()
@@ -177,6 +185,26 @@ def test_stage_auto_chooses_at_the_first_step_and_trains_as_chosen_by_hand():
   jax.tree_util.tree_map(np.testing.assert_array_equal,
                          zerojax.gather_params(auto),
                          zerojax.gather_params(by_hand))
+
+
+@pytest.mark.slow
+def test_stage_auto_says_once_when_a_later_batch_is_larger_than_planned(
+    caplog):
+  """The plan measured the first batch's program: a larger batch later is
+  a program it never held against the budget, said once (was: no word)."""
+  plain, loss_fn, batch = _problem()
+  step = zerojax.train_step(loss_fn)
+  state = zerojax.shard(plain, stage="auto", device_budget=2 ** 40)
+  state, _ = step(state, batch)
+  half = jax.tree_util.tree_map(lambda x: x[:8], batch)
+  double = jax.tree_util.tree_map(lambda x: np.concatenate([x, x]), batch)
+  with caplog.at_level("WARNING", logger="zerojax"):
+    state, _ = step(state, half)
+    assert "did not measure" not in caplog.text
+    for _ in range(2):
+      state, _ = step(state, double)
+  assert caplog.text.count("the plan did not measure against "
+                           "device_budget=1099511627776") == 1
 
 
 @pytest.mark.parametrize("options,match", [

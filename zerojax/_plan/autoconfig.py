@@ -34,12 +34,13 @@ from zerojax._core import frozen
 from zerojax._core import opt_reshard
 from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
-from zerojax._plan.costmodel import Candidate, figures_for
+from zerojax._plan.costmodel import FIGURE_KEYS, Candidate, figures_for
 from zerojax._options.groups import plan_chosen
 from zerojax._plan.planner import offload_ladder, plan_offload
 from zerojax._plan.targets import GpuTarget
 from zerojax._state.build import place, plan_state
-from zerojax._state.shard import device_budget_bytes, shard_shape
+from zerojax._state.shard import (budget_in_bytes, device_budget_bytes,
+                                  shard_shape)
 from zerojax._state.state import ZeroTrainState, loaded_master
 from zerojax._plan import remembered
 
@@ -93,6 +94,9 @@ class Plan:
 
 
 def _budget(value, name: str) -> Optional[int]:
+  """A budget checked: bytes per device (a device budget may also be a
+  fraction in (0, 1] of the device's memory, converted once the mesh is
+  known)."""
   if value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -100,6 +104,9 @@ def _budget(value, name: str) -> Optional[int]:
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"{name}={value!r} must be a positive, finite number "
                      "of bytes per device.")
+  if name == "host_budget" and isinstance(value, float) and value <= 1:
+    raise ValueError(f"host_budget={value!r} reads as {int(value)} bytes: "
+                     "give the host budget in bytes per device.")
   return int(value)
 
 
@@ -164,7 +171,13 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
       device_budget = target.memory_bytes
   device = _budget(device_budget, "device_budget")
   if device is None:
-    raise TypeError("plan() needs device_budget= (bytes per device).")
+    raise TypeError("plan() needs device_budget= (bytes per device, or a "
+                    "fraction in (0, 1] of the device's memory).")
+  if figures is not None:
+    unknown = sorted(set(figures) - set(FIGURE_KEYS))
+    if unknown:
+      raise ValueError(f"plan(figures=...) has no figure(s) {unknown}; the "
+                       f"figures are {', '.join(FIGURE_KEYS)}.")
   host = _budget(host_budget, "host_budget")
   if not callable(loss_fn):
     raise TypeError(f"plan() takes the loss function, got {loss_fn!r}.")
@@ -182,6 +195,10 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   elif options or tx is not None or mesh is not None:
     raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
                     "config from it; pass only the budgets and options.")
+  if not isinstance(device_budget, numbers.Integral) and device_budget <= 1:
+    # a fraction, as shard(device_budget=) takes it: of the card's memory
+    device = (int(device_budget * target.memory_bytes) if target is not None
+              else budget_in_bytes(device_budget, state.mesh))
   used = ((str(target), {"schedule": dataclasses.asdict(target.figures())})
           if target is not None else
           figures_for(state.mesh.devices.flat[0].device_kind, figures))

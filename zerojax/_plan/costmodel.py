@@ -76,6 +76,9 @@ DEVICE_FIGURES = {
             "node_link": 1.5e9, "pcie": 2.7e9, "host_update": 2.7e9,
             "disk": 0.22e9},
 }
+FIGURE_KEYS = tuple(DEVICE_FIGURES["H100"])   # what figures= may set
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """One configuration the plan compiled. `fields`: its `ZeroConfig`
