@@ -94,3 +94,61 @@ def test_float16_parameters_with_adam_name_the_epsilon_and_the_fix():
                      r"gradient on float16 .*eps=1e-8 is 0 in float16.* "
                      r"precision='fp16'"):
     zerojax.shard(plain, stage=3)
+
+
+# ---- issue 61, items 13 and 14: each failed before its fix ----------------
+
+def test_gathering_lower_and_trace_name_a_missing_rng(mlp):
+  state, loss_fn, batches = mlp
+  step = zerojax.train_step(lambda p, b, rng: loss_fn(p, b))
+  for call, name in ((step.gathering, "gathering"), (step.lower, "lower"),
+                     (step.trace, "trace")):
+    with pytest.raises(TypeError, match=rf"step.{name}\(\): the function.* "
+                       r"cannot be called as fn\(params, batch\).*pass the "
+                       r"step an rng"):
+      call(state, batches[0])
+
+
+def test_an_nnx_model_indexed_as_a_parameter_dict_is_named():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  _, _, _, batches = make_problem("mlp")
+  state = zerojax.shard(Net(nnx.Rngs(0)), tx=TX, stage=3)
+  linen_style = lambda params, b: jnp.mean(
+      (params["dense"]["kernel"] @ b["x"].T) ** 2)
+  with pytest.raises(TypeError, match=r"indexed the NNX model as a parameter "
+                     r"dict .*'Net' object is not subscriptable.*takes the "
+                     r"model itself"):
+    zerojax.train_step(linen_style)(state, batches[0])
+
+
+def test_an_optimizer_whose_update_is_nan_is_named_as_such():
+  """`--lr nan` (examples/finetune_lora.py) was diagnosed as a transform
+  that "moves zero padding"."""
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(float("nan")))
+  with pytest.raises(ValueError, match=r"its update is not finite on the "
+                     r"ordinary parameter tree either.*learning rate"):
+    zerojax.shard(plain, stage=3)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: zerojax.DynamicLossScale(growth_factor=0.5),
+     r"growth_factor=0.5 must be above 1"),
+    (lambda: zerojax.DynamicLossScale(init_scale=1.0, min_scale=4.0),
+     r"min_scale=4.0 is above init_scale=1.0"),
+    (lambda: zerojax.Offload(optimizer=False, params=False),
+     r"Offload\(optimizer=False, params=False\) offloads nothing; use "
+     r"offload=None"),
+], ids=["growth", "min scale", "offload nothing"])
+def test_groups_that_do_nothing_or_shrink_the_scale_are_refused(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()

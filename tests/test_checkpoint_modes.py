@@ -182,3 +182,27 @@ def test_nnx_restores_bit_equal_and_into_a_larger_model(tmp_path):
   got = jax.tree_util.tree_map(np.asarray, zerojax.gather_params(grown))
   got.pop("head")
   _same(got, want[0])
+
+
+def test_restore_messages_name_what_came_from_the_checkpoint(tmp_path):
+  """An offloaded checkpoint restored at a stage that cannot hold its
+  offload names the checkpoint and offload=None (was: "offload needs stage
+  >= 1"); frozen=None of an int8 frozen checkpoint trains every leaf (was:
+  "drop frozen_dtype", a value the caller never passed)."""
+  _, directory = _trained(dict(stage=3, offload=zerojax.Offload(params=True)),
+                          ((8,), ("data",)), tmp_path)
+  plain, _, _ = _plain()
+  for stage in (0, 2):
+    with pytest.raises(ValueError, match=rf"the checkpoint was saved with "
+                       rf"Offload\(params=True\), which stage {stage} cannot "
+                       r"hold.*pass offload=None"):
+      zerojax.checkpoint.restore(directory, like=plain, stage=stage)
+  back = zerojax.checkpoint.restore(directory, like=plain, stage=0,
+                                    offload=None)
+  assert back.config.stage == 0 and not back.config.offload_params
+  (tmp_path / "int8").mkdir()
+  _, frozen_dir = _trained(dict(stage=3, frozen=_freeze_first,
+                                frozen_dtype="int8"), ((8,), ("data",)),
+                           tmp_path / "int8")
+  thawed = zerojax.checkpoint.restore(frozen_dir, like=plain, frozen=None)
+  assert thawed.config.frozen is None and thawed.config.frozen_dtype is None

@@ -207,7 +207,7 @@ def test_probes_run_eagerly_a_few_runs_of_the_update(monkeypatch, kind,
     return compile(lowered, *args, **kwargs)
 
   monkeypatch.setattr(jax.stages.Lowered, "compile", counting_compile)
-  config = zerojax.ZeroConfig(stage=3, offload=zerojax.Offload(optimizer=offload))
+  config = zerojax.ZeroConfig(stage=3, offload="host" if offload else None)
   zerojax._state.build.check_tx(tx, params, config)
   steps = zerojax._core.optim._PROBE_STEPS
   assert not compiled, "a probe compiled a program"

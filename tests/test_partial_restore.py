@@ -99,3 +99,16 @@ def test_a_shared_leaf_of_another_shape_or_dtype_is_named(pretrained):
     zerojax.checkpoint.restore(directory, like=half)
   state = zerojax.checkpoint.restore(directory, like=half, cast=True)
   assert zerojax.gather_params(state)[name]["kernel"].dtype == jnp.bfloat16
+
+
+def test_a_tree_sharing_nothing_is_named_before_partial_is_suggested(
+    pretrained):
+  """"pass partial=True" was suggested where partial=True then failed."""
+  model, _, _, _, directory, _ = pretrained
+  other = train_state.TrainState.create(
+      apply_fn=model.apply, params={"head": {"w": jnp.ones((3, 3))}},
+      tx=optax.sgd(0.1))
+  for partial in (False, True):
+    with pytest.raises(ValueError, match=r"shares no parameter with `like`.*"
+                       r"is it the checkpoint of this model"):
+      zerojax.checkpoint.restore(directory, like=other, partial=partial)

@@ -320,6 +320,12 @@ def _compare(layout, reference, chunked) -> Optional[str]:
   """`reference`: per step, the tree's update leaves; `chunked`: per step,
   the update chunks; numpy arrays."""
   for want, out_chunks in zip(reference, chunked):
+    # (float16 leaves: `_FLOAT16`'s reason below names the cause)
+    if not all(np.all(np.isfinite(np.asarray(w, np.float32))) for w in want
+               if np.asarray(w).dtype != np.float16):
+      return ("its update is not finite on the ordinary parameter tree "
+              "either (nan or inf, before any chunking): check its learning "
+              "rate and other hyperparameters")
     for c, chunk in enumerate(layout.chunks):
       pad = out_chunks[c][..., chunk.used:]
       if chunk.padding and np.any(pad):

@@ -68,7 +68,7 @@ def expand(options: dict) -> dict:
   for name, make in GROUPS.items():
     if name in options:
       group = make(options[name])
-      fields.update(Offload(optimizer=False).fields() if group is None
+      fields.update(Offload.nothing_fields() if group is None
                     else group.fields())
   return fields
 

@@ -101,6 +101,13 @@ class DynamicLossScale:
     if not 0 < self.backoff < 1:
       raise ValueError(f"DynamicLossScale.backoff={self.backoff!r} must be "
                        "in (0, 1).")
+    if not self.growth_factor > 1:
+      raise ValueError(f"DynamicLossScale.growth_factor={self.growth_factor!r} "
+                       "must be above 1: the scale grows after "
+                       "growth_interval finite steps (backoff lowers it).")
+    if not self.min_scale <= self.init_scale:
+      raise ValueError(f"DynamicLossScale.min_scale={self.min_scale!r} is "
+                       f"above init_scale={self.init_scale!r}.")
     if not (isinstance(self.growth_interval, int) and self.growth_interval > 0):
       raise ValueError(f"DynamicLossScale.growth_interval="
                        f"{self.growth_interval!r} must be a positive int.")
@@ -277,6 +284,10 @@ class Offload:
       raise ValueError(f"Offload.update_on={self.update_on!r} is not a place; "
                        "use 'device' or 'host'.")
     disk = self.tier == "disk"
+    if self.tier == "host" and not self.optimizer and not self.params:
+      raise ValueError("Offload(optimizer=False, params=False) offloads "
+                       "nothing; use offload=None (nothing offloaded), or "
+                       "set optimizer= or params= True.")
     if disk and self.update_on == "device":
       raise ValueError("Offload('disk') updates each chunk on the host as it "
                        "streams from its files; drop update_on='device'.")
@@ -316,6 +327,13 @@ class Offload:
         update_on=self.update_on, offload_dir=self.dir,
         sub_group_size=self.sub_group_size,
         placement="auto" if self.tier == "auto" else "manual")
+
+  @staticmethod
+  def nothing_fields() -> dict:
+    """The offload fields of `offload=None`: nothing offloaded."""
+    return dict(offload_optimizer=False, offload_params=False,
+                offload_fraction=1.0, update_on="device", offload_dir=None,
+                sub_group_size=None, placement="manual")
 
   @classmethod
   def from_fields(cls, f: dict) -> Optional["Offload"]:

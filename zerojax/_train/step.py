@@ -331,10 +331,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
           "checkpoint.save to keep a state to go back to.")
     return shard_batch(state, batch, state.config.accum_steps)
 
-  def step(state, batch, rng=None):
-    check_state(state, "step()", mutable)
+  def checked(state, rng, caller: str) -> None:
+    check_state(state, caller, mutable)
     check_signature(loss_fn, rng is not None,
-                    state.frontend.keywords(mutable), "step()")
+                    state.frontend.keywords(mutable), caller)
+
+  def step(state, batch, rng=None):
+    checked(state, rng, "step()")
     if state.config.placement == "auto":
       from zerojax._plan import planner   # it compiles steps: imports this module
       state = planner.place_as_planned(state, loss_fn, batch,
@@ -359,12 +362,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return out
 
   def lower(state, batch, rng=None):
+    checked(state, rng, "step.lower()")
     batch = prepare(state, batch)
     return jitted(state, batch, rng).lower(state, batch, rng)
 
   def trace(state, batch, rng=None):
     # on CPU, memory-kind transfers lower to nothing: lower for "cuda" to
     # see them
+    checked(state, rng, "step.trace()")
     batch = prepare(state, batch)
     return jitted(state, batch, rng).trace(state, batch, rng)
 
@@ -373,6 +378,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   def gathering(state, batch, rng=None) -> dict:
     # a trace of its own, filling its own dict: the step's trace is cached
     # after its first call, and a cached trace runs no Python
+    checked(state, rng, "step.gathering()")
     modes, batch = {}, prepare(state, batch)
     held, why = chosen(state, batch, rng)
     jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,

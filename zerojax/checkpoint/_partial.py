@@ -67,14 +67,16 @@ def restore_into(values: dict, like, *, partial: bool, cast: bool,
   mine = by_path(like.params)
   new = sorted(set(mine) - set(values))
   dropped = sorted(set(values) - set(mine))
+  if not set(mine) & set(values):   # before suggesting partial=True
+    raise ValueError(f"{source} shares no parameter with `like` (its leaves: "
+                     f"{_few(sorted(values))}; like's: {_few(sorted(mine))}): "
+                     "is it the checkpoint of this model? (nothing was "
+                     "restored)")
   if dropped and not partial:
     raise ValueError(
         f"{source} has {len(dropped)} parameter(s) `like` lacks "
         f"({_few(dropped)}); pass partial=True to leave them out (nothing "
         "was restored).")
-  if not set(mine) & set(values):
-    raise ValueError(f"{source} shares no parameter with `like` (its leaves: "
-                     f"{_few(sorted(values))}; like's: {_few(sorted(mine))}).")
   for name in sorted(set(mine) & set(values)):
     have, want = values[name], mine[name]
     if tuple(np.shape(have)) != tuple(np.shape(want)):

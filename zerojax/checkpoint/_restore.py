@@ -239,7 +239,11 @@ def _target_fields(saved: dict, stage: Optional[int],
   if stage is not None:
     fields["stage"] = stage
   saved_placement = fields.get("placement", "manual")
+  _check_saved_offload(fields, config_fields)
   fields.update(config_fields)
+  if ("frozen" in config_fields and config_fields["frozen"] is None
+      and "frozen_dtype" not in config_fields):
+    fields["frozen_dtype"] = None   # nothing frozen: nothing stored in int8
   if "hpz_partition_size" not in config_fields:
     # a DeepSpeed configuration's check of the saving cluster's mesh
     fields.pop("hpz_partition_size", None)
@@ -265,6 +269,27 @@ def _target_fields(saved: dict, stage: Optional[int],
       if name not in config_fields:
         fields.pop(name, None)
   return fields
+
+
+def _check_saved_offload(fields: dict, config_fields: dict) -> None:
+  """A saved offload the target stage cannot hold, the caller not having
+  set one: refused naming where it came from (the checkpoint) and the fix
+  (offload=None), rather than the config's own "offload needs stage >=
+  1"."""
+  if "offload_optimizer" in config_fields or fields.get(
+      "placement", "manual") != "manual":
+    return
+  stage = fields.get("stage", 3)
+  saved = ("Offload(params=True)" if fields.get("offload_params") and stage != 3
+           else "its offload" if stage == 0 and (
+               fields.get("offload_optimizer") or fields.get("offload_params"))
+           else None)
+  if saved is not None:
+    raise ValueError(
+        f"the checkpoint was saved with {saved}, which stage {stage} cannot "
+        "hold (offloaded parameters need stage 3; stage 0 offloads nothing); "
+        "pass offload=None to restore without offload (or another "
+        "offload=, or another stage).")
 
 
 def _model_dims(like, abstract, meta, config, mesh) -> Optional[tuple]:

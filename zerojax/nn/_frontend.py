@@ -170,7 +170,17 @@ class Nnx:
       _, config = zero_nn.active_layout()
       model = self.module(params, nnx_state,
                           jax.lax.axis_index(batch_axes(config)))
-      return finish(fn(model, batch, *rng), model, nnx_state)
+      try:
+        out = fn(model, batch, *rng)
+      except TypeError as e:
+        if f"'{type(model).__name__}' object is not subscriptable" in str(e):
+          raise TypeError(
+              f"{caller}: the function indexed the NNX model as a parameter "
+              f"dict ({e}); with an NNX model it takes the model itself, "
+              "fn(model, batch[, rng]), and calls it (model(batch['x'])).",
+          ) from e
+        raise
+      return finish(out, model, nnx_state)
 
     return linen_fn, (NNX_FIELD,)
 
