@@ -99,6 +99,8 @@ def test_every_mode_restores_bit_equal_and_keeps_its_config(mode, tmp_path):
   options, saved_mesh, other_mesh = MODES[mode]
   state, directory = _trained(options, saved_mesh, tmp_path)
   want = _exported(state)
+  # the directory exports without a mesh (zero_to_fp32), bit-equal too
+  _same(zerojax.checkpoint.export_params(directory), want[0])
   plain, _, _ = _plain()
   same = zerojax.checkpoint.restore(directory, like=plain,
                                     mesh=_mesh(*saved_mesh))
