@@ -118,3 +118,25 @@ def test_two_nodes_hybrid_sharding_equals_one_process(tmp_path):
   for k in keys:
     np.testing.assert_allclose(got[f"params/{k}"], want[k], rtol=1e-5,
                                atol=1e-7, err_msg=k)
+
+
+def test_each_process_loads_only_its_own_rows(tmp_path):
+  """[Note: process-local batches]: each process passes its half of every
+  batch; the run equals the same batches given as global jax.Arrays bit for
+  bit (both through gloo), and the single-process run within gloo's ulps. A
+  local batch that does not divide over the process's devices is refused
+  naming both sizes; the global batch passed on every process is said once."""
+  got = _run_workers(tmp_path, "local")
+  np.testing.assert_array_equal(got["by_slice"], got["by_array"])
+  sliced = sorted(k for k in got if k.startswith("sliced/"))
+  assert sliced
+  for k in sliced:
+    np.testing.assert_array_equal(got[k], got["array/" + k.split("/", 1)[1]],
+                                  err_msg=k)
+  plain, loss_fn, batches = problem()
+  _, losses = zero_run(zerojax.shard(plain, stage=3, chunk_size=CHUNK),
+                       loss_fn, batches[:SPLIT])
+  np.testing.assert_allclose(got["by_slice"], losses, rtol=1e-5)
+  assert "the process-local batch has 5 examples" in str(got["wrong"])
+  assert "multiple of 4 rows" in str(got["wrong"])
+  assert int(got["same"]) == 1

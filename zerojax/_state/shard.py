@@ -5,6 +5,7 @@ fields), the configuration and mesh resolved (`config_and_mesh`), then a
 layout planned and placed by `zerojax._state.build`."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import jax
@@ -23,6 +24,9 @@ from zerojax._options.groups import plan_chosen
 from zerojax._state.build import place, plan_state
 from zerojax._state.state import (TRAIN_STATE_FIELDS, ZeroTrainState,
                                   extra_fields)
+
+_log = logging.getLogger("zerojax")
+
 
 def _front_door(stage, config, strategy, options: dict) -> tuple:
   """`(stage, config fields)` of `shard`'s arguments: a whole `config=`
@@ -171,6 +175,9 @@ def _check_train_state(state, stage, mesh, fields) -> tuple:
   return (config, mesh) + extra_fields(state)
 
 
+_SAID_ONE_DEVICE: list = []   # the one-device warning, once per process
+
+
 def config_and_mesh(stage, mesh, fields: dict) -> tuple:
   """`(ZeroConfig, mesh)` of the stage, mesh and config fields (`expand`ed
   from the options a user passed to `shard`, `create` or
@@ -200,6 +207,12 @@ def config_and_mesh(stage, mesh, fields: dict) -> tuple:
         f"of sizes ({mesh.devices.size // partition}, {partition}).")
   if config.offload_optimizer or config.offload_params:
     offload.check_backend(mesh)
+  if mesh.devices.size == 1 and config.stage > 0 and not _SAID_ONE_DEVICE:
+    _SAID_ONE_DEVICE.append(True)
+    _log.warning(
+        "zerojax: ZeRO-%d over 1 device: nothing is sharded. On a CPU machine "
+        "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before the "
+        "first `import jax` for 8 simulated devices.", config.stage)
   return config, mesh
 
 

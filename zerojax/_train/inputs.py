@@ -3,7 +3,9 @@ state (`check_state`), the `mutable` fields, the user's function's
 signature, and the batch, split over the batch axes (`shard_batch`)."""
 from __future__ import annotations
 
+import hashlib
 import inspect
+import logging
 from typing import Callable
 
 import jax
@@ -12,6 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._options.config import batch_axes
 from zerojax._state.state import ZeroTrainState, check_live
+
+_log = logging.getLogger("zerojax")
 
 
 def check_state(state, caller: str, mutable: tuple = ()) -> None:
@@ -102,6 +106,9 @@ def shard_batch(state, batch, accum_steps: int = 1):
     raise ValueError("the batch is empty (leading size 0): a step on it "
                      "would average over no examples; skip it.")
   size = sizes.pop()
+  sharding = NamedSharding(state.mesh, P(batch_axes(state.config)))
+  if _process_local(leaves):
+    size, batch = _assembled(state, batch, size, sharding, accum_steps)
   want = state.config.train_batch_size
   if want is not None and size != want:
     raise ValueError(
@@ -115,8 +122,80 @@ def shard_batch(state, batch, accum_steps: int = 1):
         f"global batch {size} is not divisible by {devices} devices "
         f"x accum_steps {accum_steps} = {per_step}; use a multiple of "
         f"{per_step}.")
-  sharding = NamedSharding(state.mesh, P(batch_axes(state.config)))
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-      if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding),
+      if isinstance(x, jax.ShapeDtypeStruct) else _placed(x, sharding),
       batch)
+
+
+def _placed(x, sharding):
+  """`x` on the batch sharding: a `jax.Array` already laid out so, as it
+  is; anything else put there."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                              x.ndim):
+    return x
+  return jax.device_put(x, sharding)
+
+
+# [Note: process-local batches]
+# With several processes (`jax.process_count() > 1`) a batch of host arrays
+# is this process's own slice of the global batch, as jax's, MaxText's and
+# levanter's loaders produce it: the rows its devices hold along the batch
+# axes, in device order (`jax.make_array_from_process_local_data`). The
+# global batch is the processes' slices together: with jax's default device
+# order, process p's rows are [p B/P, (p+1) B/P). Each device's rows are then
+# cut into `accum_steps` micro-batches, and on a replica x data mesh the
+# batch runs over both axes, replica outer. A global `jax.Array` is taken as
+# it is. The first such batch is compared across the processes: if every
+# process passed the same rows (the global batch, on each), that is said
+# once, since the step would train on P copies of it.
+_LOCAL_CHECKED: list = []
+
+
+def _process_local(leaves) -> bool:
+  return jax.process_count() > 1 and any(
+      not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for _, x in leaves)
+
+
+def _assembled(state, batch, local: int, sharding, accum_steps: int) -> tuple:
+  """`(global batch size, the global batch)` of this process's slice
+  `batch` of `local` rows ([Note: process-local batches])."""
+  shards = state.num_batch_shards
+  starts = {idx[0].indices(shards)[0] for idx in
+            sharding.addressable_devices_indices_map((shards,)).values()}
+  mine = len(starts)   # the batch shards this process's devices hold
+  if local % (mine * accum_steps):
+    raise ValueError(
+        f"the process-local batch has {local} examples, but this process's "
+        f"devices hold {mine} of the {shards} batch shards, each cut into "
+        f"accum_steps={accum_steps} micro-batches: pass each process a "
+        f"multiple of {mine * accum_steps} rows (its own slice; the global "
+        f"batch is the {jax.process_count()} processes' slices together, "
+        f"{local * shards // mine} examples here).")
+  size = local * shards // mine
+  if not _LOCAL_CHECKED:
+    _LOCAL_CHECKED.append(True)
+    _say_if_same_everywhere(batch)
+  out = jax.tree_util.tree_map(
+      lambda x: x if isinstance(x, jax.Array) else
+      jax.make_array_from_process_local_data(
+          sharding, np.asarray(x), (size,) + np.shape(x)[1:]), batch)
+  return size, out
+
+
+def _say_if_same_everywhere(batch) -> None:
+  from jax.experimental import multihost_utils
+  digest = hashlib.blake2b(digest_size=8)
+  for x in jax.tree_util.tree_leaves(batch):
+    if not isinstance(x, jax.Array):
+      digest.update(np.ascontiguousarray(x).tobytes())
+  mine = np.frombuffer(digest.digest(), np.int64)
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  if np.all(every == every[0]):
+    _log.warning(
+        "zerojax: every one of the %d processes passed the same batch rows. "
+        "With several processes a step takes each process's own slice of "
+        "the global batch (the global batch is their slices together); pass "
+        "each process its own rows, or a global jax.Array "
+        "([Note: process-local batches], docs/multinode.md).",
+        jax.process_count())
