@@ -225,7 +225,7 @@ def test_config_and_strategy_entry_errors():
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"strategy='ddp' is not one of "
-                     r"Lightning's DeepSpeed strategies"):
+                     r"Lightning's or accelerate's strategy names .*fsdp"):
     zerojax.shard_shape(plain, strategy="ddp")
   with pytest.raises(TypeError, match="config= or strategy=, not both"):
     zerojax.shard_shape(plain, config=ZeroConfig(), strategy="deepspeed")
@@ -489,3 +489,53 @@ def test_the_hpz_partition_is_checked_against_the_mesh():
   with pytest.raises(ValueError, match=r"zero_hpz_partition_size=4 is the "
                      r"size of the mesh's 'data' axis .* which is 2 here"):
     zerojax.shard_shape(plain, config=cfg, mesh=mesh((4, 2)))
+
+
+@pytest.mark.parametrize("name,fields", [
+    ("fsdp", dict(stage=3, replica_axis=None, offload_params=False)),
+    ("fsdp_full_shard", dict(stage=3, replica_axis=None)),
+    ("fsdp_shard_grad_op", dict(stage=2, replica_axis=None)),
+    ("fsdp_cpu_offload", dict(stage=3, offload_optimizer=True,
+                              offload_params=True)),
+])
+def test_fsdp_strategy_names_are_their_zero_stages(name, fields):
+  """Lightning's and accelerate's FSDP names (was: refused)."""
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(0.1))
+  state = zerojax.shard_shape(plain, strategy=name)
+  assert _fields(state.config, fields) == fields
+
+
+def test_hybrid_shard_is_hsdp_on_a_replica_mesh():
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(0.1))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4),
+                           ("replica", "data"))
+  state = zerojax.shard_shape(plain, strategy="hybrid_shard", mesh=mesh)
+  assert (state.config.stage, state.config.replica_axis,
+          state.config.hpz) == (3, "replica", False)
+  with pytest.raises(ValueError, match=r"mesh axes \('data',\) have no axis "
+                     r"'replica'"):
+    zerojax.shard_shape(plain, strategy="hybrid_shard")
+
+
+@pytest.mark.parametrize("options,fields", [
+    (dict(precision="bf16-mixed"), dict(
+        compute_dtype=np.dtype(jax.numpy.bfloat16), loss_scale=None)),
+    (dict(precision="16-mixed"), dict(
+        compute_dtype=np.dtype("float16"),
+        loss_scale=zerojax.DynamicLossScale())),
+    (dict(precision="32-true"), dict(compute_dtype=np.dtype("float32"))),
+    (dict(offload="cpu"), dict(offload_optimizer=True, offload_params=False)),
+], ids=["bf16-mixed", "16-mixed", "32-true", "offload cpu"])
+def test_spellings_users_bring_from_lightning_and_deepspeed(options, fields):
+  cfg = ZeroConfig(stage=3, **options)
+  assert _fields(cfg, fields) == fields
+
+
+def test_true_16_bit_precision_names_where_zerojax_reads_it():
+  with pytest.raises(ValueError, match=r"precision='bf16-true'.*cast them to "
+                     r"bfloat16 .* precision='bf16-mixed'"):
+    ZeroConfig(stage=3, precision="bf16-true")

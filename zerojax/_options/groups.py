@@ -451,12 +451,14 @@ class Blocks:
 
 
 def offload(value) -> Optional[Offload]:
-  """`ZeroConfig(offload=...)`'s value as a group: None, "host", "auto", or
-  an `Offload`."""
+  """`ZeroConfig(offload=...)`'s value as a group: None, "host" (or
+  DeepSpeed's device name "cpu"), "auto", or an `Offload`."""
   if value is None or isinstance(value, Offload):
     return value
   if isinstance(value, str) and value in ("host", "auto"):
     return Offload(value)
+  if isinstance(value, str) and value == "cpu":   # DeepSpeed's device name
+    return Offload("host")
   if isinstance(value, str) and value == "disk":
     raise ValueError("offload='disk' needs its directory: "
                      "offload=zerojax.Offload('disk', dir=...).")
@@ -464,14 +466,31 @@ def offload(value) -> Optional[Offload]:
                    "zerojax.Offload(...) (Offload('disk', dir=...)).")
 
 
+# Lightning's `Trainer(precision=...)` names: its "-mixed" modes are
+# zerojax's (an fp32 master, the forward and backward in 16 bits, fp16 with
+# a dynamic loss scale)
+LIGHTNING_PRECISIONS = {"bf16-mixed": "bf16", "16-mixed": "fp16",
+                        "32-true": "fp32", "32": "fp32", "16": "fp16"}
+_TRUE_16 = ("bf16-true", "16-true")
+
+
 def precision(value) -> Precision:
   """`ZeroConfig(precision=...)`'s value: None (float32), a compute dtype
-  ("bf16", jnp.bfloat16), or a `Precision`."""
+  ("bf16", jnp.bfloat16), a Lightning name ("bf16-mixed",
+  `LIGHTNING_PRECISIONS`), or a `Precision`."""
   if value is None:
     return Precision()
   if isinstance(value, Precision):
     return value
-  return Precision(compute=value)
+  if isinstance(value, str) and value in _TRUE_16:
+    raise ValueError(
+        f"precision={value!r} (Lightning: parameters stored in 16 bits, no "
+        "fp32 master): zerojax reads that from the parameters themselves; "
+        "cast them to bfloat16 or float16 before zerojax.shard (it then keeps "
+        "no fp32 master) and leave precision out, or use "
+        f"precision={value.replace('true', 'mixed')!r} for an fp32 master.")
+  return Precision(compute=LIGHTNING_PRECISIONS.get(value, value)
+                   if isinstance(value, str) else value)
 
 
 def quantize(value) -> Quantize:

@@ -18,8 +18,8 @@ from zerojax.nn import _frontend as frontend
 from zerojax._core import meshes
 from zerojax._core import offload
 from zerojax._core import tensor_parallel
-from zerojax import deepspeed
-from zerojax._options.config import ZeroConfig, expand, with_loss_scale
+from zerojax._options.config import ZeroConfig, expand
+from zerojax._options import strategies
 from zerojax._options.groups import plan_chosen
 from zerojax._state.build import place, plan_state
 from zerojax._state.state import (TRAIN_STATE_FIELDS, ZeroTrainState,
@@ -44,11 +44,7 @@ def _front_door(stage, config, strategy, options: dict) -> tuple:
                       "ZeroConfig.from_deepspeed(ds_config)).")
     base = config.fields()
   elif strategy is not None:
-    if not isinstance(strategy, str):
-      raise TypeError(f"strategy={strategy!r} must be a Lightning strategy "
-                      f"name: {', '.join(deepspeed.STRATEGIES)}.")
-    base = with_loss_scale(deepspeed.config_fields(deepspeed.strategy(
-        strategy)))
+    base = strategies.fields(strategy)
   elif isinstance(stage, str) and stage == "auto":
     # laid out at stage 3 until the first step chooses (`zerojax.plan`)
     return 3, {**fields, "placement": "plan"}
@@ -92,8 +88,10 @@ def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
     optimizer: ...or an `nnx.Optimizer(model, tx, wrt=nnx.Param)`, whose
       state and step count are kept.
     config: a whole `ZeroConfig`, e.g. `ZeroConfig.from_deepspeed(ds)`.
-    strategy: or a Lightning DeepSpeed strategy name
-      (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`).
+    strategy: or a Lightning / accelerate strategy name: DeepSpeed's
+      (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`) or
+      FSDP's (`"fsdp"`, `"fsdp_shard_grad_op"`, `"hybrid_shard"`,
+      `zerojax._options.strategies.FSDP`).
     **options: `ZeroConfig`'s options (`offload="host"`,
       `precision="bf16"`, `accum_steps`, `clip_norm`, `frozen`, ...), over
       `config`'s or `strategy`'s.
