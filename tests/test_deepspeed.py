@@ -192,8 +192,8 @@ def test_adam_without_w_mode_is_l2_and_sgd_and_lion_map():
                    optax.sgd(0.1, 0.9, nesterov=True)))
   same({"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.1}},
        optax.lion(1e-4, weight_decay=0.1))
-  with pytest.raises(ValueError, match=r"'Lamb' is refused: LAMB reads whole "
-                     r"tensors"):
+  with pytest.raises(ValueError, match=r"'Lamb' is refused: DeepSpeed's Lamb "
+                     r"clamps its trust ratio"):
     deepspeed.optimizer({"optimizer": {"type": "Lamb"}})
 
 

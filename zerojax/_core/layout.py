@@ -45,6 +45,28 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+# [Note: shaped leaves]
+# An optax transformation that reads a tensor's shape (Adafactor's factored
+# moments, LAMB's and LARS's per-tensor trust ratios, Muon's Newton-Schulz
+# on each matrix) cannot run on flat chunk views. Its leaves are "shaped":
+# each alone in its chunk (its label `SHAPED + leaf index`, a class of its
+# own), stored and gathered as any chunk, but shown to optax in its own
+# shape (`views`: the chunk's first `size` elements reshaped), so that the
+# update is plain optax on the real tensor, sharded over the data axis: XLA
+# inserts the reductions the transform needs (the rows and columns of a
+# factored moment, a norm, a matmul's operands). Its statistics keep the
+# shapes optax gives them (`stat_view`, `stat_stored`), sharded on their
+# largest dim the devices divide (`state.state_shardings`). The optimizer
+# probes decide (`build.check_tx`) and say so once.
+SHAPED = 1 << 30
+
+
+def shaped_labels(labels: Sequence[int], chunked: Sequence[bool]) -> tuple:
+  """`labels` with each chunked leaf shaped ([Note: shaped leaves])."""
+  return tuple(SHAPED + i if c else label
+               for i, (label, c) in enumerate(zip(labels, chunked)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafInfo:
   """One leaf of the parameter tree.
@@ -122,6 +144,12 @@ class Chunk:
   def padding(self) -> int:
     """Padding elements (per layer when stacked)."""
     return self.length - self.used
+
+  @property
+  def shaped(self) -> bool:
+    """Its one leaf is shown to optax in its own shape ([Note: shaped
+    leaves])."""
+    return self.label >= SHAPED
 
 
 def _check_model_dim(path: str, shape: tuple, dim, model_shards: int,
@@ -254,6 +282,12 @@ class ChunkLayout:
             "real leaves (real and imaginary parts), or freeze it "
             "(frozen=...) to keep it as it is.")
       chunked = (train and jnp.issubdtype(dtype, jnp.floating) and info.size > 0)
+      if chunked and label >= SHAPED and dim is not None:
+        raise ValueError(
+            f"parameter {info.path} is split over the model axis (tensor "
+            "parallelism), and the optimizer reads whole tensors ([Note: "
+            "shaped leaves]): the two do not combine yet; train without a "
+            "model axis, or use an element-wise optimizer.")
       unit = (None if stack is not None else
               next((u for u in units if unit_depth(names, u)), None))
       infos.append(info)
@@ -515,6 +549,8 @@ class ChunkLayout:
     original rank), all elements on the last axis.
     """
     chunk = self.chunks[c]
+    if chunk.shaped:
+      return self.leaves[chunk.leaves[0]].shape
     rank = self.leaves[self.representative(c)].ndim
     lead = (chunk.layers,) if chunk.layers else ()
     rank -= len(lead)
@@ -542,7 +578,8 @@ class ChunkLayout:
     for i, info in enumerate(self.leaves):
       if i in reps:
         c = reps[i]
-        out.append(jnp.reshape(chunks[c], self.view_shape(c)))
+        out.append(self._shaped_view(c, chunks[c]) if self.chunks[c].shaped
+                   else jnp.reshape(chunks[c], self.view_shape(c)))
       elif compact:
         out.append(None)
       else:  # one (immutable) empty array per rank and dtype, shared
@@ -557,6 +594,34 @@ class ChunkLayout:
     """Inverse of `views`: the chunk arrays held by the representatives
     (None for chunks outside `only`)."""
     leaves = self._leaves_of(tree)
-    return tuple(jnp.reshape(leaves[self.representative(c)], chunk.shape)
-                 if only is None or c in only else None
+    return tuple(None if only is not None and c not in only else
+                 self._shaped_chunk(c, leaves[self.representative(c)])
+                 if chunk.shaped else
+                 jnp.reshape(leaves[self.representative(c)], chunk.shape)
                  for c, chunk in enumerate(self.chunks))
+
+  def _shaped_view(self, c: int, x):
+    """A shaped chunk's leaf in its own shape ([Note: shaped leaves])."""
+    info = self.leaves[self.chunks[c].leaves[0]]
+    if self.chunks[c].padding:
+      x = x[..., :info.size]
+    return jnp.reshape(x, info.shape)
+
+  def _shaped_chunk(self, c: int, x):
+    """Inverse of `_shaped_view`: the chunk, its padding zero."""
+    chunk = self.chunks[c]
+    lead = (chunk.layers,) if chunk.layers else ()
+    x = jnp.reshape(x, lead + (chunk.used,))
+    if chunk.padding:
+      x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, chunk.padding)])
+    return x
+
+  def stat_view(self, c: int, x):
+    """Chunk `c`'s optimizer statistic `x` (as stored) as optax sees it:
+    the view's shape, or a shaped chunk's own ([Note: shaped leaves])."""
+    return x if self.chunks[c].shaped else jnp.reshape(x, self.view_shape(c))
+
+  def stat_stored(self, c: int, x):
+    """Inverse of `stat_view`: in the chunk's shape, a shaped chunk's as
+    optax gave it."""
+    return x if self.chunks[c].shaped else jnp.reshape(x, self.chunks[c].shape)

@@ -4,8 +4,9 @@ form is split over it (`leaf_spec`)."""
 from __future__ import annotations
 
 import functools
-import math
 import logging
+import math
+from typing import Optional
 
 import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
@@ -47,6 +48,16 @@ def _say_auto_copy(mesh: Mesh) -> None:
       "it with Auto axes: jax.make_mesh(shape, names, axis_types=(AxisType."
       "Auto,) * len(names)).", mesh.axis_names,
       tuple(str(t) for t in mesh.axis_types))
+
+
+def rows_spec(shape, n, axis_name) -> Optional[P]:
+  """A shaped leaf's (or its same-shaped statistic's) sharding: on its first
+  axis where the devices divide it, the rows its flat chunk shards already
+  hold (a reshape with no communication); else None ([Note: shaped
+  leaves])."""
+  if len(shape) and shape[0] % n == 0:
+    return P(axis_name, *([None] * (len(shape) - 1)))
+  return None
 
 
 def leaf_spec(shape, n, axis_name) -> P:

@@ -29,6 +29,10 @@ def opt_to_views(layout: ChunkLayout, opt_state: Any, view_state: Any,
   out, jobs, at, zeros = [], [], [], {}
   for j, (c, i, view, sharding) in enumerate(
       zip(table.chunk, table.leaf, views, places)):
+    if c is not None and layout.chunks[c].shaped:
+      # the tree's own statistic ([Note: shaped leaves])
+      out.append(reshard.copy(flat[j], sharding))
+      continue
     if c is None:
       # counts and scalars as they are; a chunk's other leaves (their
       # statistics are in the chunk's) and empty views zero, made on the
@@ -62,7 +66,12 @@ def opt_to_tree(layout: ChunkLayout, view_state: Any, tree_state: Any,
   targets, treedef = jax.tree_util.tree_flatten(tree_state)
   out = [None] * len(targets)
   for j, (c, i) in enumerate(zip(table.chunk, table.leaf)):
-    if c is not None:
+    if c is not None and layout.chunks[c].shaped:
+      # the tree's own statistic ([Note: shaped leaves])
+      mesh = views[j].sharding.mesh
+      out[j] = reshard.copy(views[j], NamedSharding(mesh, meshes.leaf_spec(
+          targets[j].shape, meshes.axes_size(mesh, axis_name), axis_name)))
+    elif c is not None:
       members = table.members[j]
       for k, leaf in zip(members, reshard.leaves_from_chunk(
           layout, c, views[j], axis_name, [targets[k].dtype for k in members])):

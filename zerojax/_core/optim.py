@@ -210,7 +210,7 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
   return tuple(labels)
 
 
-def _transform_name(tx) -> str:
+def transform_name(tx) -> str:
   fn = getattr(tx, "update", None)
   name = getattr(fn, "__qualname__", type(tx).__name__)
   return name.split(".<locals>")[0]
@@ -322,10 +322,9 @@ def _compare(layout, reference, chunked) -> Optional[str]:
   for want, out_chunks in zip(reference, chunked):
     # (float16 leaves: `_FLOAT16`'s reason below names the cause)
     if not all(np.all(np.isfinite(np.asarray(w, np.float32))) for w in want
-               if np.asarray(w).dtype != np.float16):
-      return ("its update is not finite on the ordinary parameter tree "
-              "either (nan or inf, before any chunking): check its learning "
-              "rate and other hyperparameters")
+               if np.issubdtype(np.asarray(w).dtype, np.floating)
+               and np.asarray(w).dtype != np.float16):
+      return _NOT_FINITE
     for c, chunk in enumerate(layout.chunks):
       pad = out_chunks[c][..., chunk.used:]
       if chunk.padding and np.any(pad):
@@ -343,22 +342,47 @@ def _compare(layout, reference, chunked) -> Optional[str]:
 
 
 _FLOAT16 = "float16"   # `_compare`'s reason: a zero's update is not finite
+_NOT_FINITE = ("its update is not finite on the ordinary parameter tree "
+               "either (nan or inf, before any chunking): check its learning "
+               "rate and other hyperparameters")
 
 
-def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
-  """Raises ValueError naming the part of `tx` that cannot run on chunks."""
+def per_tensor_reason(tx, abstract_params, trainable) -> Optional[str]:
+  """Why `tx`'s state on the real tree is not per element: a statistic at a
+  trained leaf's path in another shape than the leaf's (factored moments
+  start at 128-wide axes, which the probes' few-element surrogate never
+  reaches), or None. From `jax.eval_shape(tx.init, ...)` only."""
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  paths = sorted(((jax.tree_util.keystr(p), np.shape(x)) for (p, x), t in
+                  zip(leaves, trainable) if t and _is_float(x) and np.size(x)),
+                 key=lambda t: -len(t[0]))
+  try:
+    state = jax.eval_shape(tx.init, abstract_params)
+  except Exception:  # noqa: BLE001 - the probes name the failure
+    return None
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    key = jax.tree_util.keystr(path)
+    owner = next((t for t in paths if key.endswith(t[0])), None)
+    if owner is not None and np.size(x) and np.shape(x) != owner[1]:
+      return (f"its state {key} has shape {np.shape(x)} for a parameter of "
+              f"shape {owner[1]}: per-tensor statistics (e.g. factored "
+              "moments)")
+  return None
+
+
+def shape_reason(tx, abstract_params, trainable, labels, stacked=()
+                 ) -> Optional[str]:
+  """Why `tx` cannot run on flat chunk views, where shaped leaves would run
+  it ([Note: shaped leaves]): it reads whole tensors, fails on views or
+  moves zero padding; None where it runs on chunks, or where shaped leaves
+  would not help (a float16 zero's update, an update not finite on the
+  tree itself: `check_elementwise` refuses those)."""
   why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
-  if why is None:
-    return
-  if why == _FLOAT16:
-    raise ValueError(
-        f"optax transformation {_transform_name(tx)!r} computes a non-finite "
-        "update for a zero gradient on float16 parameters (an epsilon such "
-        "as adam's eps=1e-8 is 0 in float16, so 0/0): it would turn "
-        "parameters to NaN wherever a gradient is zero. Keep the parameters "
-        "in float32 and compute in float16 (zerojax.shard(..., "
-        "precision='fp16'): the update then runs on the float32 "
-        "master).")
+  return None if why in (None, _FLOAT16, _NOT_FINITE) else why
+
+
+def _culprit(tx, why, abstract_params, trainable, labels, stacked) -> tuple:
+  """`(the innermost part of tx that cannot run on chunks, why)`."""
   culprit, reason = tx, why
   while True:
     for inner in _inner_transforms(culprit):
@@ -368,9 +392,35 @@ def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> Non
         culprit, reason = inner, inner_why
         break
     else:
-      break
+      return culprit, reason
+
+
+def culprit(tx, abstract_params, trainable, labels, stacked=()) -> str:
+  """The name of the innermost part of `tx` that cannot run on flat chunk
+  views (`tx`'s own where none is found)."""
+  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
+  return transform_name(_culprit(tx, why, abstract_params, trainable, labels,
+                                 stacked)[0] if why is not None else tx)
+
+
+def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
+  """Raises ValueError naming the part of `tx` that cannot run on chunks."""
+  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if why is None:
+    return
+  if why == _FLOAT16:
+    raise ValueError(
+        f"optax transformation {transform_name(tx)!r} computes a non-finite "
+        "update for a zero gradient on float16 parameters (an epsilon such "
+        "as adam's eps=1e-8 is 0 in float16, so 0/0): it would turn "
+        "parameters to NaN wherever a gradient is zero. Keep the parameters "
+        "in float32 and compute in float16 (zerojax.shard(..., "
+        "precision='fp16'): the update then runs on the float32 "
+        "master).")
+  culprit, reason = _culprit(tx, why, abstract_params, trainable, labels,
+                             stacked)
   raise ValueError(
-      f"optax transformation {_transform_name(culprit)!r} cannot run on flat "
+      f"optax transformation {transform_name(culprit)!r} cannot run on flat "
       f"ZeRO chunks: {reason}. zerojax refuses it rather than train wrongly. "
       "Use an element-wise optimizer (sgd, momentum, adam, adamw, lion, "
       "rmsprop, ...); clipping by global norm is fine.")
@@ -416,7 +466,7 @@ def check_separable(tx, abstract_params, trainable, labels, stacked=()) -> None:
     raise ValueError(
         f"optimizer offload updates the offloaded chunks one at a time (so "
         f"that one chunk's optimizer state is on the device at once), but "
-        f"optax transformation {_transform_name(tx)!r} cannot run that way: "
+        f"optax transformation {transform_name(tx)!r} cannot run that way: "
         f"{why}. Clip with zerojax.shard(..., clip_norm=...) instead of "
         "inside tx (it clips by the global norm before the update, as "
         "DeepSpeed's gradient_clipping does), or keep the optimizer state on "

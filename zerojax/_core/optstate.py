@@ -73,8 +73,12 @@ def _owners(layout: ChunkLayout, paths: tuple, shapes: tuple) -> Owners:
   # `.mu['x']['a']` also ends with the path `['a']` of another leaf.
   reps = sorted(((layout.leaves[layout.representative(c)], c)
                  for c in range(len(layout.chunks))), key=lambda t: -len(t[0].path))
-  chunk = tuple(next((c for rep, c in reps if key.endswith(rep.path) and
-                      shape in (layout.view_shape(c), layout.chunks[c].shape)),
+  # A shaped chunk's statistics have the shapes optax gives them (a
+  # factored moment's rows, say): any shape at its leaf's path ([Note:
+  # shaped leaves]).
+  chunk = tuple(next((c for rep, c in reps if key.endswith(rep.path) and (
+      layout.chunks[c].shaped or
+      shape in (layout.view_shape(c), layout.chunks[c].shape))),
                      None) for key, shape in zip(keys, shapes))
   # Each statistic's subtree, by its path (head): an owner's path less its
   # representative's; or a path under which the whole parameter tree lies
@@ -156,15 +160,10 @@ def stored(layout: ChunkLayout, view_state: Any) -> Any:
   an array with a unit axis before writing it; the step reshapes to views
   inside its program, where
   a reshape costs nothing. Inside jit or eval_shape."""
-  return _reshaped(layout, view_state, lambda c: layout.chunks[c].shape)
-
-
-def _reshaped(layout: ChunkLayout, tree: Any, shape_of) -> Any:
-  flat, treedef = jax.tree_util.tree_flatten(tree)
+  flat, treedef = jax.tree_util.tree_flatten(view_state)
   return jax.tree_util.tree_unflatten(treedef, [
-      x if c is None or tuple(np.shape(x)) == shape_of(c) else
-      jnp.reshape(x, shape_of(c))
-      for x, c in zip(flat, owners(layout, tree).chunk)])
+      x if c is None else layout.stat_stored(c, x)
+      for x, c in zip(flat, owners(layout, view_state).chunk)])
 
 
 def check_tree_state(layout: ChunkLayout, tree_state: Any,
@@ -189,7 +188,11 @@ def check_tree_state(layout: ChunkLayout, tree_state: Any,
   table = owners(layout, view_state)
   for (path, tree_leaf), view_leaf, i in zip(t_flat, v_flat, table.leaf):
     shape = tuple(np.shape(tree_leaf))
-    want = tuple(np.shape(view_leaf)) if i is None else layout.leaves[i].shape
+    # a shaped leaf's statistics are the tree's own ([Note: shaped leaves])
+    shaped = i is not None and layout.leaves[i].chunk >= 0 and layout.chunks[
+        layout.leaves[i].chunk].shaped
+    want = (tuple(np.shape(view_leaf)) if i is None or shaped
+            else layout.leaves[i].shape)
     if shape != want:
       raise ValueError(
           f"optimizer state {jax.tree_util.keystr(path)} has shape {shape} "

@@ -6,6 +6,7 @@ views (`check_tx`), the layout planned over the devices (`plan_layout`,
 all build through here."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import jax
@@ -24,9 +25,13 @@ from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._core.chunking import (beside, named_units, repeated_blocks,
                                     scanned_stacks, unit_depth)
-from zerojax._core.layout import ChunkLayout, path_names
+from zerojax._core.layout import ChunkLayout, path_names, shaped_labels
 from zerojax._options.policy import policy
 from zerojax._state.state import ZeroTrainState, state_shardings
+
+_log = logging.getLogger("zerojax")
+_SAID_SHAPED: set = set()   # the transformations said to run shaped
+
 
 def _trainable(config: ZeroConfig, params) -> list:
   flat = jax.tree_util.tree_leaves(params)
@@ -58,6 +63,30 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   stacks = layer_stacks(abstract, config, num_shards)
+  why = (optim.per_tensor_reason(tx, abstract, trainable)
+         or optim.shape_reason(tx, abstract, trainable, labels, stacks))
+  if why is not None:   # see [Note: shaped leaves]
+    leaves = jax.tree_util.tree_leaves(abstract)
+    labels = shaped_labels(labels, [
+        t and jnp.issubdtype(x.dtype, jnp.floating) and np.size(x) > 0
+        for t, x in zip(trainable, leaves)])
+    name = optim.culprit(tx, abstract, trainable, labels, stacks)
+    if config.offload_optimizer:
+      raise ValueError(
+          f"optax transformation {name!r} does not run on flat chunk views "
+          f"({why}): zerojax keeps its leaves in their own shapes on the "
+          "devices "
+          "([Note: shaped leaves]), and offloading their optimizer state is "
+          "not built yet; leave offload out, or use an element-wise "
+          "optimizer to offload.")
+    if (name, why) not in _SAID_SHAPED:
+      _SAID_SHAPED.add((name, why))
+      _log.warning(
+          "zerojax: optax transformation %r does not run on flat chunk views "
+          "(%s): each leaf is kept alone in its chunk and shown to the "
+          "optimizer in its own shape, its update running on the real "
+          "tensors sharded over the data axis (a collective per leaf at "
+          "stage 3; [Note: shaped leaves]).", name, why)
   optim.check_elementwise(tx, abstract, trainable, labels, stacks)
   if config.offload_optimizer:
     optim.check_separable(tx, abstract, trainable, labels, stacks)

@@ -144,6 +144,11 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
 
   def opt_rule(x, c):
     shape = np.shape(x)
+    if c is not None and layout.chunks[c].shaped:
+      # its statistics in the shapes optax gives them ([Note: shaped leaves])
+      return NamedSharding(mesh, (meshes.rows_spec(shape, n, axes)
+                                  or meshes.leaf_spec(shape, n, axes))
+                           if pol.optimizer_sharded else P())
     if c is None or shape != layout.chunks[c].shape:
       return rep   # counts, scalars, the empty views of other leaves
     if (pol.optimizer_sharded and shape[-1] in lengths and shape[-1] % n == 0):

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._comm import collectives
 from zerojax._core import compat
+from zerojax._core import meshes
 from zerojax._tiers import disk_tier
 from zerojax._core import offload
 from zerojax._core import optim
@@ -103,7 +104,7 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
   cfg, layout, tx = state.config, state.layout, state.tx
   # tx sees the statistics as views; other chunks' statistics are empty
   views = [x if c is None else
-           jnp.reshape(x, layout.view_shape(c)) if c in chunks else
+           layout.stat_view(c, x) if c in chunks else
            jnp.zeros((0,) * len(layout.view_shape(c)), x.dtype)
            for x, c in zip(opt, owners)]
   # the disk tier's statistics (`OnDisk`, no leaves) are other chunks' too
@@ -116,9 +117,10 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
     views = [jnp.zeros((0,) * len(layout.view_shape(c)), np.dtype(x.dtype))
              if d else next(given) for x, c, d in zip(full, full_owners, on_disk)]
   compact = optim.compact_views(tx, layout)
-  params = layout.views(master, only=chunks, compact=compact)
-  grad_views = layout.views(grads, fill_dtype=cfg.reduce_dtype, only=chunks,
-                            compact=compact)
+  params = _shaped_placed(state, layout.views(master, only=chunks,
+                                              compact=compact))
+  grad_views = _shaped_placed(state, layout.views(
+      grads, fill_dtype=cfg.reduce_dtype, only=chunks, compact=compact))
   update = (functools.partial(optstate.update_compact, tx) if compact
             else tx.update)
   updates, new_opt = update(grad_views,
@@ -139,6 +141,26 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
              for j, (x, c) in enumerate(zip(new_leaves, owners))
              if c is None or c in chunks}
   return new_master, new_opt
+
+
+def _shaped_placed(state, views):
+  """`views` with each shaped leaf's view sharded on its rows where the
+  devices divide them (`meshes.rows_spec`, [Note: shaped leaves]): the rows
+  its flat shards hold; whole on each device where they do not (XLA would
+  gather it whole anyway: a flat shard is no block of such a tensor). Left
+  to itself XLA picks shardings it can leave only by gathering the whole
+  tensor, and says so on stderr."""
+  layout, mesh, axes = state.layout, state.mesh, shard_axes(state.config)
+  shaped = {layout.chunks[c].leaves[0] for c in range(len(layout.chunks))
+            if layout.chunks[c].shaped}
+  if not shaped:
+    return views
+  n = meshes.axes_size(mesh, axes)
+  flat, treedef = jax.tree_util.tree_flatten(views, is_leaf=lambda x: x is None)
+  spec = lambda x: meshes.rows_spec(x.shape, n, axes) or P()
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x)))
+      if i in shaped and x is not None else x for i, x in enumerate(flat)])
 
 
 def update(state, grads, master, shardings, finite):

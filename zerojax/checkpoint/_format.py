@@ -231,7 +231,9 @@ def cut_chunks(layout: ChunkLayout, loaded: dict, emit=lambda x: x) -> tuple:
     prefix = path_names(table.prefix[j])
     prefixes.add((prefix, x.dtype))
     for m in layout.chunks[c].leaves:
-      opt[prefix + layout.leaves[m].names] = emit(leaf(x, m))
+      # a shaped chunk's statistic is the tree's own ([Note: shaped leaves])
+      opt[prefix + layout.leaves[m].names] = emit(
+          x if layout.chunks[c].shaped else leaf(x, m))
     del x
   # Leaves outside the chunks (frozen, integer) have empty views, which are
   # not written: the optimizer never saw them, their statistics are zeros.

@@ -22,10 +22,11 @@ _REFUSED_OPTIMIZERS = {
                   "AdamW (and zero_quantized_gradients for compressed gradients)",
     "zerooneadam": "it compresses DeepSpeed's own all-reduce; use Adam or "
                    "AdamW (and zero_quantized_gradients for compressed gradients)",
-    "onebitlamb": "LAMB reads whole tensors (trust ratios), which flat ZeRO "
-                  "chunks cannot give it; use AdamW",
-    "lamb": "LAMB reads whole tensors (trust ratios), which flat ZeRO chunks "
-            "cannot give it; use AdamW",
+    "onebitlamb": "it compresses DeepSpeed's own all-reduce; pass "
+                  "optax.lamb yourself",
+    "lamb": "DeepSpeed's Lamb clamps its trust ratio (max_coeff, min_coeff), "
+            "optax.lamb does not; pass optax.lamb yourself (zerojax runs it "
+            "on leaves in their own shapes)",
     "adagrad": "not mapped; use optax.adagrad directly",
 }
 # each scheduler's parameters (lr_schedules.py's constructors)
