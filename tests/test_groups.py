@@ -91,3 +91,23 @@ def test_a_config_is_hashable_static_metadata():
   assert one == two and hash(one) == hash(two)
   assert one.replace(stage=3).stage == 3 and one.stage == 2
   assert np.dtype(one.compute_dtype) == jnp.bfloat16
+
+
+def test_shard_and_zeroconfig_spell_every_option():
+  """An editor completes them (issue 63): every option of ZeroConfig is a
+  keyword parameter of `shard` and of `ZeroConfig` itself, in one order."""
+  import inspect
+  from zerojax._options.config import OPTIONS
+  for fn in (zerojax.shard, zerojax.ZeroConfig):
+    params = inspect.signature(fn).parameters
+    keyword = [n for n, p in params.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and n in OPTIONS]
+    assert keyword == [o for o in OPTIONS if o != "stage"], fn
+    assert "stage" in params
+  assert "help(zerojax.ZeroConfig)" in _refusal(offload_optimizer=True)
+
+
+def _refusal(**options) -> str:
+  with pytest.raises(TypeError) as e:
+    zerojax.ZeroConfig(**options)
+  return str(e.value)

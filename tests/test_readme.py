@@ -346,3 +346,26 @@ def test_the_gpu_target_block_compiles_and_plans_for_64_gpus():
              step=zerojax.train_step(loss_fn), batch=batch)
   assert out["model"].time > 0 and out["state"].mesh.size == 64
   assert out["plan"].chosen.fields["stage"] in (0, 1, 2, 3)
+
+
+def test_multinode_block_runs_as_one_process():
+  """docs/multinode.md's several-hosts loop, here as one process (its
+  `jax.distributed.initialize()` a no-op: one process is the whole job)."""
+  import types
+  model = Transformer()
+  loader = lm_batches(model.vocab, batch=16, seq=model.seq, steps=2)
+  params = model.init(jax.random.key(0), loader[0]["tokens"][:1])["params"]
+  one_process = types.SimpleNamespace(**{
+      **vars(jax), "distributed": types.SimpleNamespace(
+          initialize=lambda: None)})
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, b["targets"]).mean()
+
+  ns = _run(_block("jax.distributed.initialize()"), jax=one_process,
+            state=state, loss_fn=loss_fn, my_rows_of_each_batch=loader)
+  assert int(ns["state"].step) == 2

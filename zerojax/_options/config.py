@@ -38,6 +38,23 @@ def with_loss_scale(fields: dict) -> dict:
   return fields
 
 
+class _Unset:
+  """The default of an option not given (`given`): the config's, the
+  strategy's, or the saved one, not a value of its own."""
+
+  def __repr__(self) -> str:
+    return "unset"
+
+
+UNSET = _Unset()
+
+
+def given(**options) -> dict:
+  """The options of a signature that spells them (`shard`, `ZeroConfig`)
+  that the caller passed."""
+  return {k: v for k, v in options.items() if v is not UNSET}
+
+
 # The options `ZeroConfig(...)` takes, and the groups' makers.
 GROUPS = {
     "axes": (lambda v: groups.of_type("axes", v, Axes)),
@@ -58,8 +75,7 @@ def expand(options: dict) -> dict:
   old = [k for k in options if k in NEW_SPELLING]
   if old:
     raise TypeError("; ".join(f"{k}= is now {NEW_SPELLING[k]}" for k in old)
-                    + " (the options are grouped: docs/design.md, "
-                    "\"Configuration\").")
+                    + " (the options are grouped: help(zerojax.ZeroConfig)).")
   unknown = sorted(set(options) - set(OPTIONS))
   if unknown:
     raise TypeError(f"unknown option(s) {unknown}; the options are "
@@ -156,8 +172,23 @@ class ZeroConfig:
   reshard_after_forward: bool = True
   remat: str = "none"
 
-  def __init__(self, stage: int = 3, **options):
-    self._set_fields({"stage": stage, **expand(options)})
+  def __init__(self, stage: int = 3, *,
+               axes: Optional[Axes] = UNSET,
+               precision: Union[None, str, Any, Precision] = UNSET,
+               offload: Union[None, str, Offload] = UNSET,
+               quantize: Union[None, str, Quantize] = UNSET,
+               blocks: Optional[Blocks] = UNSET,
+               device_budget: Union[None, int, float] = UNSET,
+               chunk_size: Optional[int] = UNSET,
+               clip_norm: Optional[float] = UNSET,
+               accum_steps: int = UNSET,
+               frozen: Union[None, Callable, Any] = UNSET,
+               frozen_dtype: Optional[str] = UNSET, **unknown):
+    self._set_fields({"stage": stage, **expand({**given(
+        axes=axes, precision=precision, offload=offload, quantize=quantize,
+        blocks=blocks, device_budget=device_budget, chunk_size=chunk_size,
+        clip_norm=clip_norm, accum_steps=accum_steps, frozen=frozen,
+        frozen_dtype=frozen_dtype), **unknown})})
 
   @classmethod
   def from_fields(cls, **fields) -> "ZeroConfig":

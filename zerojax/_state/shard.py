@@ -6,7 +6,7 @@ layout planned and placed by `zerojax._state.build`."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax
 import numpy as np
@@ -18,7 +18,8 @@ from zerojax.nn import _frontend as frontend
 from zerojax._core import meshes
 from zerojax._core import offload
 from zerojax._core import tensor_parallel
-from zerojax._options.config import ZeroConfig, expand
+from zerojax._options.config import UNSET, ZeroConfig, expand, given
+from zerojax._options.groups import Axes, Blocks, Offload, Precision, Quantize
 from zerojax._options import strategies
 from zerojax._options.groups import plan_chosen
 from zerojax._state.build import place, plan_state
@@ -67,10 +68,22 @@ def _check_auto(options: dict) -> None:
                      "plan's choice); drop them, or give a stage.")
 
 
-def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
-          *, tx: Optional[optax.GradientTransformation] = None, optimizer=None,
+def shard(state: Any, stage: Union[None, int, str] = None,
+          mesh: Optional[Mesh] = None, *,
+          tx: Optional[optax.GradientTransformation] = None, optimizer=None,
           config: Optional[ZeroConfig] = None, strategy: Optional[str] = None,
-          **options) -> ZeroTrainState:
+          axes: Optional[Axes] = UNSET,
+          precision: Union[None, str, Any, Precision] = UNSET,
+          offload: Union[None, str, Offload] = UNSET,
+          quantize: Union[None, str, Quantize] = UNSET,
+          blocks: Optional[Blocks] = UNSET,
+          device_budget: Union[None, int, float] = UNSET,
+          chunk_size: Optional[int] = UNSET,
+          clip_norm: Optional[float] = UNSET,
+          accum_steps: int = UNSET,
+          frozen: Union[None, Callable, Any] = UNSET,
+          frozen_dtype: Optional[str] = UNSET,
+          **unknown) -> ZeroTrainState:
   """Turns a Flax `TrainState`, or an NNX model, into a ZeRO `ZeroTrainState`.
 
   Args:
@@ -92,9 +105,11 @@ def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
       (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`) or
       FSDP's (`"fsdp"`, `"fsdp_shard_grad_op"`, `"hybrid_shard"`,
       `zerojax._options.strategies.FSDP`).
-    **options: `ZeroConfig`'s options (`offload="host"`,
-      `precision="bf16"`, `accum_steps`, `clip_norm`, `frozen`, ...), over
-      `config`'s or `strategy`'s.
+    axes, precision, offload, quantize, blocks, device_budget, chunk_size,
+      clip_norm, accum_steps, frozen, frozen_dtype: `ZeroConfig`'s options
+      (`help(zerojax.ZeroConfig)`: `offload="host"`, `precision="bf16"`,
+      ...), over `config`'s or `strategy`'s; those left unset are theirs, or
+      the defaults.
 
   Returns:
     The sharded state; the input state (or model) is left untouched.
@@ -103,6 +118,11 @@ def shard(state: Any, stage: Optional[int] = None, mesh: Optional[Mesh] = None,
     >>> state = zerojax.shard(state, stage=3, precision="bf16")
     >>> state = zerojax.shard(nnx_model, stage=3, tx=optax.adamw(1e-3))
   """
+  options = {**given(axes=axes, precision=precision, offload=offload,
+                     quantize=quantize, blocks=blocks,
+                     device_budget=device_budget, chunk_size=chunk_size,
+                     clip_norm=clip_norm, accum_steps=accum_steps,
+                     frozen=frozen, frozen_dtype=frozen_dtype), **unknown}
   stage, fields = _front_door(stage, config, strategy, options)
   state = _from_front_end(state, tx, optimizer)
   config, mesh, extras, static_extras = _check_train_state(
