@@ -462,3 +462,16 @@ def test_the_sweep_covers_what_optax_offers():
   assert {"adafactor", "lamb", "lars", "yogi", "contrib.muon", "adamw",
           "lion", "sgd"} <= names
   assert len(names - NEEDS_THE_LOSS) >= 40
+
+
+def test_the_shaped_path_is_said_once_naming_the_part_that_needs_it(
+    monkeypatch, caplog):
+  monkeypatch.setattr(zerojax._state.build, "_SAID_SHAPED", set())
+  model, params, _, _ = make_problem("mlp")
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.lamb(1e-3))
+  with caplog.at_level("WARNING", logger="zerojax"):
+    for _ in range(2):
+      zerojax.shard_shape(plain, stage=3)
+  assert caplog.text.count("'scale_by_trust_ratio' does not run on flat "
+                           "chunk views") == 1

@@ -58,7 +58,8 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   """The optimizer probes (`optim`: eager runs of `tx` on a few-element
   surrogate of the tree, cached per tx and tree) on the layer stacks a
   layout over `num_shards` devices has (`layer_stacks`): the leaves'
-  optimizer classes; raises when `tx` cannot run on chunks."""
+  optimizer classes, shaped where `tx` cannot run on flat chunk views
+  ([Note: shaped leaves]); raises where it cannot run on those either."""
   abstract = _abstract(params)
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
@@ -66,19 +67,18 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   why = (optim.per_tensor_reason(tx, abstract, trainable)
          or optim.shape_reason(tx, abstract, trainable, labels, stacks))
   if why is not None:   # see [Note: shaped leaves]
+    name = optim.culprit(tx, abstract, trainable, labels, stacks)
     leaves = jax.tree_util.tree_leaves(abstract)
     labels = shaped_labels(labels, [
         t and jnp.issubdtype(x.dtype, jnp.floating) and np.size(x) > 0
         for t, x in zip(trainable, leaves)])
-    name = optim.culprit(tx, abstract, trainable, labels, stacks)
     if config.offload_optimizer:
       raise ValueError(
           f"optax transformation {name!r} does not run on flat chunk views "
           f"({why}): zerojax keeps its leaves in their own shapes on the "
-          "devices "
-          "([Note: shaped leaves]), and offloading their optimizer state is "
-          "not built yet; leave offload out, or use an element-wise "
-          "optimizer to offload.")
+          "devices ([Note: shaped leaves]), and offloading their optimizer "
+          "state is not built yet; leave offload out, or use an "
+          "element-wise optimizer to offload.")
     if (name, why) not in _SAID_SHAPED:
       _SAID_SHAPED.add((name, why))
       _log.warning(
