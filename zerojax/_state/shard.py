@@ -86,6 +86,13 @@ def shard(state: Any, stage: Union[None, int, str] = None,
           **unknown) -> ZeroTrainState:
   """Turns a Flax `TrainState`, or an NNX model, into a ZeRO `ZeroTrainState`.
 
+  The keyword options after `strategy` (`axes`, `precision`, `offload`,
+  `quantize`, `blocks`, `device_budget`, `chunk_size`, `clip_norm`,
+  `accum_steps`, `frozen`, `frozen_dtype`) are `ZeroConfig`'s
+  (`help(zerojax.ZeroConfig)`: `offload="host"`, `precision="bf16"`, ...),
+  over `config`'s or `strategy`'s; those left unset are theirs, or the
+  defaults.
+
   Args:
     state: a `flax.training.train_state.TrainState` (or subclass; extra fields
       are kept as they are; its optimizer state, trained or fresh, is kept),
@@ -105,11 +112,6 @@ def shard(state: Any, stage: Union[None, int, str] = None,
       (`"deepspeed_stage_3_offload"`, `zerojax.deepspeed.STRATEGIES`) or
       FSDP's (`"fsdp"`, `"fsdp_shard_grad_op"`, `"hybrid_shard"`,
       `zerojax._options.strategies.FSDP`).
-    axes, precision, offload, quantize, blocks, device_budget, chunk_size,
-      clip_norm, accum_steps, frozen, frozen_dtype: `ZeroConfig`'s options
-      (`help(zerojax.ZeroConfig)`: `offload="host"`, `precision="bf16"`,
-      ...), over `config`'s or `strategy`'s; those left unset are theirs, or
-      the defaults.
 
   Returns:
     The sharded state; the input state (or model) is left untouched.
