@@ -49,10 +49,13 @@ class _Unset:
 UNSET = _Unset()
 
 
-def given(**options) -> dict:
-  """The options of a signature that spells them (`shard`, `ZeroConfig`)
-  that the caller passed."""
-  return {k: v for k, v in options.items() if v is not UNSET}
+def given(scope: dict) -> dict:
+  """The options a signature that spells them (`shard`, `ZeroConfig`) was
+  passed: those of `OPTIONS` but `stage` in `scope` (its `locals()`) that
+  are not `UNSET`, and the keywords it caught as `unknown` (refused or
+  renamed by `expand`)."""
+  return {**{k: scope[k] for k in OPTIONS
+             if k != "stage" and scope[k] is not UNSET}, **scope["unknown"]}
 
 
 # The options `ZeroConfig(...)` takes, and the groups' makers.
@@ -184,11 +187,7 @@ class ZeroConfig:
                accum_steps: int = UNSET,
                frozen: Union[None, Callable, Any] = UNSET,
                frozen_dtype: Optional[str] = UNSET, **unknown):
-    self._set_fields({"stage": stage, **expand({**given(
-        axes=axes, precision=precision, offload=offload, quantize=quantize,
-        blocks=blocks, device_budget=device_budget, chunk_size=chunk_size,
-        clip_norm=clip_norm, accum_steps=accum_steps, frozen=frozen,
-        frozen_dtype=frozen_dtype), **unknown})})
+    self._set_fields({"stage": stage, **expand(given(locals()))})
 
   @classmethod
   def from_fields(cls, **fields) -> "ZeroConfig":

@@ -120,11 +120,7 @@ def shard(state: Any, stage: Union[None, int, str] = None,
     >>> state = zerojax.shard(state, stage=3, precision="bf16")
     >>> state = zerojax.shard(nnx_model, stage=3, tx=optax.adamw(1e-3))
   """
-  options = {**given(axes=axes, precision=precision, offload=offload,
-                     quantize=quantize, blocks=blocks,
-                     device_budget=device_budget, chunk_size=chunk_size,
-                     clip_norm=clip_norm, accum_steps=accum_steps,
-                     frozen=frozen, frozen_dtype=frozen_dtype), **unknown}
+  options = given(locals())
   stage, fields = _front_door(stage, config, strategy, options)
   state = _from_front_end(state, tx, optimizer)
   config, mesh, extras, static_extras = _check_train_state(
