@@ -69,3 +69,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+# a test whose worker crashed runs once more (tests/crash_rerun.py)
+from crash_rerun import pytest_handlecrashitem, pytest_report_teststatus  # noqa: E402,F401
