@@ -10,7 +10,11 @@
   unwritable: saves into CKPT_DIR, which this process cannot write;
   full-disk: saves into CKPT_DIR, but no file can grow (RLIMIT_FSIZE 0,
     as on a full disk), so the write fails in orbax's background thread;
-  donated: steps a state, then steps the donated input again.
+  donated: steps a state, then steps the donated input again;
+  crash-items, crash-manager: as crash, each step saved with a data
+    iterator's state ({"position": step}) and a dict of metadata beside
+    it: through `save(..., items=)`, or as items of an orbax
+    CheckpointManager the worker builds itself (`ZeroSave`).
 """
 import os
 import resource
@@ -24,6 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import zerojax  # noqa: E402
@@ -41,7 +46,33 @@ def plain_state(offset: float) -> train_state.TrainState:
                                            step=int(offset))
 
 
+def items(step: int) -> dict:
+  """The items saved beside the state of `step` in the crash-* modes."""
+  return {"data": ocp.args.JsonSave({"position": step}),
+          "meta": ocp.args.JsonSave({"run": "crash", "step": step})}
+
+
+def crash_with_items(mode: str, directory: str) -> None:
+  if mode == "crash-items":
+    for step in (1, 2):
+      extra = {"data": items(step)["data"], "info": items(step)["meta"]}
+      zerojax.checkpoint.save(directory, zerojax.shard(plain_state(step)),
+                              items=extra, wait=step == 1)
+  else:
+    mgr = ocp.CheckpointManager(directory)
+    for step in (1, 2):
+      mgr.save(step, args=ocp.args.Composite(
+          state=zerojax.checkpoint.ZeroSave(zerojax.shard(plain_state(step))),
+          **items(step)))
+      if step == 1:
+        mgr.wait_until_finished()
+  print("save returned", flush=True)
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(mode: str, directory: str) -> None:
+  if mode.startswith("crash-"):
+    return crash_with_items(mode, directory)
   if mode == "crash":
     zerojax.checkpoint.save(directory, zerojax.shard(plain_state(1.0), stage=3),
                             wait=True)

@@ -132,6 +132,27 @@ def test_checkpoint_blocks_save_restore_and_read_without_zerojax(quick_start,
     np.testing.assert_array_equal(x, flat[name])
 
 
+def test_items_block_saves_beside_the_callers_items_in_their_manager(
+    quick_start, tmp_path):
+  import orbax.checkpoint as ocp
+  model, params = quick_start["model"], quick_start["params"]
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adamw(1e-3))
+  state = zerojax.shard(plain, stage=3)
+  other_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                             axis_types=(jax.sharding.AxisType.Auto,))
+  ns = _run(_block("mgr = ocp.CheckpointManager(run_dir)"), ocp=ocp,
+            run_dir=str(tmp_path / "run"), ckpt_dir=str(tmp_path / "own"),
+            state=state, plain_train_state=plain, other_mesh=other_mesh,
+            iterator_state={"position": 1600})
+  assert ns["got"].meta == {"lr": 3e-4}
+  assert ns["got"].state.num_shards == 4
+  assert ns["state"].num_shards == 8   # restore's default mesh: every device
+  assert ns["items"]["data"] == {"position": 1600}
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(ns["state"]), params)
+
+
 def test_fine_tuning_block_restores_a_base_and_trains_adapters_only(
     quick_start, tmp_path):
   """The README's fine-tuning block: a saved base restored into a tree with

@@ -20,7 +20,8 @@ On disk, `DIR/<step>/` (orbax CheckpointManager, atomic commit):
   meta/   JSON: format, the ZeroConfig fields, the frozen leaves' names
           (`frozen_names`), the device count at save, the chunk layout
           (`layout_json`), a checksum per saved array and the SHA-256 of
-          the metadata itself (`_integrity`).
+          the metadata itself (`_integrity`);
+  <name>/ the caller's own items (`save(..., items=)`), as orbax writes them.
 Format "zerojax-1" (the ordinary tree form, written before 2026-11-22) and
 plain orbax checkpoints of a flax TrainState are still read; "zerojax-2"
 (two days' view-shaped statistics) is refused naming how to carry it over.
@@ -30,11 +31,14 @@ The package: `_format` (what is on disk: layout and config JSON, cutting
 chunks into leaves), `_integrity` (steps, checksums, the metadata's checks),
 `_save` (asynchronous saves and their completion, also at exit),
 `_restore` (a checkpoint checked and restored onto any mesh and stage),
-`_read` (its arrays read: as saved, repacked, or onto the host) and
-`_export` (plain numpy trees).
+`_read` (its arrays read: as saved, repacked, or onto the host),
+`_export` (plain numpy trees) and `_orbax` (a state as one item of the
+caller's own orbax CheckpointManager: `ZeroSave`, `ZeroRestore`).
 """
 from zerojax.checkpoint._export import export_params
+from zerojax.checkpoint._orbax import ZeroRestore, ZeroSave, ZeroStateHandler
 from zerojax.checkpoint._restore import restore
 from zerojax.checkpoint._save import save, wait
 
-__all__ = ["export_params", "restore", "save", "wait"]
+__all__ = ["ZeroRestore", "ZeroSave", "ZeroStateHandler", "export_params",
+           "restore", "save", "wait"]

@@ -30,6 +30,9 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, READ_FORMATS,
                                         RETIRED_FORMATS, by_path,
                                         saved_list)
 
+# the metadata file of a state saved as an item of the caller's own orbax
+# CheckpointManager, beside its arrays (`_orbax`)
+ITEM_META = "zerojax.json"
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
 
 
@@ -124,7 +127,13 @@ def saved_steps(directory: str) -> list:
 def read_meta(step_dir: str) -> dict:
   """The checked metadata of a step's directory (every format zerojax wrote
   has it)."""
-  path = os.path.join(step_dir, "meta", "metadata")
+  return read_meta_file(os.path.join(step_dir, "meta", "metadata"))
+
+
+def read_meta_file(path: str) -> dict:
+  """The checked metadata in the JSON file `path`: a step's `meta` item, or
+  the `zerojax.json` of a state saved as an item of the caller's own orbax
+  CheckpointManager (`_orbax`)."""
   if not os.path.exists(path):
     raise ValueError(f"{path} is missing: the step's chunk layout and "
                      "configuration are unknown")

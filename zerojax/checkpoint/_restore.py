@@ -3,6 +3,7 @@ shardings when the chunk layout is the saved one, else repacked."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import jax
@@ -20,11 +21,12 @@ from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path,
                                         params_shapes)
 from zerojax.checkpoint._partial import (differs, host_params, params_part,
                                          restore_into, saved_params)
-from zerojax.checkpoint._integrity import (check_arrays, check_step, read_meta,
+from zerojax.checkpoint._integrity import (ITEM_META, check_arrays, check_step,
+                                           read_meta, read_meta_file,
                                            saved_steps)
 from zerojax.checkpoint._read import (restore_chunk_form, restore_to_host,
                                       restore_tree_form)
-from zerojax.checkpoint._save import wait
+from zerojax.checkpoint._save import check_items, wait
 from zerojax._options.config import DISK, OFFLOAD_FIELDS, expand
 from zerojax._state.shard import config_and_mesh
 from zerojax._state.state import ZeroTrainState, extra_fields
@@ -67,15 +69,49 @@ def _readable(directory: str, step: int) -> tuple:
   """(state path, metadata, orbax metadata tree) of a step whose files are
   all there and whose metadata is sound; ValueError saying what is wrong
   otherwise."""
-  path = os.path.join(directory, str(step), "state")
-  for name in ("", "_METADATA", "manifest.ocdbt"):
-    if not os.path.exists(os.path.join(path, name)):
-      raise ValueError(f"{os.path.join(path, name)} is missing")
-  meta = read_meta(os.path.join(directory, str(step)))
+  step_dir = os.path.join(directory, str(step))
+  item = _item_of_own_manager(step_dir)
+  if item is not None:   # saved by the caller's CheckpointManager (`_orbax`)
+    return readable_item(item)
+  path = os.path.join(step_dir, "state")
+  _check_files(path)
+  meta = read_meta(step_dir)
   saved = _saved_tree(path)
   if meta is not None and meta["format"] in CHUNK_FORMATS:
     check_arrays(path, meta["layout"], saved)
   return path, meta, saved
+
+
+def readable_item(path: str) -> tuple:
+  """(path, metadata, orbax metadata tree) of a state saved as one item of
+  a CheckpointManager (`_orbax`: its arrays and `zerojax.json` in `path`);
+  ValueError saying what is wrong otherwise."""
+  _check_files(path)
+  meta = read_meta_file(os.path.join(path, ITEM_META))
+  saved = _saved_tree(path)
+  check_arrays(path, meta["layout"], saved)
+  return path, meta, saved
+
+
+def _check_files(path: str) -> None:
+  for name in ("", "_METADATA", "manifest.ocdbt"):
+    if not os.path.exists(os.path.join(path, name)):
+      raise ValueError(f"{os.path.join(path, name)} is missing")
+
+
+def _item_of_own_manager(step_dir: str) -> Optional[str]:
+  """The item of `step_dir` that holds a zerojax state saved through the
+  caller's own CheckpointManager (its `zerojax.json`), or None for a step
+  `save` wrote. Several such items are refused: which one is the
+  caller's to say, restoring through their manager."""
+  found = sorted(n for n in os.listdir(step_dir) if os.path.isfile(
+      os.path.join(step_dir, n, ITEM_META)))
+  if len(found) > 1:
+    raise ValueError(f"{step_dir} holds zerojax states in the items {found}; "
+                     "restore the one you want through your "
+                     "CheckpointManager (ocp.args.Composite(name="
+                     "zerojax.checkpoint.ZeroRestore(...))).")
+  return os.path.join(step_dir, found[0]) if found else None
 
 
 def _can_read(directory: str, step: int) -> bool:
@@ -127,7 +163,8 @@ def _check_dtypes(saved: dict, abstract, cast: bool) -> None:
 def restore(directory: Any, *, like: Any, step: Optional[int] = None,
             mesh: Optional[Mesh] = None, stage: Optional[int] = None,
             tx: Any = None, cast: bool = False, partial: bool = False,
-            **options) -> ZeroTrainState:
+            items: Optional[Mapping[str, Any]] = None,
+            **options) -> Any:
   """Reads a checkpoint into a ZeroTrainState on `mesh` at `stage`, which may
   differ from those at save time (any device count, any stage).
 
@@ -154,12 +191,44 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
       keep its values (listed once), and the saved leaves `like` lacks are
       an error unless `partial=True`. The optimizer state and step are then
       `like`'s (`_partial`).
+    items: the step's other items to read, as `save(..., items=)` wrote
+      them: {name: orbax restore args}, e.g. `{"data":
+      ocp.args.JsonRestore()}`. With it, returns `(state, {name: value})`,
+      both of the same step.
     **options: `ZeroConfig` options over the saved ones; a group given
       replaces the saved group. An explicit `frozen=` replaces the saved
       one (`frozen=None` trains every leaf): leaves unfrozen start with
       zero optimizer statistics, and the chunks are repacked. `axes=` of a
       mesh of one axis also turns off a saved `hpz`.
   """
+  like, config_fields = prepared(like, tx, cast, partial, options)
+  items = check_items(items, "restore")
+  if not isinstance(directory, (str, os.PathLike)):   # a tree in memory
+    if items:
+      raise TypeError("restore(items=...) reads a checkpoint directory's "
+                      "items; a parameter tree in memory has none.")
+    _check_like_tree(like)
+    values = {k: np.asarray(x) for k, x in
+              by_path(params_part(directory)).items()}
+    return restore_into(values, like, partial=partial, cast=cast,
+                        source="the parameter tree", mesh=mesh,
+                        fields=_target_fields({}, stage, config_fields))
+  path, meta, step, saved = open_step(directory, step)
+  if items and step is None:
+    raise ValueError(f"restore(items=...): {directory!r} is a plain orbax "
+                     "checkpoint, which holds no items beside the state.")
+  state = restore_opened(path, meta, saved, like, mesh=mesh, stage=stage,
+                         cast=cast, partial=partial,
+                         config_fields=config_fields)
+  if not items:
+    return state
+  return state, read_items(os.path.join(directory, str(step)), items)
+
+
+def prepared(like: Any, tx: Any, cast: Any, partial: Any,
+             options: dict) -> tuple:
+  """(like, the ZeroConfig fields of `options`) for a restore: an NNX
+  model made a TrainState with `tx`; the flags checked."""
   config_fields = expand(options)
   if frontend.is_nnx(like):
     like = frontend.from_nnx(like, tx=tx)
@@ -169,14 +238,29 @@ def restore(directory: Any, *, like: Any, step: Optional[int] = None,
   for name, flag in (("cast", cast), ("partial", partial)):
     if not isinstance(flag, bool):
       raise TypeError(f"restore({name}={flag!r}): {name} is True or False.")
-  if not isinstance(directory, (str, os.PathLike)):   # a tree in memory
-    _check_like_tree(like)
-    values = {k: np.asarray(x) for k, x in
-              by_path(params_part(directory)).items()}
-    return restore_into(values, like, partial=partial, cast=cast,
-                        source="the parameter tree", mesh=mesh,
-                        fields=_target_fields({}, stage, config_fields))
-  path, meta, step, saved = open_step(directory, step)
+  return like, config_fields
+
+
+def read_items(step_dir: str, items: dict) -> dict:
+  """{name: value} of the items `items` names in the step `step_dir`, read
+  as orbax reads them; a missing one is named with those the step has."""
+  have = sorted(n for n in os.listdir(step_dir)
+                if os.path.isdir(os.path.join(step_dir, n))
+                and n not in ("state", "meta"))
+  missing = [n for n in items if n not in have]
+  if missing:
+    raise ValueError(f"{step_dir} holds no item {', '.join(missing)}; its "
+                     f"items beside the state: {have or 'none'}.")
+  read = ocp.CompositeCheckpointHandler().restore(
+      epath.Path(step_dir), ocp.args.Composite(**items))
+  return {name: read[name] for name in items}
+
+
+def restore_opened(path: str, meta: Optional[dict], saved: Any, like: Any, *,
+                   mesh: Optional[Mesh], stage: Optional[int], cast: bool,
+                   partial: bool, config_fields: dict) -> ZeroTrainState:
+  """The state of an opened checkpoint (`path` of its arrays, its checked
+  metadata `meta` and orbax tree `saved`), as `restore` documents."""
   if (hasattr(like, "params") and hasattr(like, "tx")
       and not isinstance(like, ZeroTrainState)) and (
       (meta is None and "opt_state" not in saved) or differs(

@@ -33,7 +33,8 @@ import sys
 import tempfile
 import threading
 import warnings
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -82,6 +83,46 @@ def _manager(directory: str, keep: Optional[int]) -> ocp.CheckpointManager:
             "zerojax.checkpoint.wait(directory) before the script ends, or "
             "use another Python.", RuntimeWarning, stacklevel=3)
   return _MANAGERS[directory]
+
+
+def saved_form(state: ZeroTrainState) -> tuple:
+  """(the array tree, the sealed metadata) a checkpoint of `state` holds:
+  the package docstring's `state` and `meta`."""
+  tree = chunk_form(state)
+  layout = layout_json(state.layout)
+  # `frozen` beside the config, not in it: a reader that predates it
+  # ignores it instead of passing names to ZeroConfig(frozen=...).
+  meta = seal({"format": FORMAT, "config": config_json(state.config),
+               "frozen": frozen_names(layout),
+               "num_shards": state.num_shards, "layout": layout,
+               "checksums": checksums(tree)})
+  return tree, meta
+
+
+def check_items(items: Any, caller: str) -> dict:
+  """`items` (the caller's own checkpoint items beside the state) as a
+  dict of orbax `CheckpointArgs` by name; TypeError/ValueError naming the
+  item otherwise. `state` and `meta` are the state's own. `caller`:
+  "save" or "restore"."""
+  if items is None:
+    return {}
+  args = ("ocp.args.JsonSave(iterator_state)" if caller == "save"
+          else "ocp.args.JsonRestore()")
+  if not isinstance(items, Mapping):
+    raise TypeError(f"{caller}(items={type(items).__name__}): items is a dict "
+                    f"of name -> orbax CheckpointArgs, e.g. {{'data': {args}}}.")
+  for name, arg in items.items():
+    if not isinstance(name, str) or not name.isidentifier():
+      raise ValueError(f"{caller}(items=...): item name {name!r} is not a "
+                       "Python identifier (it names a directory of the step).")
+    if name in ("state", "meta"):
+      raise ValueError(f"{caller}(items=...): the item name {name!r} is the "
+                       "state's own; name yours otherwise.")
+    if not isinstance(arg, ocp.args.CheckpointArgs):
+      raise TypeError(
+          f"{caller}(items=...): item {name!r} is a {type(arg).__name__}, not "
+          f"orbax CheckpointArgs; pass it as orbax takes it, e.g. {args}.")
+  return dict(items)
 
 
 def _check_writable(directory: str) -> None:
@@ -157,7 +198,8 @@ def _check_keep(directory: str, steps: list, keep: Optional[int]) -> None:
 
 
 def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
-         keep: Optional[int] = None, wait: bool = False) -> int:
+         keep: Optional[int] = None, wait: bool = False,
+         items: Optional[Mapping[str, Any]] = None) -> int:
   """Writes `state` asynchronously; training may go on at once.
 
   The write is committed at the latest when the process exits normally; a
@@ -180,6 +222,12 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
       state (`offload_optimizer="disk"`): its statistics are written from
       their files, which the next step rewrites, so the save returns once
       it is committed.
+    items: what else the step holds beside the state, committed with it or
+      not at all: {name: orbax save args}, e.g. a data iterator's state and
+      metadata, `{"data": ocp.args.JsonSave(it.get_state()),
+      "meta": ...}` (grain's `grain.checkpoint.CheckpointSave(it)` too).
+      `restore(..., items=)` reads them back. The names `state` and `meta`
+      are the state's own.
 
   Returns:
     The step written. Call `wait(directory)` before another process reads
@@ -196,13 +244,14 @@ def save(directory: str, state: ZeroTrainState, *, step: Optional[int] = None,
     raise ValueError(f"keep={keep!r} would delete the checkpoint being "
                      "written; keep at least 1, or None to keep all.")
   step = int(state.step) if step is None else check_step(step, "save")
+  items = check_items(items, "save")
   directory = os.path.abspath(directory)
   with _LOCK:
-    return _save_locked(directory, state, step, keep, wait)
+    return _save_locked(directory, state, step, keep, wait, items)
 
 
 def _save_locked(directory: str, state: ZeroTrainState, step: int,
-                 keep: Optional[int], wait: bool) -> int:
+                 keep: Optional[int], wait: bool, items: dict) -> int:
   _check_writable(directory)
   for other in list(_PENDING):   # one background write at a time
     _settle(other)
@@ -218,17 +267,11 @@ def _save_locked(directory: str, state: ZeroTrainState, step: int,
     raise ValueError(f"step {step} is older than the newest checkpoint "
                      f"({latest}) in {directory}; pass a step= above {latest} "
                      "or another directory (nothing was written).")
-  tree = chunk_form(state)
-  layout = layout_json(state.layout)
-  # `frozen` beside the config, not in it: a reader that predates it
-  # ignores it instead of passing names to ZeroConfig(frozen=...).
-  meta = seal({"format": FORMAT, "config": config_json(state.config),
-               "frozen": frozen_names(layout),
-               "num_shards": state.num_shards, "layout": layout,
-               "checksums": checksums(tree)})
+  tree, meta = saved_form(state)
   try:
     started = mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta),
+        **items))
   except Exception as e:  # noqa: BLE001 - re-raised, naming what was lost
     _MANAGERS.pop(directory, None)
     raise RuntimeError(f"checkpoint step {step} in {directory} was not "
