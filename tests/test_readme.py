@@ -47,6 +47,21 @@ def test_every_python_block_is_run_by_a_test():
   assert not untested, untested
 
 
+def test_the_docs_home_page_opens_with_the_readmes_set_up_and_quick_start():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "docs_hooks", os.path.join(ROOT, "docs", "_hooks.py"))
+  hooks = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(hooks)
+  index = open(os.path.join(ROOT, "docs", "index.md")).read()
+  page = hooks.on_page_markdown(index, None, None, None)
+  readme = open(README).read()
+  commands = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1)
+  assert commands in page and _block("import jax, optax, zerojax") in page
+  assert page.index(commands) < page.index("[The training loop]")
+  assert hooks.START not in page
+
+
 def _run(code: str, **names) -> dict:
   namespace = {"jax": jax, "np": np, "optax": optax, "zerojax": zerojax,
                "nnx": nnx, "nn": linen, "train_state": train_state, **names}
@@ -130,6 +145,23 @@ def test_checkpoint_blocks_save_restore_and_read_without_zerojax(quick_start,
   assert set(read) == set(flat)
   for name, x in read.items():
     np.testing.assert_array_equal(x, flat[name])
+
+
+def test_create_block_builds_the_state_sharded(quick_start, capsys):
+  model = quick_start["model"]
+  ns = _run(_block("state = zerojax.create("), model=model,
+            batch=quick_start["batch"])
+  state = ns["state"]
+  assert state.num_shards == 8 and state.config.stage == 3
+  assert "ZeRO-3" in capsys.readouterr().out
+  # every chunk split over the 8 devices, none whole on one
+  for chunk in state.master:
+    assert chunk.addressable_shards[0].data.size * 8 == chunk.size
+  # model.init's values (made in another program: to the last bit's rounding)
+  init = model.init(jax.random.key(0), quick_start["batch"]["tokens"][:1])
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+      zerojax.gather_params(state), init["params"])
 
 
 def test_items_block_saves_beside_the_callers_items_in_their_manager(
