@@ -119,6 +119,34 @@ def test_gpu_flags_at_import_set_warn_or_nothing(started, platform, plugin,
                                                  flags, platforms, want):
   assert compat.gpu_flags_action(started, platform, plugin, flags,
                                  platforms) == want
+  # ZEROJAX_GPU_FLAGS=0: never set, never warned
+  assert compat.gpu_flags_action(started, platform, plugin, flags,
+                                 platforms, opt_out="0") is None
+
+
+def test_gpu_flags_set_at_import_are_said_once_naming_the_opt_out(
+    monkeypatch, caplog):
+  from jax._src import xla_bridge
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+  monkeypatch.setattr(compat, "_has_gpu_plugin", lambda: True)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.delenv(compat.OPT_OUT, raising=False)
+  with caplog.at_level("WARNING", logger="zerojax"):
+    compat.gpu_flags_at_import()
+  flags = os.environ["XLA_FLAGS"]
+  assert flags.startswith("--xla_gpu_enable_triton_gemm=true ")   # yours kept
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
+  (record,) = [r for r in caplog.records if "XLA GPU flags" in r.message]
+  assert record.levelname == "WARNING"
+  assert "xla_gpu_enable_pipelined_all_gather" in record.message
+  assert "xla_gpu_enable_triton_gemm" not in record.message   # not added
+  assert "ZEROJAX_GPU_FLAGS=0 keeps XLA_FLAGS as it is" in record.message
+  caplog.clear()
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setenv(compat.OPT_OUT, "0")
+  compat.gpu_flags_at_import()
+  assert os.environ["XLA_FLAGS"] == "" and not caplog.records
 
 
 @pytest.mark.slow
@@ -130,3 +158,17 @@ def test_importing_zerojax_on_cpu_leaves_xla_flags_alone():
       capture_output=True, text=True, env=env, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip() == env["XLA_FLAGS"]
+
+
+def test_a_warning_nothing_else_would_print_names_zerojax_once(
+    monkeypatch, capsys):
+  from zerojax._core import logs
+  # no handler up the chain (the test's own capture is on the root logger)
+  monkeypatch.setattr(logs.LOG, "propagate", False)
+  logs.LOG.warning("ZeRO-3 over %d device", 1)
+  logs.LOG.info("not shown")
+  assert capsys.readouterr().err == "zerojax: ZeRO-3 over 1 device\n"
+  monkeypatch.undo()
+  # with a handler configured, that handler prints it, as it formats it
+  logs.LOG.warning("ZeRO-3 over %d device", 1)
+  assert capsys.readouterr().err == ""

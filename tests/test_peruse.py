@@ -60,7 +60,7 @@ def test_the_smaller_of_held_and_per_use_is_chosen_and_trains_exactly(
   assert modes["bridge"] == (f"{way} (compiled step {per_use / 2**20:.2f} MiB "
                              f"per use, {held / 2**20:.2f} MiB held)")
   said = [r.getMessage() for r in caplog.records if r.name == "zerojax"]
-  assert said == [f"zerojax: stage 3 "
+  assert said == [f"stage 3 "
                   f"{'gathers' if per_use < held else 'holds'} 'bridge' "
                   f"{'at each use' if per_use < held else 'for the whole step'}"
                   f": compiled step {per_use / 2**20:.2f} MiB per use, "

@@ -11,6 +11,7 @@ modules `checkpoint`, `deepspeed`, `losses` and `nn` are public too.
 Everything else lives in packages named with a leading underscore
 (docs/design.md, "Package map"): importable, but free to change.
 """
+from zerojax._core import logs as _logs  # noqa: F401 - the log's last resort
 from zerojax._core import compat as _compat
 from zerojax._core.compat import with_gpu_flags
 _compat.gpu_flags_at_import()   # before anything here could start jax

@@ -40,7 +40,7 @@ def _accepted(name: str, value) -> bool:
     jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(
         compiler_options={name: value})
   except Exception as e:  # noqa: BLE001 - XLA's error for an unknown option
-    _log.info("zerojax: this XLA refuses compile option %s=%r (%s); "
+    _log.info("this XLA refuses compile option %s=%r (%s); "
               "compiling without it.", name, value, str(e).splitlines()[0])
     return False
   return True
@@ -115,15 +115,21 @@ def _has_gpu_plugin() -> bool:
       "jax_rocm7_plugin"))
 
 
+# `ZEROJAX_GPU_FLAGS=0` in the environment: `import zerojax` leaves
+# `XLA_FLAGS` as it is, and says nothing of it
+OPT_OUT = "ZEROJAX_GPU_FLAGS"
+
+
 def gpu_flags_action(backends_started: bool, platform: Optional[str],
                      gpu_plugin: bool, xla_flags: str,
-                     jax_platforms: str) -> Optional[str]:
+                     jax_platforms: str, opt_out: str = "") -> Optional[str]:
   """What `zerojax` does with `GPU_FLAGS` at import: "set" them into
   `XLA_FLAGS` (no backend started yet, a GPU plugin installed, not asked to
-  run on CPU only), "warn" (a GPU backend already started without them), or
-  nothing (None; CPU, TPU, or the flags already there)."""
+  run without GPUs), "warn" (a GPU backend already started without them),
+  or nothing (None; CPU, TPU, the flags already there, or `opt_out`, the
+  value of `ZEROJAX_GPU_FLAGS`, is "0")."""
   named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
-  if all(k in named for k in GPU_FLAGS):
+  if opt_out.strip() == "0" or all(k in named for k in GPU_FLAGS):
     return None
   if not backends_started:
     wanted = {p.strip() for p in jax_platforms.split(",") if p.strip()}
@@ -135,27 +141,34 @@ def gpu_flags_action(backends_started: bool, platform: Optional[str],
 
 def gpu_flags_at_import() -> None:
   """Sets `GPU_FLAGS` in `XLA_FLAGS` where jax has not started a backend
-  and would start a GPU one (keeping any flag the user set); warns once
-  where a GPU backend runs without them. Called by `import zerojax`."""
+  and would start a GPU one (keeping any flag the user set), and says so
+  once, naming the opt-out; warns once where a GPU backend runs without
+  them. Called by `import zerojax`."""
   import os
   from jax._src import xla_bridge   # no public "backends started?"
   started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
   flags = os.environ.get("XLA_FLAGS", "")
   action = gpu_flags_action(
       started, jax.default_backend() if started else None,
-      _has_gpu_plugin(), flags, os.environ.get("JAX_PLATFORMS", ""))
+      _has_gpu_plugin(), flags, os.environ.get("JAX_PLATFORMS", ""),
+      os.environ.get(OPT_OUT, ""))
   if action == "set":
     os.environ["XLA_FLAGS"] = with_gpu_flags(flags)
-    _log.info("zerojax: set XLA GPU flags %s (zerojax._core.compat.GPU_FLAGS).",
-              sorted(GPU_FLAGS))
+    added = sorted(set(GPU_FLAGS) - {f.split("=", 1)[0].lstrip("-")
+                                     for f in flags.split()})
+    _log.warning(
+        "added XLA GPU flags to XLA_FLAGS: %s (collectives beside "
+        "compute, matmuls on cuBLAS). They apply to every jax program of this "
+        "process. A flag you set keeps your value; %s=0 keeps XLA_FLAGS as it "
+        "is (docs/stage3.md, \"Overlap on GPUs\").", " ".join(added), OPT_OUT)
   elif action == "warn":
     _log.warning(
-        "zerojax: jax started its GPU backend before zerojax was imported, "
+        "jax started its GPU backend before zerojax was imported, "
         "without zerojax's XLA flags (collectives beside compute, matmuls on "
         "cuBLAS, which made GPT-2 medium's step about a tenth faster on one "
         "H100). Import zerojax first, or set "
         "os.environ['XLA_FLAGS'] = zerojax.with_gpu_flags(...) before "
-        "jax starts.")
+        "jax starts; %s=0 silences this.", OPT_OUT)
 
 
 @contextlib.contextmanager
@@ -230,7 +243,7 @@ def _write_on_host_p():
     effect, emit = callback._IOEffect, callback.emit_python_callback
     op_sharding, custom_call = callback._callback_op_sharding, mlir.custom_call
   except (ImportError, AttributeError):
-    _log.info("zerojax: jax's host callback internals moved; write_on_host "
+    _log.info("jax's host callback internals moved; write_on_host "
               "uses io_callback")
     return None
   optional = {"returns_token": False} if "returns_token" in (

@@ -42,7 +42,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 @functools.cache
 def _say_auto_copy(mesh: Mesh) -> None:
   _log.warning(
-      "zerojax: the mesh's axes %s are %s; the ZeRO state uses a copy of the "
+      "the mesh's axes %s are %s; the ZeRO state uses a copy of the "
       "mesh with Auto axes (same devices and axis names; state.mesh), since "
       "its update is written for Auto sharding. To keep your own mesh, build "
       "it with Auto axes: jax.make_mesh(shape, names, axis_types=(AxisType."

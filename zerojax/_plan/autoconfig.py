@@ -314,7 +314,7 @@ def place_as_chosen(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
   except ValueError as e:
     raise ValueError(f"stage='auto', device_budget={cfg.device_budget!r}: "
                      f"{e}") from None
-  _log.warning("zerojax: stage='auto' chose %s.\n%s", chosen.chosen.label,
+  _log.warning("stage='auto' chose %s.\n%s", chosen.chosen.label,
                chosen)
   layout, axes = state.layout, shard_axes(cfg)
   params = reshard.to_tree(layout, loaded_master(state),

@@ -252,7 +252,7 @@ def place_as_planned(state: ZeroTrainState, loss_fn: Callable, batch: Any, *,
                      f"{e}") from None
   planned = state.replace(config=cfg.replace(placement="planned",
                                              **plan.fields))
-  _log.info("zerojax: offload='auto' planned %s: step %s device bytes "
+  _log.info("offload='auto' planned %s: step %s device bytes "
             "per device, budget %s; optimizer state of %d of %d chunks on "
             "host.", _describe(plan.fields), f"{plan.device_bytes:,}",
             f"{plan.budget_bytes:,}", plan.offloaded_chunks,

@@ -82,7 +82,7 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
     if (name, why) not in _SAID_SHAPED:
       _SAID_SHAPED.add((name, why))
       _log.warning(
-          "zerojax: optax transformation %r does not run on flat chunk views "
+          "optax transformation %r does not run on flat chunk views "
           "(%s): each leaf is kept alone in its chunk and shown to the "
           "optimizer in its own shape, its update running on the real "
           "tensors sharded over the data axis (a collective per leaf at "

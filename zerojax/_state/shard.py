@@ -226,7 +226,7 @@ def config_and_mesh(stage, mesh, fields: dict) -> tuple:
   if mesh.devices.size == 1 and config.stage > 0 and not _SAID_ONE_DEVICE:
     _SAID_ONE_DEVICE.append(True)
     _log.warning(
-        "zerojax: ZeRO-%d over 1 device: nothing is sharded. On a CPU machine "
+        "ZeRO-%d over 1 device: nothing is sharded. On a CPU machine "
         "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before the "
         "first `import jax` for 8 simulated devices.", config.stage)
   return config, mesh

@@ -252,7 +252,7 @@ def _as_host_tier(state) -> Any:
   the host tier, updating on the host, which places every array as the
   disk tier would; said once."""
   _log.warning(
-      "zerojax: Offload(tier='disk') has nothing to keep on disk here: the "
+      "Offload(tier='disk') has nothing to keep on disk here: the "
       "offloaded chunks have no optimizer statistics (optax.sgd keeps none), "
       "and at stage 3 under fp32 compute the "
       "master shards stay in host memory for the gathers; running as "
@@ -278,7 +278,7 @@ def _new_prefix(directory: Optional[str]) -> str:
   if directory not in _PREFIXES:
     _PREFIXES[directory] = set()
     _remove_leftovers(directory)
-    _log.warning("zerojax: the disk tier keeps optimizer state in %s (files "
+    _log.warning("the disk tier keeps optimizer state in %s (files "
                  "p%d*.bin), removed when this process exits normally.",
                  directory, os.getpid())
   _PREFIXES[directory].add(prefix)
@@ -319,7 +319,7 @@ def _remove_leftovers(directory: str) -> None:
     except FileNotFoundError:
       pass
   if gone:
-    _log.warning("zerojax: removed %d disk-tier file(s) (%.1f MiB) that "
+    _log.warning("removed %d disk-tier file(s) (%.1f MiB) that "
                  "ended processes left in %s.", len(gone), freed / 2 ** 20,
                  directory)
 

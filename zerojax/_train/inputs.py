@@ -193,7 +193,7 @@ def _say_if_same_everywhere(batch) -> None:
   every = np.asarray(multihost_utils.process_allgather(mine))
   if np.all(every == every[0]):
     _log.warning(
-        "zerojax: every one of the %d processes passed the same batch rows. "
+        "every one of the %d processes passed the same batch rows. "
         "With several processes a step takes each process's own slice of "
         "the global batch (the global batch is their slices together); pass "
         "each process its own rows, or a global jax.Array "

@@ -283,11 +283,11 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
   not wrapped)."""
   for why in dict.fromkeys(refused.values()):
     chunks = [c for c, w in refused.items() if w == why]
-    zero_nn.say_once(f"zerojax: stage 3 holds {_names(layout, chunks)} gathered "
+    zero_nn.say_once(f"stage 3 holds {_names(layout, chunks)} gathered "
               f"for the whole step: {why}.")
   if read:
     zero_nn.say_once(
-        f"zerojax: stage 3 holds {_names(layout, read)} gathered for the "
+        f"stage 3 holds {_names(layout, read)} gathered for the "
         "whole step: its parameters are also read outside its own call (by "
         "another module, or by the loss function), so gathering it per "
         "call would not free them. To gather it per call, read the weights "
@@ -301,14 +301,14 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
             and layout.chunks[c].stack in config.stacked]
   if stacks:
     zero_nn.say_once(
-        f"zerojax: Blocks(stacked={tuple(config.stacked)!r}) at stage 3, but no "
+        f"Blocks(stacked={tuple(config.stacked)!r}) at stage 3, but no "
         f"layer of {_names(layout, stacks)} was called as a module inside "
         "its scan, so the step gathers all its layers at once for the "
         "whole step (memory grows with depth).")
   blocks = [c for c in unheard if not layout.chunks[c].layers]
   if blocks:
     zero_nn.say_once(
-        f"zerojax: stage 3 holds {_names(layout, blocks)} gathered for the "
+        f"stage 3 holds {_names(layout, blocks)} gathered for the "
         "whole step: no call of a module holding exactly those parameters "
         "was seen (a block called with another parameter structure, or "
         "parameters used without calling their module).")

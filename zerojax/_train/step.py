@@ -188,7 +188,7 @@ def _check_planned_batch(planned: dict, config, batch) -> None:
   if budget is None or _batch_bytes(batch) <= size:
     return
   _log.warning(
-      "zerojax: stage='auto' chose its configuration for the first batch "
+      "stage='auto' chose its configuration for the first batch "
       "(%d bytes); this batch holds %d bytes, a program the plan did not "
       "measure against device_budget=%r. If it runs out of memory, shard "
       "again with stage='auto' and pass the largest batch first (or plan "

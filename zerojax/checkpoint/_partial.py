@@ -96,7 +96,7 @@ def restore_into(values: dict, like, *, partial: bool, cast: bool,
       lambda path, x: _take(values.get("/".join(path_names(path))), x),
       like.params)
   _log.warning(
-      "zerojax: restored %d of %d parameters from %s; %d new (like's values "
+      "restored %d of %d parameters from %s; %d new (like's values "
       "kept): %s%s", len(mine) - len(new), len(mine), source, len(new),
       _few(new) or "none",
       f"; {len(dropped)} saved left out: {_few(dropped)}" if dropped else "")

@@ -298,7 +298,7 @@ def _offload(zero: dict, stage: int) -> dict:
                        f"needs zero_optimization.stage 3 (got {stage}), as in "
                        "DeepSpeed.")
     if param["device"] == "nvme":
-      _log.warning("zerojax: offload_param.device='nvme': zerojax keeps "
+      _log.warning("offload_param.device='nvme': zerojax keeps "
                    "parameter shards in host memory (its disk tier holds the "
                    "optimizer state); parameters go to host memory.")
     # the optimizer stays on the device unless offload_optimizer says

@@ -186,7 +186,7 @@ def _schedule(section: dict, base_lr: float) -> Union[float, Callable]:
                        "zerojax.deepspeed.optimizer(..., total_steps=).")
     total = values.count(p["total_num_steps"], f"{where}total_num_steps", 1)
     if total < warmup:
-      _log.warning("zerojax: %stotal_num_steps=%d is less than "
+      _log.warning("%stotal_num_steps=%d is less than "
                    "warmup_num_steps=%d: the decay starts at its end (as in "
                    "DeepSpeed).", where, total, warmup)
   if kind in ("WarmupLR", "WarmupDecayLR"):

@@ -55,7 +55,7 @@ def _say_unstacked(layout, config, path: tuple) -> None:
              for c, chunk in enumerate(layout.chunks) if chunk.layers)):
     return
   zero_nn.say_once(
-      f"zerojax: BlockedEmbed {'/'.join(path)} is not in "
+      f"BlockedEmbed {'/'.join(path)} is not in "
       f"Blocks(stacked={tuple(config.stacked)!r}), so the step holds its whole table "
       "(and gradient) as it would nn.Embed's. Add its name, Blocks(stacked=(..., "
       f"{path[-1]!r})), to gather it one vocabulary block at a time.")

@@ -97,7 +97,7 @@ def choose(layout, config, heard: Callable[[], frozenset],
   chosen = beside - usable if per_use < held else beside
   what = (f"compiled step {mib(per_use)} per use, {mib(held)} held")
   why.update({n: what for n in names(usable)})
-  say_once(f"zerojax: stage 3 {'gathers' if chosen != beside else 'holds'} "
+  say_once(f"stage 3 {'gathers' if chosen != beside else 'holds'} "
            f"{', '.join(map(repr, names(usable)))} "
            f"{'at each use' if chosen != beside else 'for the whole step'}: "
            f"{what}.", logging.INFO)
