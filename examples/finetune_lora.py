@@ -63,9 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--text", metavar="FILE", help="fine-tune on this file's "
                  "lines, as bytes (the base must be byte-level too)")
   p.add_argument("--rank", type=int, default=8, help="LoRA rank")
-  p.add_argument("--steps", type=int, default=100)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
+  p.add_argument("--steps", type=int, default=100,
+                 help="fine-tuning steps (default: 100)")
+  p.add_argument("--lr", type=float, default=3e-3,
+                 help="peak learning rate of the adapters: warm-up over a "
+                 "tenth of --steps, cosine to lr/10 (default: 3e-3)")
+  p.add_argument("--stage", type=int, default=3, choices=[1, 2, 3],
+                 help="ZeRO stage (default: 3)")
   p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                  default="auto", help="auto: bf16 on GPU/TPU, fp32 on CPU")
   p.add_argument("--frozen-dtype", choices=["int8"], help="store the frozen "
@@ -77,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "preset's)")
   p.add_argument("--devices", type=int, default=8, help="without an "
                  "accelerator: simulate this many CPU devices")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the adapters' initial values and of the data "
+                 "(default: 0)")
   p.add_argument("--json", metavar="PATH", help="write losses and memory")
   args = p.parse_args(argv)
   for name in ("rank", "steps", "base_steps", "batch", "seq", "devices"):
@@ -171,6 +177,11 @@ def main(argv=None) -> dict:
                                      frozen_dtype=args.frozen_dtype,
                                      precision=compute_dtype)
   num_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+  base_leaves = sum(jax.tree_util.tree_leaves(is_frozen(params)))
+  leaves = len(jax.tree_util.tree_leaves(params))
+  print(f"restored the base from {base}: {base_leaves} of {leaves} "
+        f"parameters; the {leaves - base_leaves} adapters start from their "
+        "initial values")
   del params, lora
 
   def loss_fn(params, batch):

@@ -195,10 +195,10 @@ def decay_mask(params):
 
 # ---- data ----------------------------------------------------------------------
 class Batches:
-  """Global batches {"tokens", "targets"} of int32 [batch, seq], host numpy.
-
-  Every process draws the same global batch (same seed); the step keeps the
-  slices its devices hold.
+  """Batches {"tokens", "targets"} of int32 [batch, seq], host numpy: the
+  global batch on one process; each process's own rows on several (its
+  share of the batch, its own seed and --text), which the step assembles
+  into the global batch (process-local batches, docs/multinode.md).
   """
 
   def __init__(self, vocab: int, batch: int, seq: int, seed: int,
@@ -331,10 +331,15 @@ def summarize(records: list, state, step, batch, *, cfg: GPTConfig, run: dict,
       optimizer_bytes_per_param=8,   # AdamW: two fp32 moments
       split_params=split, model_shards=cfg.tp)["persistent"]
 
-  floor = (f" (data entropy, the floor: {data.entropy:.4f})"
-           if data.probs is not None else "")
+  last = records[-10:]
+  mean = sum(r["loss"] for r in last) / len(last)
+  # a batch's loss scatters around the model's mean loss, which the data's
+  # entropy bounds from below: one batch may fall under it by chance
+  floor = (f"; the data's entropy {data.entropy:.4f} is the least a model's "
+           "mean loss can reach" if data.probs is not None else "")
   log(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
-      f"{len(records)} steps{floor}; first step (compile + run) "
+      f"{len(records)} steps (mean of the last {len(last)}: {mean:.4f}"
+      f"{floor}); first step (compile + run) "
       f"{timing['first_step_s']:.1f} s")
   if steady:
     log(f"throughput {timing['tokens_per_s']:,.0f} tokens/s, "

@@ -10,8 +10,9 @@ PRESETS = {
     # name: model shape, and the run defaults used when a flag is left out.
     "tiny": dict(layers=2, width=64, heads=4, vocab=256, ctx=64,
                  micro_batch=2, seq=64, steps=50, lr=3e-3),
+    # (its lr: docs/decisions.md, "The CPU example's learning rate")
     "cpu": dict(layers=4, width=128, heads=2, vocab=256, ctx=128,
-                micro_batch=2, seq=128, steps=100, lr=2e-3),
+                micro_batch=2, seq=128, steps=100, lr=1e-3),
     "small": dict(layers=12, width=768, heads=12, vocab=50257, ctx=1024,
                   micro_batch=8, seq=1024, steps=100, lr=6e-4),
     "medium": dict(layers=24, width=1024, heads=16, vocab=50257, ctx=1024,
@@ -56,15 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--weight-decay", type=float, default=0.1,
       help="AdamW decay on kernels and embeddings")
   add("--clip", type=float, default=1.0, help="global-norm clip; 0: none")
-  add("--seed", type=int, default=0)
+  add("--seed", type=int, default=0,
+      help="seed of the initial parameters and of the data")
   add("--text", metavar="FILE", help="train on this file's bytes (default: "
-      "random tokens from a Zipf law, whose entropy is printed)")
+      "random tokens from a Zipf law, whose entropy is printed); several "
+      "processes: each reads its own, its part of the data")
   add("--json", metavar="PATH", help="write config, metrics and memory here")
   add("--devices", type=int, default=8,
       help="without an accelerator: simulated CPU devices")
   add("--coordinator", metavar="HOST:PORT", help="multi-host: process 0")
-  add("--num-processes", type=int)
-  add("--process-id", type=int)
+  add("--num-processes", type=int, help="multi-host: how many processes")
+  add("--process-id", type=int, help="multi-host: this process's number, "
+      "0 to --num-processes - 1")
   add("--mesh", metavar="replica=R,data=D", help="hybrid sharding: the "
       "stage shards over data (a node's GPUs), replicates over replica")
   add("--tp", type=int, default=1, metavar="M", help="tensor parallelism: "

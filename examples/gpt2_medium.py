@@ -117,7 +117,12 @@ def main(argv=None) -> dict:
     return model.apply({"params": params}, batch["tokens"], batch["targets"])
 
   step = zerojax.train_step(loss_fn)
-  data = Batches(cfg.vocab, run["batch"], run["seq"], args.seed, args.text)
+  # Each process loads only its own rows (process-local batches: the step
+  # assembles the global batch): its share of the batch, from its own
+  # --text or its own stream of random tokens.
+  procs, me = jax.process_count(), jax.process_index()
+  data = Batches(cfg.vocab, run["batch"] // procs, run["seq"], args.seed + me,
+                 args.text)
   tokens_per_step = run["batch"] * run["seq"]
   config = {**vars(args), **run, "model": dataclasses.asdict(cfg),
             **describe(state, cfg, run, args, data, log)}

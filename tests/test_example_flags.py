@@ -67,3 +67,19 @@ def test_the_lora_example_refuses_a_text_with_no_usable_line(tmp_path):
   text.write_bytes(b"a\n\nb\n")
   with pytest.raises(SystemExit, match="has no line of two bytes or more"):
     _example("finetune_lora").PaddedBatches(256, 4, 8, 0, text=str(text))
+
+
+def test_every_flag_of_the_examples_says_what_it_does(monkeypatch):
+  import argparse
+  said = []
+  add = argparse.ArgumentParser.add_argument
+
+  def recording(self, *names, **options):
+    said.append((names, options.get("help")))
+    return add(self, *names, **options)
+  monkeypatch.setattr(argparse.ArgumentParser, "add_argument", recording)
+  _example("gpt2_flags").parse_args([])
+  _example("finetune_lora").parse_args([])
+  flags = [names for names, _ in said if names != ("-h", "--help")]
+  assert len(flags) > 30
+  assert [names for names, text in said if not text] == []

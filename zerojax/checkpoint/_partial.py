@@ -95,7 +95,10 @@ def restore_into(values: dict, like, *, partial: bool, cast: bool,
   merged = jax.tree_util.tree_map_with_path(
       lambda path, x: _take(values.get("/".join(path_names(path))), x),
       like.params)
-  _log.warning(
+  # every saved leaf used (a base restored under adapters): said at info
+  # level; saved leaves left out (partial=True) are a warning
+  _log.log(
+      logging.WARNING if dropped else logging.INFO,
       "restored %d of %d parameters from %s; %d new (like's values "
       "kept): %s%s", len(mine) - len(new), len(mine), source, len(new),
       _few(new) or "none",
