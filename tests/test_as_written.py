@@ -75,7 +75,7 @@ def test_each_block_is_gathered_twice_in_the_compiled_step():
     others = len(state.layout.chunks) - blocks
     assert blocks == 4
     # the embeddings and final norm (chunks of their own with
-    # reshard_after_forward, `zerojax.nn._peruse`) are held: too small to compare
+    # reshard_after_forward, `zerojax._model.peruse`) are held: too small to compare
     assert count[reshard] == (2 if reshard else 1) * blocks + others
 
 

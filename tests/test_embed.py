@@ -277,7 +277,7 @@ def test_a_table_left_out_of_stacked_is_held_whole_and_said(caplog,
   """At stage 3 a `BlockedEmbed` whose name is not in `stacked=` is an
   ordinary leaf, held whole for the step (it still trains): the step says
   so once, naming the fix."""
-  monkeypatch.setattr(zerojax.nn._gather, "_SAID", set())
+  monkeypatch.setattr(zerojax._model.gather, "_SAID", set())
   model = ScannedLM(layers=2, vocab=VOCAB, embed_blocks=4)
   batch = lm_batches(VOCAB, steps=1)[0]
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]

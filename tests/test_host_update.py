@@ -81,7 +81,7 @@ def _moves(state, loss_fn, batch):
   text = zerojax.train_step(loss_fn).trace(state, batch).lower(
       lowering_platforms=("cuda",)).as_text()
   # the chunks whose shape is no other chunk's shard shape (a small chunk,
-  # such as a final norm's own, `zerojax.nn._peruse`, can be)
+  # such as a final norm's own, `zerojax._model.peruse`, can be)
   n = state.num_shards
   shards = {c.shape[:-1] + (c.length // n,) for c in state.layout.chunks}
   chunks = [c for c in state.layout.chunks if c.shape not in shards]

@@ -178,7 +178,7 @@ def test_bad_mutable_input_is_refused_and_the_state_is_kept(mutable, loss_fn,
 def test_blocks_that_update_statistics_are_held_and_told_so(problems, caplog):
   """A block whose call updates `batch_stats` is not gathered per call (its
   re-gathered backward would not replay the update): held, said once."""
-  zerojax.nn._gather._SAID.clear()   # (said once a process)
+  zerojax._model.gather._SAID.clear()   # (said once a process)
   variables, loss_fn, batches = problems[None]
   state = zerojax.shard(
       TrainState.create(apply_fn=None, params=variables["params"], tx=TX,

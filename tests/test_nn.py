@@ -49,7 +49,7 @@ def test_layerwise_matches_plain_optax(layerwise, scan, offload):
                             "stage": 3, **offload,
                             "stacked": ("blocks",) if scan else ()}))
   if not scan:   # every block has chunks of its own, opted in or not, and
-    # so do the modules beside them (`zerojax.nn._peruse`; the root's
+    # so do the modules beside them (`zerojax._model.peruse`; the root's
     # LayerNorm_0 by its root path, its name being the blocks' too)
     assert {c.stack for c in state.layout.chunks} == {
         "Embed_0", "/LayerNorm_0", "blocks_0", "blocks_1", "blocks_2"}
@@ -112,7 +112,7 @@ def test_tie_is_the_bit_identity_on_every_platform():
   """`nn.tie` is `x & (x | t)` on the bits, lowered for CPU and for CUDA
   alike (an optimization barrier is dropped by XLA's CPU backend and, on a
   GPU, cost time and memory: docs/decisions.md), and gives `x`'s values."""
-  from zerojax.nn import tie
+  from zerojax._model.gather import tie
   f = jax.jit(lambda x, a: tie(x, a) * 2)
   x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
   a = jnp.float32(-1.5)
@@ -423,7 +423,7 @@ def test_the_step_says_how_it_gathers_each_chunk(layerwise, scan, want):
   modes = zerojax.train_step(_loss_fn(model)).gathering(state, batch)
   assert {k: v for k, v in modes.items() if k.startswith("blocks")} == want
   # the embedding and final norm, modules beside the blocks, too small to
-  # compare gathering them per use with holding them (`zerojax.nn._peruse`)
+  # compare gathering them per use with holding them (`zerojax._model.peruse`)
   assert {k: v.split(" (")[0] for k, v in modes.items()
           if not k.startswith("blocks")} == {"Embed_0": "whole step",
                                              "LayerNorm_0": "whole step"}
@@ -553,7 +553,7 @@ class _PenalisedLM(nn.Module):
 
 @pytest.mark.slow
 def test_a_block_whose_parameters_are_read_outside_its_call_is_held(caplog):
-  zerojax.nn._gather._SAID.clear()   # (said once a process)
+  zerojax._model.gather._SAID.clear()   # (said once a process)
   model = _PenalisedLM()
   batches = _batches(64, batch=16, seq=8, steps=3)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
@@ -597,7 +597,7 @@ def test_a_module_that_only_looks_like_a_stack_is_held(caplog):
   """Found by the tree alone (`chunking.scanned_stacks`), laid out per
   "layer", but never called as one layer inside a scan: held for the step,
   silently (nothing was asked), training as plain optax."""
-  zerojax.nn._gather._SAID.clear()   # (said once a process)
+  zerojax._model.gather._SAID.clear()   # (said once a process)
   model = _Convs()
   rng = np.random.default_rng(0)
   batches = [{"x": rng.normal(size=(16, 6, 6, 16)).astype(np.float32),
@@ -633,7 +633,7 @@ class _TwoShapes(nn.Module):
 
 
 def test_parameters_used_without_calling_their_module_are_held(caplog):
-  zerojax.nn._gather._SAID.clear()   # (said once a process)
+  zerojax._model.gather._SAID.clear()   # (said once a process)
   model = _TwoShapes()
   x = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
   params = model.init(jax.random.key(0), x[:1])["params"]
@@ -688,7 +688,7 @@ def test_a_per_use_module_is_gathered_at_each_call_and_trains_exactly():
 
 @pytest.mark.slow
 def test_a_per_use_module_is_gathered_once_per_call(monkeypatch):
-  """Held (the comparison of `zerojax.nn._peruse` off), the bridge's chunks are gathered once for the step; per use, at
+  """Held (the comparison of `zerojax._model.peruse` off), the bridge's chunks are gathered once for the step; per use, at
   its forward call and again in its backward pass (one more all-gather per
   chunk), the rest of the program unchanged. Whether that lowers the
   footprint is up to XLA's scheduler: the compiled footprints, measured
@@ -698,7 +698,7 @@ def test_a_per_use_module_is_gathered_once_per_call(monkeypatch):
   model, held, x = _bridged_state(())
   _, per_use, _ = _bridged_state(("bridge",))
   loss_fn = lambda p, b: model.apply({"params": p}, b)
-  monkeypatch.setattr(zerojax.nn._peruse, "WORTH_COMPARING", float("inf"))
+  monkeypatch.setattr(zerojax._model.peruse, "WORTH_COMPARING", float("inf"))
   text = {k: zerojax.train_step(loss_fn).lower(s, x).compile().as_text()
           for k, s in (("held", held), ("per use", per_use))}
   bridge_chunks = sum(1 for c in per_use.layout.chunks if c.stack == "bridge")

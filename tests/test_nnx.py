@@ -1,4 +1,4 @@
-"""Flax NNX models through the NNX front end (`zerojax.nn._frontend`): the same
+"""Flax NNX models through the NNX front end (`zerojax._model.frontend`): the same
 one-line adoption, checked against a plain `nnx.Optimizer` loop on one
 device, a data-parallel BatchNorm reference, per-device dropout, evaluation
 and the errors."""

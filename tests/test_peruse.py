@@ -1,4 +1,4 @@
-"""zerojax.nn._peruse: the modules beside a stage-3 model's blocks, held for the
+"""zerojax._model.peruse: the modules beside a stage-3 model's blocks, held for the
 step or gathered at each use, whichever compiles smaller."""
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from flax.training import train_state
 
 import zerojax
 from zerojax._state import memory
-from zerojax.nn import _peruse as peruse
+from zerojax._model import peruse as peruse
 from models import (Bridged, NnxResidualBlock, ResidualBlock, ScannedLM,
                     assert_matches_reference, nnx_listed, reference_run,
                     zero_run)
@@ -42,7 +42,7 @@ def test_the_smaller_of_held_and_per_use_is_chosen_and_trains_exactly(
   """The bridge gets chunks of its own without `per_use=`; the first step
   compiles it held and per use and keeps the smaller, says so once, and
   trains as plain optax."""
-  zerojax.nn._gather._SAID.clear()   # (said once a process)
+  zerojax._model.gather._SAID.clear()   # (said once a process)
   state, loss_fn, batches, (params, tx) = _bridged()
   assert "bridge" in {c.stack for c in state.layout.chunks}
   step = zerojax.train_step(loss_fn)

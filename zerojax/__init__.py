@@ -31,7 +31,7 @@ from zerojax._state.sharded_init import create
 from zerojax._state.gathered import gather_model, gather_params
 from zerojax._state.shard import shard, shard_shape
 from zerojax._state.state import ZeroTrainState
-from zerojax._train.step import train_step
+from zerojax._first_step import train_step
 
 __all__ = ["Axes", "Blocks", "DynamicLossScale", "GpuTarget", "MemoryReport", "Offload",
            "OffloadPlan", "Plan", "Precision", "Quantize", "ZeroConfig",

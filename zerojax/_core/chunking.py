@@ -63,7 +63,7 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
   Subtrees under `stacked` (names or paths) are skipped; where repeated blocks hold repeated
   blocks with nearly all (90%) of their parameters, the inner ones are the
   blocks. Whether a block is called as one (and so gathered per call) is
-  the step's to find (`zerojax.nn.intercept`); a block that is not is held.
+  the step's to find (`zerojax._model.linen.intercept`); a block that is not is held.
   """
   def signature(node):
     if isinstance(node, dict):
@@ -126,7 +126,7 @@ def scanned_stacks(params: Any, num_shards: int,
   laid out as a stack, such a module is gathered whole for the step, as it
   would be anyway, since the step gathers a stack per layer only where its
   hearing trace heard one layer of it called inside a scan
-  (`zerojax.nn.intercept`)."""
+  (`zerojax._model.linen.intercept`)."""
   def leaves(node):
     if isinstance(node, dict):
       return [x for v in node.values() for x in leaves(v)]

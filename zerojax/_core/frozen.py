@@ -44,7 +44,7 @@ from zerojax._core import reshard
 from zerojax._options.policy import policy
 
 # the name of the function whose outputs a per-block remat never saves: the
-# parameters a block gathers (`zerojax.nn._regathering`)
+# parameters a block gathers (`zerojax._model.gather._regathering`)
 GATHERED = "_zerojax_gathered_leaves"
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._tiers import disk_tier
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import frozen
 from zerojax._core import meshes
 from zerojax._core import optim
@@ -134,7 +134,7 @@ def plan_layout(tx, params, config: ZeroConfig, num_shards: int,
   # stage 3 gathers a stack's chunks per layer, an unrolled block's alone
   # (`zerojax.nn.layerwise`), those of a module named in `per_use`, and
   # for a linen model, those of the modules beside them where that
-  # compiles smaller (`zerojax.nn._peruse`)
+  # compiles smaller (`zerojax._model.peruse`)
   stacks = layer_stacks(abstract, config, num_shards, model_dims)
   found = repeated_blocks(abstract, stacks)
   named = named_units(abstract, config.per_use, stacks, found)

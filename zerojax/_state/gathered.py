@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import frozen
 from zerojax._core import reshard
 from zerojax._options.config import shard_axes

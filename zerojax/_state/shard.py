@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from zerojax._tiers import disk_tier
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import meshes
 from zerojax._core import offload
 from zerojax._core import tensor_parallel
@@ -97,7 +97,7 @@ def shard(state: Any, stage: Union[None, int, str] = None,
     state: a `flax.training.train_state.TrainState` (or subclass; extra fields
       are kept as they are; its optimizer state, trained or fresh, is kept),
       or a `flax.nnx.Module` (its `nnx.Param` variables are trained, every
-      other variable is kept and updated by the step: `zerojax.nn._frontend`).
+      other variable is kept and updated by the step: `zerojax._model.frontend`).
     stage: ZeRO stage 0-3 (see `ZeroConfig`); default 3, or the stage of
       `config` / `strategy`; or "auto" with `device_budget=`: the first
       `train_step` call chooses the stage, remat and offload for its

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax._tiers import disk_tier
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import frozen
 from zerojax._core import meshes
 from zerojax._core import offload

@@ -29,7 +29,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax._tiers import disk_tier
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import frozen
 from zerojax._core import meshes
 from zerojax._core import offload
@@ -115,7 +115,7 @@ class ZeroTrainState(struct.PyTreeNode):
 
   @property
   def frontend(self):
-    """The Flax front end the state came from (`zerojax.nn._frontend`): it
+    """The Flax front end the state came from (`zerojax._model.frontend`): it
     adapts the user's loss and evaluation functions."""
     return dict(self.static_extras).get(frontend.FRONTEND_FIELD, frontend.LINEN)
 

@@ -21,7 +21,7 @@ from zerojax._core import frozen
 from zerojax._train import grads
 from zerojax._train import model_call
 from zerojax._core import outputs
-from zerojax.nn import _peruse as peruse
+from zerojax._model import peruse as peruse
 from zerojax._options.config import batch_axes, manual_axes, shard_axes
 from zerojax._options.policy import Forward, policy
 from zerojax._state.state import chunk_spec
@@ -93,7 +93,7 @@ def _evaluate(fn, mutable, weighted, state, batch, rng):
                                 None, slotted, with_rng)
     diff = call.differentiated()
     # the modules beside the blocks are held: an evaluation has no
-    # backward pass for gathering per use to shorten (`zerojax.nn._peruse`)
+    # backward pass for gathering per use to shorten (`zerojax._model.peruse`)
     layerwise = (call.opted_in(diff, batch, dev_rng, fields)
                  - peruse.chunks(state.layout, state.config))
     out = call.outputs(diff, batch, dev_rng, fields, layerwise)

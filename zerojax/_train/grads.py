@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax._comm import collectives
 from zerojax._core import frozen
 from zerojax._core import offload
-from zerojax.nn import _peruse as peruse
+from zerojax._model import peruse as peruse
 from zerojax._options.config import batch_axes, manual_axes, shard_axes
 from zerojax._options.policy import Forward, Reduction, policy
 from zerojax._state.state import chunk_spec, state_shardings
@@ -52,7 +52,7 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
   global batch's weight (None unless `weighted`); fills `modes` with how
   each chunk is gathered (`gather_modes`), and `heard` with the chunks a
   block or module could gather at its calls (`ModelCall.opted_in`), of
-  which those in `held` (modules beside the blocks, `zerojax.nn._peruse`) are
+  which those in `held` (modules beside the blocks, `zerojax._model.peruse`) are
   held for the step instead.
 
   The loss and its gradient are the mean of the devices' and micro-batches'

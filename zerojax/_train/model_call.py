@@ -1,7 +1,7 @@
 """The user's function called on a state's chunks (`ModelCall`), for the
 train step's gradients (`grads`) and for evaluation: the chunks cut into
 the user's tree as the stage's forward reads them, the front end adapting
-the function, the per-block gathering switched on (`zerojax.nn.active`),
+the function, the per-block gathering switched on (`zerojax._model.linen.active`),
 and, in the step's hearing trace (an ordinary tree), which blocks read
 parameters from outside their own call (`_read_outside`, a backward walk
 over the jaxpr: `_live_inputs`)."""
@@ -15,8 +15,9 @@ from flax import traverse_util
 from zerojax._comm import collectives
 from zerojax._core import frozen
 from zerojax._core import outputs
-from zerojax.nn import _peruse as peruse
-from zerojax import nn as zero_nn
+from zerojax._model import peruse as peruse
+from zerojax._model import gather
+from zerojax._model import linen as model_linen
 from zerojax._options.config import collectives_overlap, prefetches
 from zerojax._options.policy import Forward, Reduction, StagePolicy
 
@@ -60,7 +61,7 @@ class ModelCall:
     blocks, `per_use` modules): one abstract trace on the ordinary tree
     hears which blocks are called, each saying its module path: a
     `zerojax.nn.layerwise` block, or at stage 3 any linen block that owns
-    chunks (`zerojax.nn.intercept`). A block heard there whose parameters
+    chunks (`zerojax._model.linen.intercept`). A block heard there whose parameters
     are also read outside its call (a tied weight another module reads, a
     penalty in the loss) is held for the step instead (`_read_outside`).
     An error in the trace is the model's own."""
@@ -77,7 +78,7 @@ class ModelCall:
     read = _read_outside(traced, {c for c in layerwise if own[c] in heard})
     if self.pol.gathers_params and self.cfg.reshard_after_forward:
       # the modules beside the blocks are held unless chosen per use: the
-      # step says why where it chooses (`zerojax.nn._peruse`)
+      # step says why where it chooses (`zerojax._model.peruse`)
       quiet = peruse.chunks(layout, self.cfg)
       _say_whole(layout, self.cfg,
                  {c: p for c, p in own.items() if c not in quiet},
@@ -90,12 +91,12 @@ class ModelCall:
               called=None, hearing=None):
     """What the user's function returns on this device's `batch`; with
     `hearing`, `(heard, refused)` of the step's hearing trace
-    (`zerojax.nn.active`)."""
+    (`zerojax._model.linen.active`)."""
     params = self._tree(diff, layerwise)
     heard, refused = (None, None) if hearing is None else hearing
     beside = frozenset(self.layout.stack_prefix(c)
                        for c in peruse.chunks(self.layout, self.cfg))
-    with zero_nn.active(self.layout, self.cfg, called, self.prefetch,
+    with model_linen.active(self.layout, self.cfg, called, self.prefetch,
                         overlap=self.overlap, auto=(self.pol.gathers_params
                               and self.cfg.reshard_after_forward),
                         heard=heard, refused=refused, beside=beside):
@@ -250,7 +251,7 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset,
   (<its first leaf>)"; the mode "per layer" (a scanned stack whose block is
   wrapped with `zerojax.nn.layerwise`), "per block" (an unrolled wrapped
   block, gathered at each call), "per use" (a module `beside` the blocks,
-  `zerojax.nn._peruse`), "whole step" (gathered once for the step's forward
+  `zerojax._model.peruse`), "whole step" (gathered once for the step's forward
   and backward), or, below stage 3, "replicated" (never gathered;
   "replicated, gradient reduced per layer" for a wrapped stack at stage 2)."""
   out = {}
@@ -283,10 +284,10 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
   not wrapped)."""
   for why in dict.fromkeys(refused.values()):
     chunks = [c for c, w in refused.items() if w == why]
-    zero_nn.say_once(f"stage 3 holds {_names(layout, chunks)} gathered "
+    gather.say_once(f"stage 3 holds {_names(layout, chunks)} gathered "
               f"for the whole step: {why}.")
   if read:
-    zero_nn.say_once(
+    gather.say_once(
         f"stage 3 holds {_names(layout, read)} gathered for the "
         "whole step: its parameters are also read outside its own call (by "
         "another module, or by the loss function), so gathering it per "
@@ -300,14 +301,14 @@ def _say_whole(layout, config, own_gather: dict, layerwise: frozenset,
   stacks = [c for c in unheard if layout.chunks[c].layers
             and layout.chunks[c].stack in config.stacked]
   if stacks:
-    zero_nn.say_once(
+    gather.say_once(
         f"Blocks(stacked={tuple(config.stacked)!r}) at stage 3, but no "
         f"layer of {_names(layout, stacks)} was called as a module inside "
         "its scan, so the step gathers all its layers at once for the "
         "whole step (memory grows with depth).")
   blocks = [c for c in unheard if not layout.chunks[c].layers]
   if blocks:
-    zero_nn.say_once(
+    gather.say_once(
         f"stage 3 holds {_names(layout, blocks)} gathered for the "
         "whole step: no call of a module holding exactly those parameters "
         "was seen (a block called with another parameter structure, or "
@@ -318,12 +319,12 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict,
                        in_block: set = frozenset()):
   """The parameter tree with each wrapped layer-stacked chunk `c` left
   under its stack as `own[c]`: `(value, slot)`, the value (`[layers, ...]`:
-  shards, or the replicated chunk) under `zero_nn.chunk_key(c)` and a
-  gradient slot, if any, under `zero_nn.slot_key(c)` (see
+  shards, or the replicated chunk) under `gather.chunk_key(c)` and a
+  gradient slot, if any, under `gather.slot_key(c)` (see
   `zerojax.nn.layerwise`); and each frozen weight of such a block (leaf
   indices `in_block`, their shards in `rest`) under
-  `zero_nn.frozen_key(i)` (an int8 matrix's absmax under
-  `zero_nn.scale_key(i)`), beside its block's chunks."""
+  `gather.frozen_key(i)` (an int8 matrix's absmax under
+  `gather.scale_key(i)`), beside its block's chunks."""
   tree = layout.merge(chunks, rest, dtype=None, skip=frozenset(own),
                       leaves=leaves)
   skipped = {layout.leaves[i].names for c in own
@@ -336,9 +337,9 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict,
   for c, (value, slot) in own.items():
     names = layout.leaves[layout.chunks[c].leaves[0]].names
     prefix = keys[names][:len(layout.stack_prefix(c))]
-    flat[prefix + (zero_nn.chunk_key(c),)] = value
+    flat[prefix + (gather.chunk_key(c),)] = value
     if slot is not None:
-      flat[prefix + (zero_nn.slot_key(c),)] = slot
+      flat[prefix + (gather.slot_key(c),)] = slot
   prefixes = {layout.stack_prefix(c): keys[layout.leaves[
       layout.chunks[c].leaves[0]].names][:len(layout.stack_prefix(c))]
               for c in own}
@@ -347,8 +348,8 @@ def _with_layer_params(layout, chunks, leaves, rest, own: dict,
     prefix = next(p for b, p in prefixes.items() if names[:len(b)] == b)
     shard = every[keys[names]]
     if isinstance(shard, tuple):   # an int8 matrix: values and absmax
-      shard, flat[prefix + (zero_nn.scale_key(i),)] = shard
-    flat[prefix + (zero_nn.frozen_key(i),)] = shard
+      shard, flat[prefix + (gather.scale_key(i),)] = shard
+    flat[prefix + (gather.frozen_key(i),)] = shard
   return traverse_util.unflatten_dict(flat)
 
 

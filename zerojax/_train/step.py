@@ -22,7 +22,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from zerojax._train import disk_stream
@@ -30,9 +29,9 @@ from zerojax._tiers import disk_tier
 from zerojax._state import memory
 from zerojax._core import compat
 from zerojax._core import offload
-from zerojax.nn import _peruse as peruse
+from zerojax._model import peruse as peruse
 from zerojax._core import precision
-from zerojax import nn as zero_nn
+from zerojax._model import gather
 from zerojax._options.config import collectives_overlap, shard_axes
 from zerojax._train.grads import grads_and_metrics
 from zerojax._train.inputs import (check_mutable, check_signature, check_state,
@@ -130,10 +129,10 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
     #
     # A disk chunk's gradient is not held back: the sink writes it to its
     # file as the backward produces it (`disk_stream.sink`).
-    after = zero_nn.tie(grad_norm, loss)
+    after = gather.tie(grad_norm, loss)
     streamed = (offload.optimizer_chunks(state.layout, cfg) if cfg.disk
                 else frozenset())
-    grads = tuple(g if c in streamed else zero_nn.tie(g, after)
+    grads = tuple(g if c in streamed else gather.tie(g, after)
                   for c, g in enumerate(grads))
   if pol.update_slice:
     # float32 stages 1-2: the replicated master is the compute copy; this
@@ -174,104 +173,13 @@ def _step(loss_fn, has_aux, mutable, weighted, modes, held, heard,
   return new_state, metrics
 
 
-def _batch_bytes(batch) -> int:
-  return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-             for x in jax.tree_util.tree_leaves(batch))
-
-
-def _check_planned_batch(planned: dict, config, batch) -> None:
-  """stage="auto" chose `config` for its first batch's program: a larger
-  batch is a program the plan did not measure against the budget. Said
-  once per chosen config (`planned`: config -> (planned batch bytes,
-  budget), the budget set to None once said)."""
-  size, budget = planned[config]
-  if budget is None or _batch_bytes(batch) <= size:
-    return
-  _log.warning(
-      "stage='auto' chose its configuration for the first batch "
-      "(%d bytes); this batch holds %d bytes, a program the plan did not "
-      "measure against device_budget=%r. If it runs out of memory, shard "
-      "again with stage='auto' and pass the largest batch first (or plan "
-      "it: zerojax.plan(state, loss_fn, largest_batch, device_budget=...)).",
-      size, _batch_bytes(batch), budget)
-  planned[config] = (size, None)
-
-
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
                mutable: tuple = (), donate: bool = True,
                weighted: bool = False) -> Callable:
-  """Builds the jitted ZeRO training step.
-
-  Args:
-    loss_fn: `loss_fn(params, batch)` or `loss_fn(params, batch, rng)`,
-      written on the full parameter tree and one device's slice of the batch
-      (one micro-batch of it under `accum_steps`); returns the floating
-      scalar loss, or `(loss, aux)` with `has_aux=True`. The step's loss and
-      gradient are the mean of these slices' losses: for a mean over
-      examples with equal slices that is the global batch's mean, but a
-      masked mean (`(l * mask).sum() / mask.sum()`) becomes a mean of the
-      slices' means, which differs when padding is uneven: use `weighted`.
-      aux is a pytree (a dict is merged into `metrics`) whose values are
-      scalars, averaged over devices and micro-batches, or per-example
-      arrays with the micro-batch's leading axis, concatenated in global
-      batch order.
-    has_aux: whether `loss_fn` returns `(loss, aux)`.
-    mutable: names of fields of the user's `TrainState` subclass that the
-      loss updates, e.g. `("batch_stats",)` for BatchNorm. `loss_fn` gets
-      each as a keyword argument after `batch` (and `rng`) and returns
-      `(loss, updates)`, or `(loss, (aux, updates))` with `has_aux`;
-      `updates` is a dict `{field: new value}` (Flax's `apply(...,
-      mutable=["batch_stats"])` returns one), each value with the field's
-      keys and shapes (cast to its dtypes); a declared field left out keeps
-      its value. Floating values are averaged over the data axis, as
-      Flax's examples `pmean` them; other values must agree across devices
-      (the first device's are kept). Under `accum_steps=k` the
-      micro-batches update in sequence, each reading the previous one's
-      values, as k plain steps of the model would. The updates are kept
-      when a step is skipped (a non-finite gradient), as PyTorch keeps
-      BatchNorm's running statistics. BatchNorm with `axis_name=` the data
-      axis (synchronised batch norm) works as written: the loss runs inside
-      a `shard_map` over that axis.
-    donate: the step donates the input state's buffers to the new state, so
-      the state is held once. A step that fails at run time (a host callback
-      raising, say) then leaves no usable input state: restore from a
-      checkpoint. `donate=False` keeps the input state intact whatever
-      happens, at the cost of holding the old and the new state at once
-      during the step (one more state's bytes per device).
-    weighted: `loss_fn` returns `(sum, weight)` (or `((sum, weight), aux)`),
-      e.g. `((token_loss * mask).sum(), mask.sum())`: the step's loss is
-      Σ sum / Σ weight over the whole global batch (every device, every
-      micro-batch, every replica), its gradient that ratio's, as under
-      `jax.jit` on the whole batch; `metrics["weight"]` is Σ weight. A
-      global batch of weight 0 or below (a negative Σ weight has no meaning)
-      is a skipped step (`metrics["skipped"]`, nothing changed). Under an
-      fp16 loss scale the backward sees each micro-batch's sum divided by
-      its weight, as a mean's would be ([Note: a loss-scaled weighted
-      loss]).
-
-  Parameters stored in a 16-bit dtype with no float32 master (bfloat16
-  params, the default precision) are widened for the forward, their
-  gradients reduced in `Precision.reduce`, and optax updates the 16-bit
-  parameters with those gradients, rounding the new values to the
-  parameters' dtype: within one ulp of plain optax doing the same. For a
-  float32 master, keep the params in float32 and set `precision=`.
-
-  Returns:
-    `step(state, batch, rng=None) -> (state, metrics)`, jitted, donating
-    `state`. `batch` is a pytree of arrays with the global batch on the
-    leading axis (numpy arrays are fine). `metrics` holds `loss` (mean over
-    the global batch), `grad_norm` (global, before clipping), the aux values,
-    and under loss scaling `loss_scale` and `skipped`. `step.lower(state,
-    batch)` gives the lowered program (for `memory_analysis()`); state and
-    batch may be `jax.ShapeDtypeStruct`s (nothing is allocated).
-    `step.trace(state, batch)` gives the traced program, e.g. for
-    `.lower(lowering_platforms=("cuda",))`: what a GPU would run, host
-    offload transfers included, lowered on any machine.
-    `step.gathering(state, batch)` says how the step gathers each chunk
-    (`gather_modes`: per layer, per block, whole step or replicated).
-    A state with `offload="auto"` is placed by its first step (see
-    `zerojax.Offload`); `lower` and `trace` take it as it is placed.
-  """
+  """The jitted ZeRO training step, as `zerojax.train_step` documents it,
+  but for placement at its first call (`offload="auto"`, `stage="auto"`),
+  which `zerojax._first_step` adds: the planner compiles steps of this
+  one."""
   if not callable(loss_fn):
     raise TypeError(f"train_step() takes the loss function, got {loss_fn!r}.")
   for name, value in (("has_aux", has_aux), ("donate", donate),
@@ -282,8 +190,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
   heard: dict = {}   # per held set, what its step's trace heard
   programs: dict = {}   # the disk tier's, per state structure
-  choices: dict = {}    # `zerojax.nn._peruse`'s, per program: (held, why)
-  planned: dict = {}    # stage="auto"'s chosen config -> its batch's bytes
+  choices: dict = {}    # `zerojax._model.peruse`'s, per program: (held, why)
 
   @functools.lru_cache(maxsize=None)
   def jitted_holding(held: frozenset):
@@ -296,7 +203,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
                    compiler_options=compat.step_compiler_options())
 
   def chosen(state, batch, rng) -> tuple:
-    """`(held, why)` for this program (`zerojax.nn._peruse.choose`), once.
+    """`(held, why)` for this program (`zerojax._model.peruse.choose`), once.
     What the blocks could gather at their calls is heard in the trace of
     the step holding every module beside them, the usual choice, which is
     then the step's own trace (jax keeps it for the call)."""
@@ -338,20 +245,6 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
   def step(state, batch, rng=None):
     checked(state, rng, "step()")
-    if state.config.placement == "auto":
-      from zerojax._plan import planner   # it compiles steps: imports this module
-      state = planner.place_as_planned(state, loss_fn, batch,
-                                       has_aux=has_aux, mutable=mutable,
-                                       weighted=weighted)
-    elif state.config.placement == "plan":
-      from zerojax._plan import autoconfig   # it compiles steps too
-      budget = state.config.device_budget
-      state = autoconfig.place_as_chosen(state, loss_fn, batch,
-                                         has_aux=has_aux, mutable=mutable,
-                                         weighted=weighted)
-      planned[state.config] = (_batch_bytes(batch), budget)
-    elif planned and state.config in planned:
-      _check_planned_batch(planned, state.config, batch)
     batch = prepare(state, batch)
     if state.config.disk:   # a running step only: `lower` needs no files
       disk_tier.check_files(state)

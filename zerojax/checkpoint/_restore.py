@@ -14,7 +14,7 @@ from etils import epath
 from jax.sharding import Mesh
 
 from zerojax._tiers import disk_tier
-from zerojax.nn import _frontend as frontend
+from zerojax._model import frontend as frontend
 from zerojax._core import tensor_parallel
 from zerojax.checkpoint._format import (CHUNK_FORMATS, by_path,
                                         config_from_json, frozen_mask,

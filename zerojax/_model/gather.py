@@ -60,7 +60,7 @@ class _Context(NamedTuple):
   probing: bool   # the step's hearing trace: blocks heard run on zeros
   heard: set      # module paths `intercept` heard (`called` has them too)
   refused: dict   # {module path: why it is not gathered per call}
-  beside: frozenset   # module paths beside the blocks (`zerojax.nn._peruse`)
+  beside: frozenset   # module paths beside the blocks (`zerojax._model.peruse`)
 
 
 def chunk_key(c: int) -> str:

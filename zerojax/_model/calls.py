@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax.nn._gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
+from zerojax._model.gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
                                 _memory_spaces, _OPTED, _regathered_backward,
                                 _token)
 

@@ -41,8 +41,8 @@ from flax import nnx
 
 from zerojax import _online_softmax as online_softmax
 from zerojax._comm import collectives
-from zerojax import nn as zero_nn
-from zerojax.nn import _gather as gather
+from zerojax._model import nnx as model_nnx
+from zerojax._model import gather
 from zerojax._options.policy import policy
 
 
@@ -54,7 +54,7 @@ def _say_unstacked(layout, config, path: tuple) -> None:
       or any(layout.stack_prefix(c) == path
              for c, chunk in enumerate(layout.chunks) if chunk.layers)):
     return
-  zero_nn.say_once(
+  gather.say_once(
       f"BlockedEmbed {'/'.join(path)} is not in "
       f"Blocks(stacked={tuple(config.stacked)!r}), so the step holds its whole table "
       "(and gradient) as it would nn.Embed's. Add its name, Blocks(stacked=(..., "
@@ -65,7 +65,7 @@ class _Blocks:
   """The vocabulary-block computations `BlockedEmbed` and `NnxBlockedEmbed`
   share. A subclass has `num_embeddings`, `features`, `blocks` and says
   where its table is (`_source`) and how the step hears it (`_heard`)."""
-  locals()[zero_nn.GATHERS_ITSELF] = True   # see zerojax.nn.intercept
+  locals()[gather.GATHERS_ITSELF] = True   # see zerojax._model.linen.intercept
 
   @property
   def rows(self) -> int:
@@ -127,7 +127,7 @@ class _Blocks:
                                     axis=0), 0).astype(x.dtype)
 
     dtype = (table.dtype if table is not None
-             else zero_nn.active_layout()[1].compute_dtype)
+             else gather.active_layout()[1].compute_dtype)
     return self._over_blocks(body, jnp.zeros(
         tokens.shape + (self.features,), dtype))
 
@@ -143,7 +143,7 @@ class _Blocks:
     Megatron's vocabulary-parallel embedding sums partial lookups the same
     way. Not for shards in host memory or split over a model axis: those
     take the blocks."""
-    layout, config = zero_nn.active_layout()
+    layout, config = gather.active_layout()
     ax = config.axis_name
     n = jax.lax.axis_size(ax)
     if (not policy(config).gathers_params or slot is not None
@@ -218,7 +218,7 @@ class _Blocks:
       block = lambda i, w: w
       xs = (table,)
     else:
-      layout, config = zero_nn.active_layout()
+      layout, config = gather.active_layout()
       c, value, slot = chunk
       xs = (value, slot)
 
@@ -265,7 +265,7 @@ class BlockedEmbed(_Blocks, nn.Module):
       return self.embedding, None
     params = self.variables["params"]
     (c, key), = gather._chunk_keys(params).items()   # one leaf, one chunk
-    return None, (c, params[key], params.get(zero_nn.slot_key(c)))
+    return None, (c, params[key], params.get(gather.slot_key(c)))
 
   def _heard(self) -> None:
     context = gather._ACTIVE.get()
@@ -298,16 +298,16 @@ class NnxBlockedEmbed(_Blocks, nnx.Module):
     return self._lookup(tokens)
 
   def _source(self):
-    shards = {int(k[len(zero_nn.CHUNK_KEY):]): v for k, v in vars(self).items()
-              if k.startswith(zero_nn.CHUNK_KEY)}
+    shards = {int(k[len(gather.CHUNK_KEY):]): v for k, v in vars(self).items()
+              if k.startswith(gather.CHUNK_KEY)}
     if not shards:
       return self.embedding[...], None
     (c, value), = shards.items()
-    slot = getattr(self, zero_nn.slot_key(c), None)
+    slot = getattr(self, gather.slot_key(c), None)
     return None, (c, value[...], None if slot is None else slot[...])
 
   def _heard(self) -> None:
     context = gather._ACTIVE.get()
-    stack = getattr(self, zero_nn.STACK_ATTR, None)
+    stack = getattr(self, model_nnx.STACK_ATTR, None)
     if context is not None and stack is not None:
       context[2].add(stack)

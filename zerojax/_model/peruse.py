@@ -6,7 +6,7 @@ use, whichever the compiled step needs fewer bytes for.
 (`chunking.beside`). Held, a module is gathered once for the step and
 kept from its forward use to its backward; per use, the step gathers it at
 each call of the module, drops it after, and gathers it again in its
-backward pass, as it does a block (`zerojax.nn.intercept`). Which needs
+backward pass, as it does a block (`zerojax._model.linen.intercept`). Which needs
 less memory is for XLA's scheduler to say, and it changes between
 versions (a bridge between two towers: smaller per use on jax 0.10,
 smaller held on 0.12; docs/decisions.md). So the first step of each
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from zerojax._core.chunking import repeated_blocks
-from zerojax.nn import say_once
+from zerojax._model.gather import say_once
 from zerojax._options.policy import policy
 
 

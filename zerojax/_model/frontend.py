@@ -28,7 +28,8 @@ import optax
 from flax import nnx, struct, traverse_util
 from flax.training import train_state
 
-from zerojax import nn as zero_nn
+from zerojax._model import gather
+from zerojax._model import nnx as model_nnx
 from zerojax._options.config import batch_axes
 from zerojax._core import outputs
 
@@ -82,10 +83,10 @@ class Nnx:
       leaves.append(x)
     flat = traverse_util.flatten_dict(params)
     shards = {path: x for path, x in flat.items()
-              if str(path[-1]).startswith((zero_nn.CHUNK_KEY,
-                                           zero_nn.SLOT_KEY,
-                                           zero_nn.FROZEN_KEY,
-                                           zero_nn.SCALE_KEY))}
+              if str(path[-1]).startswith((gather.CHUNK_KEY,
+                                           gather.SLOT_KEY,
+                                           gather.FROZEN_KEY,
+                                           gather.SCALE_KEY))}
     model = nnx.merge(self.graphdef,
                       self.params_def.unflatten(self._param_leaves(flat, shards)),
                       self.rest_def.unflatten(leaves))
@@ -100,8 +101,8 @@ class Nnx:
     chunks, not split) are themselves."""
     owners = {tuple(map(str, path[:-1])): x.shape[:-1] + (0,)
               for path, x in shards.items()
-              if not str(path[-1]).startswith((zero_nn.FROZEN_KEY,
-                                               zero_nn.SCALE_KEY))}
+              if not str(path[-1]).startswith((gather.FROZEN_KEY,
+                                               gather.SCALE_KEY))}
     out = []
     for path in self.param_paths:
       names = tuple(map(str, path))
@@ -115,7 +116,7 @@ class Nnx:
     """Inside a step: each stacked module and each repeated block says its
     path (`STACK_ATTR`, how the step hears which opted in), and holds its
     chunk shards."""
-    active = zero_nn.active_layout()
+    active = gather.active_layout()
     if active is None:
       return
     layout = active[0]
@@ -124,15 +125,15 @@ class Nnx:
         prefix = layout.stack_prefix(c)
         stack = _node(model, prefix)
         if stack is not None:
-          setattr(stack, zero_nn.STACK_ATTR, prefix)
-          zero_nn.gather_per_call(stack)
+          setattr(stack, model_nnx.STACK_ATTR, prefix)
+          model_nnx.gather_per_call(stack)
     for path, x in shards.items():
-      setattr(_node(model, path[:-1]), str(path[-1]), zero_nn.Shard(x))
+      setattr(_node(model, path[:-1]), str(path[-1]), model_nnx.Shard(x))
 
   def rest_of(self, model: nnx.Module, keep_keys) -> dict:
     """`model`'s non-parameter state as an `nnx_state` dict, the RNG keys
     taken from `keep_keys` (the stored, unfolded ones)."""
-    _, _, _, rest = nnx.split(model, nnx.Param, zero_nn.Shard, ...)
+    _, _, _, rest = nnx.split(model, nnx.Param, model_nnx.Shard, ...)
     leaves = [k if impl is not None else x for x, k, impl in zip(
         jax.tree_util.tree_leaves(rest), jax.tree_util.tree_leaves(keep_keys),
         self.keys)]
@@ -167,7 +168,7 @@ class Nnx:
 
     def linen_fn(params, batch, *rng, nnx_state):
       # inside the step: every device draws its own (data and replica axes)
-      _, config = zero_nn.active_layout()
+      _, config = gather.active_layout()
       model = self.module(params, nnx_state,
                           jax.lax.axis_index(batch_axes(config)))
       try:

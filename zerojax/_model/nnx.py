@@ -9,8 +9,8 @@ import functools
 import jax
 from flax import nnx
 
-from zerojax.nn._calls import (_Arguments, _POLICIES, _public_methods, _write)
-from zerojax.nn._gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
+from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, _write)
+from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
                                 _memory_spaces, _owned, _regathered_backward,

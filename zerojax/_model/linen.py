@@ -11,9 +11,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax.nn._calls import (_Arguments, _POLICIES, _public_methods,
+from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods,
                                _unit_call)
-from zerojax.nn._gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
+from zerojax._model.gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
                                 _gather_layer, GATHERS_ITSELF, _holds_layer,
                                 _OPTED, _regathering)
 
@@ -37,7 +37,7 @@ def active(layout, config, called: Optional[set] = None,
   say their paths there and run on zeros in place of their parameters, so
   that what still reads those parameters is a read from outside the
   block's call (`model_call.ModelCall.opted_in`). `beside`: the module paths of
-  the modules beside the blocks (`zerojax.nn._peruse`), which that trace
+  the modules beside the blocks (`zerojax._model.peruse`), which that trace
   refuses where their `setup` makes their parameters attributes."""
   owners = {}
   if auto:
