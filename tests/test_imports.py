@@ -160,3 +160,29 @@ def test_nothing_outside_nn_imports_its_private_modules():
   taken = sorted((a, b) for a, b in top | deferred
                  if b.startswith("zerojax.nn._") and not a.startswith("zerojax.nn"))
   assert not taken, taken
+
+
+def test_messages_name_only_pages_the_docs_site_has():
+  """A documentation page named in a message (any string of zerojax's
+  code that is not a docstring) is a page of the docs site: a file of
+  docs/ in mkdocs.yml's nav (pip's install holds no docs/, so messages
+  name the page by its title beside its path)."""
+  import re
+  site = (ROOT.parent / "mkdocs.yml").read_text()
+  named = set()
+  for path in ROOT.rglob("*.py"):
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)
+                  and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in docstrings):
+        named |= {(path.name, m) for m in
+                  re.findall(r"docs/([a-z0-9_]+\.md)", node.value)}
+  assert named, "no message names a page: the scan reads nothing"
+  for module, page in sorted(named):
+    assert (ROOT.parent / "docs" / page).is_file(), (module, page)
+    assert re.search(rf":\s*{re.escape(page)}\s*$", site, flags=re.M), (
+        f"{module} names docs/{page}, which mkdocs.yml's nav leaves out")

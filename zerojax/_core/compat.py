@@ -160,7 +160,8 @@ def gpu_flags_at_import() -> None:
         "added XLA GPU flags to XLA_FLAGS: %s (collectives beside "
         "compute, matmuls on cuBLAS). They apply to every jax program of this "
         "process. A flag you set keeps your value; %s=0 keeps XLA_FLAGS as it "
-        "is (docs/stage3.md, \"Overlap on GPUs\").", " ".join(added), OPT_OUT)
+        "is (the docs' \"Stage 3 on big models\" page, docs/stage3.md: "
+        "\"Overlap on GPUs\").", " ".join(added), OPT_OUT)
   elif action == "warn":
     _log.warning(
         "jax started its GPU backend before zerojax was imported, "

@@ -197,5 +197,5 @@ def _say_if_same_everywhere(batch) -> None:
         "With several processes a step takes each process's own slice of "
         "the global batch (the global batch is their slices together); pass "
         "each process its own rows, or a global jax.Array "
-        "([Note: process-local batches], docs/multinode.md).",
+        "(the docs' \"Multi-node\" page, docs/multinode.md).",
         jax.process_count())

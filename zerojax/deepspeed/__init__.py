@@ -250,8 +250,9 @@ def _refuse_unknown(section: dict, where: str) -> None:
       raise ValueError(
           f"DeepSpeed key {where}{key} has no zerojax equivalent (mapped "
           f"there: {', '.join(mapped)}; accepted without effect there: "
-          f"{', '.join(no_ops) or 'none'}). Remove it, or see "
-          "docs/deepspeed.md.")
+          f"{', '.join(no_ops) or 'none'}). Remove it; zerojax.deepspeed.MAPPED "
+          "and NO_OPS list every key by section (the docs' \"DeepSpeed and "
+          "Lightning\" page, docs/deepspeed.md, says what each does).")
 
 
 def _stage(zero: dict) -> int:
