@@ -83,17 +83,19 @@ class NnxNet(nnx.Module):
     return self.head(x)
 
 
-def _compiled(target: zerojax.GpuTarget, front: str = "linen"):
-  """The stage-3 step (bf16 compute, AdamW) compiled for `target`, and its
-  abstract state."""
+def _compiled(target: zerojax.GpuTarget, front: str = "linen", **options):
+  """The stage-3 step (bf16 compute, AdamW; `options` for `shard`)
+  compiled for `target`, and its abstract state."""
   tx, mesh = optax.adamw(1e-3), target.mesh()
   if front == "nnx":
     zero = zerojax.shard_shape(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0))),
-                               tx=tx, stage=3, mesh=mesh, precision="bf16")
+                               tx=tx, stage=3, mesh=mesh, precision="bf16",
+                               **options)
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
   else:
     state, loss = _abstract_state()
-    zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16")
+    zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16",
+                               **options)
   rows = ROWS * target.devices
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
                                    sharding=NamedSharding(mesh, P("data")))
@@ -145,6 +147,79 @@ def test_stage3_gpu_bytes_are_state_plus_activations():
   window = 2 * block * (2 + 4)   # bfloat16 gathered, float32 gradient
   expected = persistent + batch + activations + window
   assert abs(footprint / expected - 1) <= 0.10, (footprint, expected)
+
+
+class MlpBlock(nn.Module):
+  """A block whose matmul output the backward needs (the gelu's input)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(nn.LayerNorm()(x))
+    return x + nn.Dense(WIDTH)(nn.gelu(h))
+
+
+class MlpNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(BLOCKS):
+      x = MlpBlock(name=f"block_{i}")(x)
+    return nn.Dense(1)(x)
+
+
+def _remat_programs(target: zerojax.GpuTarget) -> dict:
+  """{remat: the stage-3 step of `MlpNet` compiled for `target`}."""
+  model, mesh = MlpNet(), target.mesh()
+  params = jax.eval_shape(lambda: model.init(
+      jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
+  tx = optax.adamw(1e-3)
+  state = train_state.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
+      params=params, tx=tx, opt_state=jax.eval_shape(tx.init, params))
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"])
+                               ** 2)
+  rows = ROWS * target.devices
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                   sharding=NamedSharding(mesh, P("data")))
+           for k, shape in (("x", (rows, WIDTH)), ("y", (rows, 1)))}
+  compiled = {}
+  for remat in ("dots", "offload", "full"):
+    zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16",
+                               blocks=zerojax.Blocks(remat=remat))
+    compiled[remat] = target.compile(zerojax.train_step(loss).lower(zero,
+                                                                    batch))
+  return compiled
+
+
+@pytest.fixture(scope="module")
+def remat_programs():
+  return _remat_programs(zerojax.GpuTarget("h100"))
+
+
+@needs_plugin
+def test_offloaded_remat_keeps_the_saved_matmul_outputs_in_host_memory(
+    remat_programs):
+  """`Blocks(remat="offload")`: the 8-H100 program holds "dots"' saved
+  matmul outputs in host memory between the passes (memory space S(5),
+  host temporaries), each copied there and back asynchronously."""
+  ma = {k: c.memory_analysis() for k, c in remat_programs.items()}
+  # the first matmul's output of each block, half of them or more: ROWS x
+  # WIDTH in bfloat16 a block
+  assert ma["offload"].host_temp_size_in_bytes >= BLOCKS * ROWS * WIDTH
+  assert ma["dots"].host_temp_size_in_bytes == 0
+  text = remat_programs["offload"].as_text()
+  assert "S(5)" in text and "copy-start" in text
+  assert "S(5)" not in remat_programs["dots"].as_text()
+
+
+@needs_plugin
+@pytest.mark.xfail(strict=True, reason=(
+    "XLA's GPU program (jax 0.10.2 and 0.12) holds more device bytes with "
+    "the residuals offloaded than with them saved on the device: docs/"
+    "decisions.md, 2026-12-02, \"Offloaded remat on the GPU program\""))
+def test_offloaded_remat_holds_fewer_device_bytes_than_dots(remat_programs):
+  temp = {k: c.memory_analysis().temp_size_in_bytes
+          for k, c in remat_programs.items()}
+  assert temp["offload"] <= temp["dots"] - BLOCKS * ROWS * WIDTH, temp
 
 
 def test_gpu_target_refuses_what_it_cannot_compile_for():

@@ -182,4 +182,8 @@ def keep_activations(prim, *_, **__) -> bool:
 # (`_regathering`)
 _POLICIES = {"none": keep_activations,
              "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-             "full": None}
+             "full": None,
+             # "dots"' residuals in pinned host memory between the passes
+             # (on CPU, memory kinds lower to nothing: "dots" bit for bit)
+             "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+                 offload_src="device", offload_dst="pinned_host")}

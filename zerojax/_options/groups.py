@@ -29,7 +29,7 @@ _FLOAT_DTYPES = {
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax._comm.quantize.MODES
 UPDATE_PLACES = ("device", "host")
 TIERS = ("host", "disk", "auto")
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots", "full", "offload")
 
 
 def _set(obj, name, value):
@@ -404,7 +404,14 @@ class Blocks:
     remat: what a block's backward pass keeps: "none" (ZeRO-3's and
       FSDP2's) its activations (`zerojax.nn.keep_activations`), gathering
       its parameters again; "dots" the matmul outputs; "full" the block's
-      input, recomputing the block (activation checkpointing).
+      input, recomputing the block (activation checkpointing); "offload"
+      the matmul outputs as "dots" does, moved to pinned host memory in the
+      forward pass and back for the backward (ZeRO-R's CPU checkpointing,
+      MaxText's offloaded remat), with "dots"' numbers and compute. The
+      residuals do go to host memory in the program XLA compiles for GPUs,
+      but its device bytes do not fall yet (docs/decisions.md, 2026-12-02).
+      A policy of your own (what to offload, by name) goes to
+      `zerojax.nn.layerwise(Block, policy=...)`.
     prefetch: each block's gather waits for the previous block's input, so
       it runs while that block computes (FSDP2's forward prefetch; backward
       likewise). None: on where collectives run beside compute (GPU, TPU),
@@ -427,8 +434,9 @@ class Blocks:
     _check_bool("Blocks.reshard_after_forward", self.reshard_after_forward)
     if self.remat not in REMATS:
       raise ValueError(f"Blocks(remat={self.remat!r}): use 'none' "
-                       "(activations kept), 'dots' (matmul outputs kept) or "
-                       "'full' (the block recomputed).")
+                       "(activations kept), 'dots' (matmul outputs kept), "
+                       "'full' (the block recomputed) or 'offload' (matmul "
+                       "outputs kept in pinned host memory).")
     if self.prefetch is not None:
       _check_bool("Blocks.prefetch", self.prefetch)
     for name in ("stacked", "per_use"):   # submodule names

@@ -8,8 +8,10 @@ and the modelled step time that ranks the candidates).
 Candidates, pruned where memory only falls and time only grows: stages 0,
 1, 2 and 3 without offload; when stage 2 misses the budget, stage 2 with
 its optimizer state on host (ZeRO-Offload); at stage 3, when that misses,
-the remat policies "dots" then "full" (more recompute, fewer activations),
-stopping at the first that fits; when none fits, the least host offload
+the remat policies "dots", "offload" ("dots"' residuals in host memory:
+fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
+then "full" (more recompute, fewer activations), stopping at the first
+that fits; when none fits, the least host offload
 that fits along stage 3's offload ladder (`plan_offload`, bisected; with
 the least-memory remat). Each offload candidate that fits is tried again
 with its update run on the host (`update_on="host"`, where the master is
@@ -216,7 +218,9 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
     trial({"stage": 2, "offload_optimizer": True})
   if not stages[-1].fits:   # stage 3 misses: recompute more, then offload
-    for remat in ("dots", "full"):
+    # "offload" keeps "dots"' compute, its residuals in host memory: fewer
+    # device bytes where memory kinds are real (a GpuTarget's program)
+    for remat in ("dots", "offload", "full"):
       if trial({"stage": 3, "remat": remat}).fits:
         break
   if not any(c.fits for c in tried):

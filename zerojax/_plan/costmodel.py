@@ -110,7 +110,8 @@ class Candidate:
     return (bool(f.get("offload_optimizer")),
             f.get("offload_optimizer") == "disk", f.get("update_on") == "host",
             bool(f.get("quantize_weights")), f["stage"],
-            ("none", "dots", "full").index(f.get("remat", "none")))
+            ("none", "dots", "full", "offload").index(
+                f.get("remat", "none")))
 
 
 def label(fields: dict) -> str:

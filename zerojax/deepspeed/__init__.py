@@ -48,9 +48,22 @@ STRATEGIES = {
 _LOGGING = "logging is the caller's"
 _TRANSFERS = "XLA schedules the transfers"
 _WHOLE = "export_params and gather_params give whole weights"
+_REMAT = ("zerojax's per-block remat needs no checkpointing API: "
+          "Blocks(remat=) on the blocks it finds")
 # Keys accepted without effect, section by section, and why (the docs table
 # quotes these). A key is a no-op only in the section DeepSpeed reads it in.
 NO_OPS = {
+    "activation_checkpointing.": {
+        "partition_activations": "a block's saved activations are laid out "
+                                 "as its own sharding lays them out (split "
+                                 "over Axes.model where tensor parallelism "
+                                 "splits them); nothing more to partition",
+        "contiguous_memory_optimization": "XLA places the saved activations",
+        "number_checkpoints": _REMAT,
+        "synchronize_checkpoint_boundary": "no host synchronisation: one "
+                                           "program per step",
+        "profile": _LOGGING,
+    },
     "": {
         "steps_per_print": _LOGGING,
         "wall_clock_breakdown": _LOGGING,
@@ -64,9 +77,6 @@ NO_OPS = {
         "zero_allow_untested_optimizer": "zerojax checks any optax "
                                          "transformation at shard()",
         "zero_force_ds_cpu_optimizer": "the update runs where offload= says",
-        "activation_checkpointing": "configures DeepSpeed's checkpointing "
-                                    "API; zerojax's per-block remat is "
-                                    "Blocks(remat=)",
         "sparse_gradients": "gradients are dense chunks",
         "optimizer": "zerojax.deepspeed.optimizer(config) reads it",
         "scheduler": "zerojax.deepspeed.optimizer(config) reads it",
@@ -121,6 +131,7 @@ NO_OPS = {
 # The keys each section maps (docs/deepspeed.md's tables).
 MAPPED = {
     "": ("zero_optimization", "fp16", "bf16", "bfloat16",
+         "activation_checkpointing",
          "gradient_accumulation_steps", "gradient_clipping",
          "communication_data_type", "prescale_gradients",
          "gradient_predivide_factor", "train_batch_size",
@@ -136,6 +147,7 @@ MAPPED = {
     "fp16.": ("enabled", "loss_scale", "initial_scale_power",
               "loss_scale_window", "min_loss_scale"),
     "bf16.": ("enabled",),
+    "activation_checkpointing.": ("cpu_checkpointing",),
 }
 # "auto" in these is zerojax's own choice (its chunk search, per-block
 # gathering), as Hugging Face fills them from the model's hidden size
@@ -191,6 +203,7 @@ def config_fields(config: Union[dict, str, os.PathLike], world_size: int = 1,
   fields.update(_communication(ds, zero, world_size))
   fields.update(_precision(ds))
   fields.update(_batch(ds, world_size))
+  fields.update(_activations(ds))
   if "gradient_clipping" in ds:
     clip = values.number(ds["gradient_clipping"], "gradient_clipping")
     if clip > 0:   # DeepSpeed clips only above 0
@@ -253,6 +266,18 @@ def _refuse_unknown(section: dict, where: str) -> None:
           f"{', '.join(no_ops) or 'none'}). Remove it; zerojax.deepspeed.MAPPED "
           "and NO_OPS list every key by section (the docs' \"DeepSpeed and "
           "Lightning\" page, docs/deepspeed.md, says what each does).")
+
+
+def _activations(ds: dict) -> dict:
+  """`activation_checkpointing.cpu_checkpointing: true` (ZeRO-R): each
+  block's saved matmul outputs in pinned host memory between the passes,
+  `Blocks(remat="offload")`; DeepSpeed's other keys there drive its own
+  checkpointing API, which zerojax's per-block remat does not need."""
+  where = "activation_checkpointing."
+  section = values.section(ds, "activation_checkpointing", "")
+  _refuse_unknown(section, where)
+  return ({"remat": "offload"} if _flag(section, "cpu_checkpointing", where)
+          else {})
 
 
 def _stage(zero: dict) -> int:

@@ -1,0 +1,118 @@
+"""`Blocks(remat="offload")`: each block's saved matmul outputs ("dots"'
+residuals) go to pinned host memory in the forward pass and come back for
+its backward. On CPU memory kinds lower to nothing, so it trains as
+`remat="dots"` bit for bit, for every front end; the program lowered for
+a GPU moves the residuals to the host and back (its device bytes fall:
+tests/test_gpu_compiled.py); DeepSpeed's `cpu_checkpointing` maps to it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import zerojax
+from benchmarks import third_party
+from models import (NnxResidualBlock, ScannedLM, lm_batches, lm_loss_fn,
+                    nnx_listed, zero_run, zopts)
+
+TX = optax.adam(1e-2)
+
+
+def _linen(model, batches, remat, **options):
+  params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), stage=3,
+                        **zopts({"remat": remat, **options}))
+  state, losses = zero_run(state, lm_loss_fn(model), batches)
+  return losses, zerojax.gather_params(state)
+
+
+def _nnx(remat):
+  batches = [{"x": np.full((16, 32), i + 1.0, np.float32),
+              "y": np.zeros((16, 4), np.float32)} for i in range(3)]
+  loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  state = zerojax.shard(nnx_listed(NnxResidualBlock)(nnx.Rngs(0)), stage=3,
+                        tx=TX, blocks=zerojax.Blocks(remat=remat))
+  state, losses = zero_run(state, loss_fn, batches)
+  return losses, nnx.state(zerojax.gather_model(state), nnx.Param)
+
+
+def _run(case: str, remat: str):
+  batches = lm_batches(64, batch=16, seq=8, steps=3)
+  if case == "nnx-listed":
+    return _nnx(remat)
+  if case == "hf-gpt2":
+    if third_party.missing is not None:
+      pytest.skip(str(third_party.missing))
+    model = third_party.CONFIGS["hf-gpt2-tiny"].replace(layers=3).make_model()
+    return _linen(model, lm_batches(third_party.CONFIGS["hf-gpt2-tiny"]
+                                    .vocab_size, batch=16, seq=8, steps=3),
+                  remat)
+  scan = case == "linen-scanned"
+  model = ScannedLM(layers=3, width=32, vocab=64, scan=scan, layerwise=False)
+  options = ({"accum_steps": 2, "prefetch": True, "offload_optimizer": True}
+             if case == "linen-accum-prefetch-host" else {})
+  return _linen(model, batches, remat, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["linen-unrolled", "linen-scanned",
+                                  "linen-accum-prefetch-host", "nnx-listed",
+                                  "hf-gpt2"])
+def test_offloaded_remat_trains_as_dots_bit_for_bit(case):
+  dots, offload = _run(case, "dots"), _run(case, "offload")
+  np.testing.assert_array_equal(offload[0], dots[0])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, offload[1], dots[1])
+
+
+def _placements(remat: str) -> dict:
+  """{memory kind: count} of the memory-kind moves in the stage-3 step of
+  a 3-block model, lowered for a GPU (on CPU they lower to nothing)."""
+  model = ScannedLM(layers=3, width=32, vocab=64, scan=False, layerwise=False)
+  batch = lm_batches(64, batch=16, seq=8, steps=1)[0]
+  params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), stage=3,
+                        blocks=zerojax.Blocks(remat=remat))
+  text = zerojax.train_step(lm_loss_fn(model)).trace(state, batch).lower(
+      lowering_platforms=("cuda",)).as_text()
+  return {kind: text.count(f'_xla_buffer_placement = "{kind}"')
+          for kind in ("pinned_host", "device")}
+
+
+def test_the_gpu_program_moves_the_saved_matmul_outputs_to_host_and_back():
+  dots, offload = _placements("dots"), _placements("offload")
+  assert dots == {"pinned_host": 0, "device": 0}
+  # each block's matmul outputs (3 Dense layers and attention's dots a
+  # block): to the host in the forward, back for the backward, alike
+  assert offload["pinned_host"] >= 3 * 3
+  assert offload["device"] == offload["pinned_host"]
+
+
+def test_deepspeeds_cpu_checkpointing_is_the_offloaded_remat():
+  config = zerojax.ZeroConfig.from_deepspeed({
+      "zero_optimization": {"stage": 3},
+      "activation_checkpointing": {"partition_activations": True,
+                                   "cpu_checkpointing": True,
+                                   "number_checkpoints": 4}})
+  assert config.blocks.remat == "offload"
+  plain = zerojax.ZeroConfig.from_deepspeed({
+      "zero_optimization": {"stage": 3},
+      "activation_checkpointing": {"partition_activations": True}})
+  assert plain.blocks.remat == "none"
+  with pytest.raises(ValueError, match="activation_checkpointing.cpu_checkpoint "
+                     "has no zerojax equivalent .*mapped there: "
+                     "cpu_checkpointing"):
+    zerojax.ZeroConfig.from_deepspeed(
+        {"activation_checkpointing": {"cpu_checkpoint": True}})
+  with pytest.raises(ValueError, match="cpu_checkpointing"):
+    zerojax.ZeroConfig.from_deepspeed(
+        {"activation_checkpointing": {"cpu_checkpointing": "maybe"}})
+
+
+def test_a_bad_remat_names_the_choices():
+  with pytest.raises(ValueError, match=r"Blocks\(remat='host'\): use 'none' .*"
+                     r"'offload' \(matmul outputs kept in pinned host memory\)"):
+    zerojax.Blocks(remat="host")
