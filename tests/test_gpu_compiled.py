@@ -39,16 +39,16 @@ class Block(nn.Module):
 
 class Net(nn.Module):
   """Unscanned blocks, no zerojax edits: stage 3 finds and gathers them."""
+  block: type = Block
 
   @nn.compact
   def __call__(self, x):
     for i in range(BLOCKS):
-      x = Block(name=f"block_{i}")(x)
+      x = self.block(name=f"block_{i}")(x)
     return nn.Dense(1)(x)
 
 
-def _abstract_state():
-  model = Net()
+def _abstract_state(model: nn.Module = Net()):
   params = jax.eval_shape(lambda: model.init(
       jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
   tx = optax.adamw(1e-3)
@@ -83,9 +83,11 @@ class NnxNet(nnx.Module):
     return self.head(x)
 
 
-def _compiled(target: zerojax.GpuTarget, front: str = "linen", **options):
-  """The stage-3 step (bf16 compute, AdamW; `options` for `shard`)
-  compiled for `target`, and its abstract state."""
+def _compiled(target: zerojax.GpuTarget, front: str = "linen",
+              model: nn.Module = Net(), **options):
+  """The stage-3 step (bf16 compute, AdamW; `options` for `shard`) of
+  `model` (linen) or `NnxNet` compiled for `target`, and its abstract
+  state."""
   tx, mesh = optax.adamw(1e-3), target.mesh()
   if front == "nnx":
     zero = zerojax.shard_shape(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0))),
@@ -93,7 +95,7 @@ def _compiled(target: zerojax.GpuTarget, front: str = "linen", **options):
                                **options)
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
   else:
-    state, loss = _abstract_state()
+    state, loss = _abstract_state(model)
     zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16",
                                **options)
   rows = ROWS * target.devices
@@ -158,36 +160,11 @@ class MlpBlock(nn.Module):
     return x + nn.Dense(WIDTH)(nn.gelu(h))
 
 
-class MlpNet(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    for i in range(BLOCKS):
-      x = MlpBlock(name=f"block_{i}")(x)
-    return nn.Dense(1)(x)
-
-
 def _remat_programs(target: zerojax.GpuTarget) -> dict:
-  """{remat: the stage-3 step of `MlpNet` compiled for `target`}."""
-  model, mesh = MlpNet(), target.mesh()
-  params = jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
-  tx = optax.adamw(1e-3)
-  state = train_state.TrainState(
-      step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
-      params=params, tx=tx, opt_state=jax.eval_shape(tx.init, params))
-  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"])
-                               ** 2)
-  rows = ROWS * target.devices
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
-                                   sharding=NamedSharding(mesh, P("data")))
-           for k, shape in (("x", (rows, WIDTH)), ("y", (rows, 1)))}
-  compiled = {}
-  for remat in ("dots", "offload", "full"):
-    zero = zerojax.shard_shape(state, stage=3, mesh=mesh, precision="bf16",
-                               blocks=zerojax.Blocks(remat=remat))
-    compiled[remat] = target.compile(zerojax.train_step(loss).lower(zero,
-                                                                    batch))
-  return compiled
+  """{remat: the stage-3 step of `MlpBlock`s compiled for `target`}."""
+  return {remat: _compiled(target, model=Net(block=MlpBlock),
+                           blocks=zerojax.Blocks(remat=remat))[0]
+          for remat in ("dots", "offload", "full")}
 
 
 @pytest.fixture(scope="module")
