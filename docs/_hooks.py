@@ -6,7 +6,6 @@ the end of the quick start), so the two never differ."""
 import os
 import re
 
-from mkdocs.structure.files import File
 
 _RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)),
                         "benchmarks", "results")
@@ -29,6 +28,7 @@ def readme_start(readme: str) -> str:
 
 
 def on_files(files, config):
+  from mkdocs.structure.files import File   # (the rest reads without mkdocs)
   for name in sorted(os.listdir(_RESULTS)):
     if name.endswith((".md", ".png")):
       files.append(File.generated(config, f"results/{name}",
