@@ -57,7 +57,7 @@ def _check_invariants(layout, tree, align=1):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(tree=trees, num_shards=st.integers(1, 8),
        chunk_size=st.one_of(st.none(), st.integers(1, 40)),
        align=st.sampled_from([1, 1, 3, 4]))

@@ -69,9 +69,10 @@ def test_offloaded_remat_trains_as_dots_bit_for_bit(case):
 
 def _placements(remat: str) -> dict:
   """{memory kind: count} of the memory-kind moves in the stage-3 step of
-  a 3-block model, lowered for a GPU (on CPU they lower to nothing)."""
+  a 3-block model, lowered for a GPU (on CPU they lower to nothing), its
+  activations of `OFFLOAD_MIN_BYTES` or more (smaller ones stay)."""
   model = ScannedLM(layers=3, width=32, vocab=64, scan=False, layerwise=False)
-  batch = lm_batches(64, batch=16, seq=8, steps=1)[0]
+  batch = lm_batches(64, batch=512, seq=64, steps=1)[0]   # 512 KiB a matmul a device
   params = model.init(jax.random.key(0), batch["tokens"][:1])["params"]
   state = zerojax.shard(train_state.TrainState.create(
       apply_fn=model.apply, params=params, tx=TX), stage=3,

@@ -150,14 +150,16 @@ def _whole_tensor_run(kind, name, stages):
 
 
 @pytest.mark.parametrize("name", sorted(WHOLE_TENSOR))
-def test_whole_tensor_optimizers_train_as_plain_optax_at_stage3(name):
-  _whole_tensor_run("mlp", name, (3,))
+def test_whole_tensor_optimizers_train_as_plain_optax_at_stages_1_and_3(name):
+  _whole_tensor_run("mlp", name, (1, 3))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WHOLE_TENSOR))
-def test_whole_tensor_optimizers_on_a_transformer_at_every_stage(name):
-  _whole_tensor_run("transformer", name, (1, 2, 3))
+def test_whole_tensor_optimizers_on_a_transformer_at_stages_2_and_3(name):
+  """(stage 1 on the MLP above: stages 1 and 2 update alike, replicated
+  parameters and sharded state; they differ in the gradient's reduction)"""
+  _whole_tensor_run("transformer", name, (2, 3))
 
 
 def test_factored_statistics_are_held_in_their_own_shapes(caplog):

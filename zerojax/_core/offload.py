@@ -69,6 +69,8 @@ HOST = "pinned_host"
 DEVICE = "device"
 HOST_SPACE = getattr(getattr(jax, "memory", None), "Space", None) and \
     jax.memory.Space.Host
+DEVICE_SPACE = getattr(getattr(jax, "memory", None), "Space", None) and \
+    jax.memory.Space.Device
 
 
 def offloaded_chunks(layout, fraction: float) -> frozenset:

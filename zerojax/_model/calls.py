@@ -15,7 +15,7 @@ from flax import nnx
 
 from zerojax._model.gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
                                 _memory_spaces, _OPTED, _regathered_backward,
-                                _token)
+                                _token, offloaded)
 
 
 def _public_methods(block: type, base: type) -> list:
@@ -98,14 +98,17 @@ def _opted(method: Callable) -> Callable:
   return call
 
 
-def _unit_call(module, arguments: _Arguments, call: Callable):
+def _unit_call(module, arguments: _Arguments, call: Callable,
+               offload: bool = False):
   """One call of an unrolled linen block inside a stage-3 step (the
   explicit `layerwise` class's and the automatic path's, `intercept`):
   `call(module, *arrays)`, the gathered, rematerialised block, as a
   `custom_vjp` whose residuals are the block's shards and inputs, its
   gathers tied to the block's input (forward) and to the output's
   cotangent (backward), or with prefetch to the previous block's input and
-  the next block's output cotangent; see `zerojax.nn`'s docstring."""
+  the next block's output cotangent; see `zerojax.nn`'s docstring. With
+  `offload` (`remat="offload"`, `call` rematerialised under "dots"), the
+  activations `call` saves wait in host memory (`offloaded`)."""
   values = arguments.arrays
   chain = _ACTIVE.get().chain
   # the forward gather waits for `token_in`: from the previous block's
@@ -131,6 +134,7 @@ def _unit_call(module, arguments: _Arguments, call: Callable):
   spaces = []   # per variable of the block: its memory space
   inputs = set()   # (shape, dtype) of the block's array arguments
   shards = set()   # ... and of its variables
+  moved = []   # per residual: moved to host memory (`offloaded`)
 
   def forward(module, *values):
     spaces[:] = _memory_spaces(module.variables)
@@ -138,11 +142,13 @@ def _unit_call(module, arguments: _Arguments, call: Callable):
     inputs.update(_avals(values[:-1]))
     (out, vjp_fn), token = gathered(
         lambda m, *v: nn.vjp(call, m, *v), module, values)
+    if offload:
+      vjp_fn = offloaded(vjp_fn, (module.variables, values), moved)
     return (out, token), vjp_fn
 
   def backward(vjp_fn, cotangents):
     return _regathered_backward(vjp_fn, cotangents, link, inputs, shards,
-                                spaces, token_in)
+                                spaces, token_in, moved)
 
   out, token = nn.custom_vjp(tied, forward_fn=forward,
                              backward_fn=backward)(module, *values, token_in)
@@ -187,3 +193,17 @@ _POLICIES = {"none": keep_activations,
              # (on CPU, memory kinds lower to nothing: "dots" bit for bit)
              "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
                  offload_src="device", offload_dst="pinned_host")}
+
+
+def unit_policy(remat: str) -> tuple:
+  """`(policy, offload)` of an unrolled block's call (`_unit_call`,
+  `_nnx_unit`) under `ZeroConfig.remat`: "offload" is "dots" with the
+  saved activations moved to host by the call itself (`offloaded`), which
+  brings each back one block ahead of its backward, as it does the block's
+  re-gather; left to XLA (`_POLICIES["offload"]`), the GPU program brings
+  every block's back at once (docs/decisions.md, "Offloaded remat on the
+  GPU program"). A scanned stack keeps jax's policy: its loop bounds the
+  copies."""
+  if remat == "offload":
+    return _POLICIES["dots"], True
+  return _POLICIES[remat], False

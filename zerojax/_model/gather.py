@@ -16,7 +16,7 @@ from flax.core.tracers import current_trace
 
 from zerojax._comm import collectives
 from zerojax._core import frozen
-from zerojax._core.offload import HOST_SPACE
+from zerojax._core.offload import DEVICE_SPACE, HOST_SPACE
 from zerojax._options.policy import policy
 
 
@@ -174,8 +174,31 @@ def _avals(values) -> set:
           for v in jax.tree_util.tree_leaves(values)}
 
 
+# the smallest saved activation `offloaded` moves to host: below it a
+# copy's fixed cost (some microseconds) outweighs its bytes' transfer
+OFFLOAD_MIN_BYTES = 1 << 18
+
+
+def offloaded(vjp_fn, kept, moved: list):
+  """`vjp_fn` (a block's pullback) with the activations its block saved
+  moved to pinned host memory: its residuals that are none of `kept` (the
+  block's inputs and shards, by identity), of `OFFLOAD_MIN_BYTES` or more;
+  `moved` is set to whether each residual was. An unrolled block's
+  `remat="offload"`; `_regathered_backward` brings each back one block
+  ahead of its backward."""
+  kept = {id(x) for x in jax.tree_util.tree_leaves(kept)}
+  leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+  moved[:] = [id(r) not in kept and hasattr(r, "dtype") and
+              jnp.size(r) * jnp.dtype(r.dtype).itemsize >= OFFLOAD_MIN_BYTES
+              for r in leaves]
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.device_put(r, HOST_SPACE) if m else r
+      for r, m in zip(leaves, moved)])
+
+
 def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
-                         shards: set, spaces: list, token_in) -> tuple:
+                         shards: set, spaces: list, token_in,
+                         moved: list = ()) -> tuple:
   """The backward of an unrolled block's call (linen or NNX): `vjp_fn`
   (of the rematerialised, gathered block; its residuals are the block's
   shards and inputs) applied to the output's cotangent, with the re-gather
@@ -183,7 +206,10 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
   token appended. `cotangents` is `(output's, token's)`, `inputs` and
   `shards` the `(shape, dtype)`s of the block's array arguments and of its
   variables (shards), `spaces` the memory space of each shard (the first
-  of `vjp_fn`'s results)."""
+  of `vjp_fn`'s results). The residuals `moved` marks are activations in
+  host memory (`offloaded`): each comes back to the device as the
+  re-gather does, waiting for the next block's backward to start, so at
+  most two blocks' activations are on the device at a time."""
   cotangent, token_cotangent = cotangents
   after = _anchor(cotangent)
   if after is not None:   # the re-gathers wait for the cotangent...
@@ -201,6 +227,12 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     # the activation. On CPU everything is bit-tied as before.
     last = link.overlap and not link.consumed
 
+    def back(r):   # an activation `offloaded` moved
+      if link.overlap:   # the copy back starts after `early`
+        r = jax.lax.optimization_barrier((r, early))[0]
+      r = jax.device_put(r, DEVICE_SPACE)
+      return r if link.overlap else tie(r, early)
+
     def tied(r):
       kind = _avals((r,))
       if _anchor(r) is None:
@@ -210,7 +242,10 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
       if link.overlap and not kind <= shards:
         return jax.lax.optimization_barrier((r, after))[0]
       return r if last else tie(r, early)
-    vjp_fn = jax.tree_util.tree_map(tied, vjp_fn)
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    moved = moved or [False] * len(leaves)
+    vjp_fn = jax.tree_util.tree_unflatten(treedef, [
+        back(r) if m else tied(r) for r, m in zip(leaves, moved)])
   grads = vjp_fn(cotangent)
   # a shard in host memory (offload) takes its (unused: the gradient goes
   # to a device slot) cotangent there, as JAX requires

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods,
+from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, unit_policy,
                                _unit_call)
 from zerojax._model.gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
                                 _gather_layer, GATHERS_ITSELF, _holds_layer,
@@ -146,7 +146,9 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
   block tied and chained (`_unit_call`). Other public methods are gathered
   only."""
   arguments = _Arguments(args, kwargs)
-  saveable = _POLICIES[_ACTIVE.get().config.remat]
+  remat = _ACTIVE.get().config.remat
+  saveable, offload = (_POLICIES[remat], False) if stacked else unit_policy(
+      remat)
   mapped = nn.map_variables(
       _bypassing(method), "params",
       trans_in_fn=functools.partial(_gather_layer,
@@ -158,4 +160,4 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
       lambda m, *arrays: arguments.call(mapped, m, arrays), **kwargs, **kw)
   if stacked:
     return rematted()(module, *arguments.arrays)
-  return _unit_call(module, arguments, rematted(prevent_cse=False))
+  return _unit_call(module, arguments, rematted(prevent_cse=False), offload)

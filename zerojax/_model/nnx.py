@@ -9,12 +9,14 @@ import functools
 import jax
 from flax import nnx
 
-from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, _write)
+from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, _write,
+                               unit_policy)
 from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
                                 _memory_spaces, _owned, _regathered_backward,
-                                _regathering, SCALE_KEY, SLOT_KEY, _token)
+                                _regathering, SCALE_KEY, SLOT_KEY, _token,
+                                offloaded)
 
 
 def gather_per_call(module) -> None:
@@ -93,8 +95,10 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
         context[2].add(stack)   # heard: a layer of it, or the block, called
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
-      chosen = (_POLICIES[context.config.remat]
-                if saveable is _FROM_CONFIG else saveable)
+      unit = not any(context[0].chunks[c].layers for c in chunks)
+      remat_of = context.config.remat
+      chosen, offload = (saveable, False) if saveable is not _FROM_CONFIG \
+          else unit_policy(remat_of) if unit else (_POLICIES[remat_of], False)
       runs = functools.partial(run, method, remat and chosen is not None)
       if not remat:
         return runs(self, *args, **kwargs)
@@ -103,8 +107,8 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
       # (arrays, and NNX objects, whose changes are written back); flags
       # are closed over
       arguments = _Arguments(args, kwargs, objects=True)
-      if not any(context[0].chunks[c].layers for c in chunks):
-        return _nnx_unit(self, stack, runs, arguments, kept)   # per call
+      if unit:   # per call
+        return _nnx_unit(self, stack, runs, arguments, kept, offload)
       return nnx.remat(lambda module, arrays, objects: arguments.call(
           runs, module, arrays, objects), **kept)(self, arguments.arrays,
                                                   arguments.objects)
@@ -121,14 +125,14 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
 
 
 def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
-              kept: dict):
+              kept: dict, offload: bool = False):
   """One call of a repeated NNX block (or a `per_use` module; at `path`)
   inside a stage-3 step: `run` as a pure function of the block's shards, its other state
   and the call's arrays, rematerialised, in a `custom_vjp` whose gathers
   are tied as a linen block's (see `zerojax.nn`'s docstring; with prefetch,
   chained to the previous block of the same list; `kept`: the remat's
-  `policy`, if any). Its other variables' new values are written back; no
-  gradient flows through them."""
+  `policy`, if any; `offload`, as `_unit_call`'s). Its other variables'
+  new values are written back; no gradient flows through them."""
   chain = _ACTIVE.get()[3]
   graphdef, shards, own = nnx.split(module, Shard, ...)
   # the NNX objects the call is given: their state is threaded as the
@@ -162,6 +166,7 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
       _AFTER.reset(token)
 
   spaces, inputs, kinds = [], set(), set()
+  moved = []   # per residual: moved to host memory (`offloaded`)
 
   @jax.custom_vjp
   def tied(shards, other, *values):
@@ -175,12 +180,14 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
     (out, vjp_fn, new), token = gathered(
         lambda *v: jax.vjp(lambda s, *a: rematted(s, other, *a), shards, *v,
                            has_aux=True), values)
+    if offload:
+      vjp_fn = offloaded(vjp_fn, (shards, other, values), moved)
     return (out, new, token), vjp_fn
 
   def backward(vjp_fn, cotangents):
     cotangent, _, token_cotangent = cotangents
     grads = _regathered_backward(vjp_fn, (cotangent, token_cotangent), link,
-                                 inputs, kinds, spaces, token_in)
+                                 inputs, kinds, spaces, token_in, moved)
     return (grads[0], None) + grads[1:]   # no gradient for the state
 
   tied.defvjp(forward, backward)

@@ -407,9 +407,11 @@ class Blocks:
       input, recomputing the block (activation checkpointing); "offload"
       the matmul outputs as "dots" does, moved to pinned host memory in the
       forward pass and back for the backward (ZeRO-R's CPU checkpointing,
-      MaxText's offloaded remat), with "dots"' numbers and compute. The
-      residuals do go to host memory in the program XLA compiles for GPUs,
-      but its device bytes do not fall yet (docs/decisions.md, 2026-12-02).
+      MaxText's offloaded remat), with "dots"' numbers and compute; an
+      unrolled block brings its own back as the next block's backward
+      starts. The activations do go to host memory in the program XLA
+      compiles for GPUs, but its device bytes barely fall yet
+      (docs/decisions.md, 2026-12-02, third session).
       A policy of your own (what to offload, by name) goes to
       `zerojax.nn.layerwise(Block, policy=...)`.
     prefetch: each block's gather waits for the previous block's input, so
