@@ -195,15 +195,16 @@ _POLICIES = {"none": keep_activations,
                  offload_src="device", offload_dst="pinned_host")}
 
 
-def unit_policy(remat: str) -> tuple:
-  """`(policy, offload)` of an unrolled block's call (`_unit_call`,
-  `_nnx_unit`) under `ZeroConfig.remat`: "offload" is "dots" with the
-  saved activations moved to host by the call itself (`offloaded`), which
-  brings each back one block ahead of its backward, as it does the block's
+def remat_policy(remat: str, per_call: bool) -> tuple:
+  """`(policy, offload)` of a block under `ZeroConfig.remat`: its policy
+  (`_POLICIES`), except that an unrolled block's call (`per_call`:
+  `_unit_call`, `_nnx_unit`) under "offload" is "dots" with the saved
+  activations moved to host by the call itself (`offloaded`), which brings
+  each back one block ahead of its backward, as it does the block's
   re-gather; left to XLA (`_POLICIES["offload"]`), the GPU program brings
   every block's back at once (docs/decisions.md, "Offloaded remat on the
   GPU program"). A scanned stack keeps jax's policy: its loop bounds the
   copies."""
-  if remat == "offload":
+  if remat == "offload" and per_call:
     return _POLICIES["dots"], True
   return _POLICIES[remat], False

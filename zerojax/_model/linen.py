@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, unit_policy,
-                               _unit_call)
+from zerojax._model.calls import (_Arguments, _public_methods, _unit_call,
+                               remat_policy)
 from zerojax._model.gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
                                 _gather_layer, GATHERS_ITSELF, _holds_layer,
                                 _OPTED, _regathering)
@@ -141,14 +141,13 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
                stacked: bool):
   """`module.method(*args, **kwargs)` of a block that holds chunk shards,
   as the same method of `layerwise(type(module), policy=...)` would run
-  with `ZeroConfig.remat`'s policy (`_POLICIES`): gathered
+  with `ZeroConfig.remat`'s policy (`remat_policy`): gathered
   (`_gather_layer`), rematerialised under that policy, and for an unrolled
   block tied and chained (`_unit_call`). Other public methods are gathered
   only."""
   arguments = _Arguments(args, kwargs)
-  remat = _ACTIVE.get().config.remat
-  saveable, offload = (_POLICIES[remat], False) if stacked else unit_policy(
-      remat)
+  saveable, offload = remat_policy(_ACTIVE.get().config.remat,
+                                   per_call=not stacked)
   mapped = nn.map_variables(
       _bypassing(method), "params",
       trans_in_fn=functools.partial(_gather_layer,

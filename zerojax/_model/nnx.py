@@ -9,8 +9,8 @@ import functools
 import jax
 from flax import nnx
 
-from zerojax._model.calls import (_Arguments, _POLICIES, _public_methods, _write,
-                               unit_policy)
+from zerojax._model.calls import (_Arguments, _public_methods, _write,
+                               remat_policy)
 from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
@@ -23,7 +23,7 @@ def gather_per_call(module) -> None:
   """An NNX block that owns chunks, in the model a step rebuilt for its
   trace (never the user's object): made an instance of
   `layerwise(type(module), policy=...)` with `ZeroConfig.remat`'s policy
-  (`_POLICIES`), so that it gathers per call as the opt-in does. Blocks
+  (`remat_policy`), so that it gathers per call as the opt-in does. Blocks
   that gather themselves are left as they are."""
   context = _ACTIVE.get()
   cls = type(module)
@@ -96,9 +96,9 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
       unit = not any(context[0].chunks[c].layers for c in chunks)
-      remat_of = context.config.remat
-      chosen, offload = (saveable, False) if saveable is not _FROM_CONFIG \
-          else unit_policy(remat_of) if unit else (_POLICIES[remat_of], False)
+      chosen, offload = (
+          remat_policy(context.config.remat, per_call=unit)
+          if saveable is _FROM_CONFIG else (saveable, False))
       runs = functools.partial(run, method, remat and chosen is not None)
       if not remat:
         return runs(self, *args, **kwargs)
