@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from zerojax._core import chunking
 from zerojax._core.chunking import (beside, named_units, repeated_blocks,
                                     scanned_stacks, search_chunk_size,
                                     unit_depth)
@@ -29,6 +30,24 @@ def test_a_block_name_used_twice_is_a_unit_by_path():
   attention = {"q": {"kernel": np.zeros((4, 4))}, "k": {"kernel": np.zeros((4, 4))}}
   decoder = {"self": attention, "cross": attention, "mlp": _block(4)}
   assert repeated_blocks({"d_0": decoder, "d_1": decoder}) == ("d_0", "d_1")
+
+
+def test_a_block_with_a_few_leaves_of_its_own_is_one_of_the_blocks(
+    monkeypatch):
+  """T5's first block holds the relative attention bias its siblings do
+  not: it is a block all the same. A sibling whose own leaves are most of
+  it (a head shaped as a block plus a table), or that lacks a leaf, is
+  not."""
+  first = {**_block(8), "bias": {"table": np.zeros((4, 2))}}
+  params = {"h": {"0": first, "1": _block(8), "2": _block(8)}}
+  assert repeated_blocks(params) == ("h/0", "h/1", "h/2")
+  monkeypatch.setattr(chunking, "OWN_LEAVES_SHARE", 0.0)   # as before
+  assert repeated_blocks(params) == ("h/1", "h/2")
+  monkeypatch.undo()
+  big = {**_block(8), "table": {"embedding": np.zeros((256, 8))}}
+  part = {"ln": _block(8)["ln"]}
+  assert repeated_blocks({"b_0": _block(8), "b_1": _block(8),
+                          "head": big, "tail": part}) == ("b_0", "b_1")
 
 
 def test_blocks_are_found_by_structure_whatever_their_names():

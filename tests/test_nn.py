@@ -850,3 +850,44 @@ def test_create_bad_input():
     zerojax.create(None, jax.random.key(0), apply_fn=None, tx=optax.sgd(1.0))
   with pytest.raises(TypeError, match="tx="):
     zerojax.create(lambda r: {}, jax.random.key(0), apply_fn=None, tx="adam")
+
+
+class _OddFirstBlock(nn.Module):
+  """A residual block whose first instance makes a bias the later ones are
+  handed (T5's relative attention bias)."""
+  first: bool = False
+
+  @nn.compact
+  def __call__(self, x, bias=None):
+    if self.first:
+      bias = self.param("rel_bias", nn.initializers.normal(0.02),
+                        (x.shape[-1],))
+    h = nn.Dense(x.shape[-1])(nn.LayerNorm()(x)) + bias
+    return x + nn.Dense(x.shape[-1])(nn.gelu(h)), bias
+
+
+class _OddFirstNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    bias = None
+    for i in range(3):
+      x, bias = _OddFirstBlock(first=i == 0, name=f"block_{i}")(x, bias)
+    return nn.Dense(1)(x)
+
+
+def test_a_block_with_an_extra_leaf_is_gathered_per_block():
+  """The first block's own leaf is gathered with it, at its call: stage 3
+  gathers all three blocks per block and trains as plain optax does."""
+  model = _OddFirstNet()
+  rng = np.random.default_rng(0)
+  batches = [rng.normal(size=(16, 64)).astype(np.float32) for _ in range(3)]
+  params = model.init(jax.random.key(0), batches[0][:1])["params"]
+  loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)
+  tx = optax.adam(1e-2)
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx), stage=3)
+  modes = zerojax.train_step(loss_fn).gathering(state, batches[0])
+  assert [modes[f"block_{i}"] for i in range(3)] == ["per block"] * 3, modes
+  state, losses = zero_run(state, loss_fn, batches)
+  assert_matches_reference(losses, zerojax.gather_params(state),
+                           *reference_run(loss_fn, params, tx, batches))

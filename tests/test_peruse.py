@@ -95,21 +95,38 @@ def test_small_modules_are_held_without_a_second_compile(monkeypatch):
   assert modes == {"Embed_0": why, "LayerNorm_0": why, "blocks": "per layer"}
 
 
-class _ReadOutside(nn.Module):
-  """A table read by its module's lookup and, outside its call, by the
-  head (Hugging Face's GPT-2 ties its head this way), between blocks."""
+class _Table(nn.Module):
+  """A lookup table made in `@nn.compact` (no setup): a call can be heard."""
 
   @nn.compact
   def __call__(self, tokens):
-    embed = nn.Embed(64, 32, name="embed")
-    x = embed(tokens)
+    table = self.param("table", nn.initializers.normal(0.02), (64, 32))
+    return table[tokens]
+
+
+class _ReadOutside(nn.Module):
+  """Modules beside two blocks held for four reasons: a table read by its
+  module's call and, outside it, by the head (Hugging Face's GPT-2 ties its
+  head this way); an `nn.Embed` (its setup makes its table an attribute);
+  a norm whose parameters are read with no call of it; and a bias of the
+  top module itself (Bart's `final_logits_bias`)."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    tied = _Table(name="tied")
+    x = tied(tokens) + nn.Embed(64, 32, name="embed")(tokens)
     for i in range(2):
       x = ResidualBlock(32, name=f"blocks_{i}")(x)
-    return (x @ embed.variables["params"]["embedding"].T).astype(jnp.float32)
+    norm = nn.LayerNorm(name="norm")
+    if self.is_initializing():
+      norm(x)
+    x = x * norm.variables["params"]["scale"]
+    bias = self.param("bias", nn.initializers.zeros, (64,))
+    return (x @ tied.variables["params"]["table"].T + bias).astype(
+        jnp.float32)
 
 
-def test_a_module_read_outside_its_call_is_held_without_a_warning(
-    caplog, monkeypatch):
+def test_step_gathering_says_why_each_module_is_held(caplog, monkeypatch):
   monkeypatch.setattr(peruse, "WORTH_COMPARING", 0)
   model = _ReadOutside()
   batch = lm_batches(64, batch=16, seq=8, steps=1)[0]
@@ -118,7 +135,19 @@ def test_a_module_read_outside_its_call_is_held_without_a_warning(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), stage=3)
   with caplog.at_level("WARNING", logger="zerojax"):
     modes = zerojax.train_step(lm_loss_fn(model)).gathering(state, batch)
-  assert modes["embed"] == "whole step (read outside its call, or not called)"
+  top = next(k for k in modes if k.startswith("chunk "))
+  assert top.endswith("(bias)"), modes
+  assert modes == {
+      "tied": "whole step (called, and its parameters also read outside "
+              "its call (a tied weight, or read by the loss))",
+      "embed": "whole step (its setup makes its parameters attributes (as "
+               "nn.Embed's embedding), which code outside its calls may "
+               "read)",
+      "norm": "whole step (never called: its parameters are read without "
+              "a call of their module)",
+      top: "whole step (parameters of the top module itself: no call to "
+           "gather at)",
+      "blocks_0": "per block", "blocks_1": "per block"}, modes
   assert not caplog.records
 
 

@@ -87,12 +87,22 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
     alike, each a list of blocks) gives those; one holding only part of it
     in repeated submodules (a decoder block's self- and cross-attention) is
     the block."""
-    groups = {}
+    groups, trees = {}, {}
     for k, v in node.items():
       names.append(str(k))
       if is_block(v) and not _inside(path + (str(k),), stacked):
         groups.setdefault(signature(v), []).append(str(k))
+        trees[str(k)] = v
     repeated = {k for group in groups.values() if len(group) > 1 for k in group}
+    # a block alike but for a few leaves of its own (T5's first block and
+    # its relative attention bias) is one of them: its own leaves are
+    # gathered with it
+    common = [_leaf_set(trees[group[0]]) for group in groups.values()
+              if len(group) > 1]
+    for group in groups.values():
+      if len(group) == 1 and any(
+          _with_a_few_more(_leaf_set(trees[group[0]]), c) for c in common):
+        repeated.add(group[0])
     found = []
     for k, v in node.items():
       if isinstance(v, dict) and not _inside(path + (str(k),), stacked):
@@ -107,6 +117,29 @@ def repeated_blocks(params: Any, stacked: Sequence[str] = ()) -> tuple:
   counts = collections.Counter(names)
   return tuple(p[-1] if counts[p[-1]] == 1 and not p[-1].isdigit()
                else "/".join(p) for p, _ in found)
+
+
+def _leaf_set(node, path=()) -> dict:
+  """`{relative path: (shape, dtype)}` of a subtree's leaves."""
+  if isinstance(node, dict):
+    return {p: v for k, sub in node.items()
+            for p, v in _leaf_set(sub, path + (str(k),)).items()}
+  return {path: (tuple(np.shape(node)), str(getattr(node, "dtype", "")))}
+
+
+# a block may hold leaves its siblings do not of at most this share of its
+# parameters and still be one of them (`repeated_blocks`)
+OWN_LEAVES_SHARE = 0.1
+
+
+def _with_a_few_more(leaves: dict, common: dict) -> bool:
+  """Whether `leaves` are `common`'s and a few more (`OWN_LEAVES_SHARE`)."""
+  if any(leaves.get(p) != v for p, v in common.items()):
+    return False
+  size = lambda ls: sum(int(np.prod(shape)) for shape, _ in ls)
+  extra = [v for p, v in leaves.items() if p not in common]
+  return bool(extra) and size(extra) <= OWN_LEAVES_SHARE * size(
+      leaves.values())
 
 
 def scanned_stacks(params: Any, num_shards: int,

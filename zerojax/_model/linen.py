@@ -97,7 +97,9 @@ def intercept(next_fun, args, kwargs, context):
         type(module).setup is not nn.Module.setup):
       # its `setup` makes its parameters attributes (`nn.Embed.embedding`),
       # which code outside its calls may read, if only for their dtype
-      ctx.refused[path] = "its parameters are attributes its setup makes"
+      ctx.refused[path] = ("its setup makes its parameters attributes (as "
+                           "nn.Embed's embedding), which code outside its "
+                           "calls may read")
     elif ctx.probing and _holds_layer(layout, chunks, path, params):
       ctx.called.add(path)
       ctx.heard.add(path)

@@ -13,8 +13,9 @@ smaller held on 0.12; docs/decisions.md). So the first step of each
 program compiles both and keeps the smaller (a tie: held, fewer
 collectives), where the modules heard called would gather at least
 `WORTH_COMPARING` bytes; below that they are held without a second
-compile. A module whose parameters are read outside its call, or that is
-never called, is held. The step says its choice once (logging, level
+compile. A module whose parameters are read outside its call (a tied
+weight), whose call cannot be replayed, or that is never called, is held,
+and `step.gathering` says which. The step says its choice once (logging, level
 info), and `step.gathering` says it for each module.
 """
 from __future__ import annotations
@@ -71,10 +72,11 @@ def gathered_bytes(layout, config, members) -> int:
 def choose(layout, config, heard: Callable[[], frozenset],
            footprint: Callable[[frozenset], int]) -> tuple:
   """`(held, why)`: the chunks beside the blocks (`chunks`) the step holds
-  for the whole step, and per module name why. `heard()` gives those of
-  them a trace heard called and not read outside their calls;
-  `footprint(held)` compiles the step holding `held` and gives its
-  per-device bytes."""
+  for the whole step, and per module name why. `heard()` gives, of the
+  chunks a trace heard, None for those it heard called and not read
+  outside their calls, and for others beside the blocks why they are held
+  (`model_call._why_held`); `footprint(held)` compiles the step holding
+  `held` and gives its per-device bytes."""
   beside = chunks(layout, config)
   if not beside:
     return frozenset(), {}
@@ -85,8 +87,11 @@ def choose(layout, config, heard: Callable[[], frozenset],
   size = gathered_bytes(layout, config, beside)
   if size < WORTH_COMPARING:
     return beside, {n: small(size) for n in names(beside)}
-  usable = heard() & beside
-  why = {n: "read outside its call, or not called" for n in names(beside)}
+  said = heard()
+  usable = frozenset(c for c, why in said.items() if why is None) & beside
+  why = {}
+  for c in sorted(beside - usable):
+    why.setdefault(names([c])[0], said.get(c) or "never called")
   if not usable:
     return beside, why
   size = gathered_bytes(layout, config, usable)

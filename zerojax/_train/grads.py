@@ -46,14 +46,15 @@ from zerojax._train.model_call import (ModelCall, gather_modes,
 
 def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
                       weighted: bool = False, held: frozenset = frozenset(),
-                      heard: Optional[set] = None):
+                      heard: Optional[dict] = None):
   """Reduced gradient chunks (sharded, or replicated under ALL_REDUCE), the
   loss, the aux values, the new values of the `mutable` fields and the
   global batch's weight (None unless `weighted`); fills `modes` with how
   each chunk is gathered (`gather_modes`), and `heard` with the chunks a
-  block or module could gather at its calls (`ModelCall.opted_in`), of
-  which those in `held` (modules beside the blocks, `zerojax._model.peruse`) are
-  held for the step instead.
+  block or module could gather at its calls (`ModelCall.opted_in`; of
+  which those in `held`, modules beside the blocks, `zerojax._model.peruse`,
+  are held for the step instead), each to None, and the modules beside
+  the blocks that cannot be gathered per use to why.
 
   The loss and its gradient are the mean of the devices' and micro-batches'
   losses, or with `weighted` (`loss_fn` returns `(sum, weight)`) the whole
@@ -84,8 +85,9 @@ def grads_and_metrics(loss_fn, has_aux, mutable, state, batch, rng, modes,
     k = cfg.accum_steps
     first = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // k], batch)
     layerwise = forward.opted_in(diff, first, dev_rng, fields)
-    if heard is not None:
-      heard.update(layerwise)
+    if heard is not None:   # could gather at each use, or why held
+      heard.update({c: None for c in layerwise})
+      heard.update(forward.held_beside)
     layerwise -= held
     modes.update(gather_modes(layout, pol, layerwise,
                               peruse.chunks(layout, cfg)))

@@ -43,6 +43,8 @@ class ModelCall:
     self.slot_dtypes = [np.dtype(m.dtype) for m in state.master]
     self.prefetch = prefetches(state.config, state.mesh)
     self.overlap = collectives_overlap(state.mesh)
+    # {chunk beside the blocks: why it is held for the step}, by `opted_in`
+    self.held_beside = {}
 
   def differentiated(self) -> tuple:
     """Per chunk, what the gradient is taken with respect to: the chunk (or
@@ -80,6 +82,8 @@ class ModelCall:
       # the modules beside the blocks are held unless chosen per use: the
       # step says why where it chooses (`zerojax._model.peruse`)
       quiet = peruse.chunks(layout, self.cfg)
+      self.held_beside = {c: _why_held(c in read, refused.get(own[c]))
+                          for c in quiet if c not in layerwise - read}
       _say_whole(layout, self.cfg,
                  {c: p for c, p in own.items() if c not in quiet},
                  layerwise - read - quiet, read - quiet,
@@ -169,6 +173,17 @@ class ModelCall:
                               {layout.rest_indices[j] for j in in_block})
 
 
+def _why_held(read: bool, refused: Optional[str]) -> str:
+  """Why a module beside the blocks cannot be gathered at each use: its
+  parameters are `read` outside its call, its call is `refused` (why), or
+  it was never called."""
+  if read:
+    return ("called, and its parameters also read outside its call (a tied "
+            "weight, or read by the loss)")
+  return refused or ("never called: its parameters are read without a call "
+                     "of their module")
+
+
 def _read_outside(traced, chunks: set) -> frozenset:
   """Of `chunks` (whose blocks ran on zeros in the hearing trace `traced`, a
   closed jaxpr of the chunks' shards), those the outputs still depend on:
@@ -256,15 +271,22 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset,
   "replicated, gradient reduced per layer" for a wrapped stack at stage 2)."""
   out = {}
   for c, chunk in enumerate(layout.chunks):
+    first = "/".join(map(str, layout.leaves[chunk.leaves[0]].names))
     name = ("/".join(layout.stack_prefix(c)) if chunk.stack is not None else
-            f"chunk {c} ({layout.leaves[chunk.leaves[0]].path})")
+            f"chunk {c} ({first})")
     out[name] = ("replicated, gradient reduced per layer"
                  if c in layerwise and not pol.gathers_params else
                  "replicated" if not pol.gathers_params else
+                 TOP if chunk.stack is None and pol.layer_hooks else
                  "whole step" if c not in layerwise else
                  "per layer" if chunk.layers else
                  peruse.PER_USE if c in beside else "per block")
   return out
+
+
+# a stage-3 chunk of no module's (the model's own parameters, such as
+# Bart's `final_logits_bias`): no module call to gather it at
+TOP = "whole step (parameters of the top module itself: no call to gather at)"
 
 
 def _names(layout, chunks) -> str:

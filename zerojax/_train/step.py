@@ -198,7 +198,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     its trace fills `heard[held]` (`grads_and_metrics`)."""
     return jax.jit(functools.partial(_step, loss_fn, has_aux, mutable,
                                      weighted, {}, held,
-                                     heard.setdefault(held, set())),
+                                     heard.setdefault(held, {})),
                    donate_argnums=(0,) if donate else (),
                    compiler_options=compat.step_compiler_options())
 
@@ -217,7 +217,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
         jitted_holding(every)   # its sink made
         heard[every].clear()    # filled again by a new trace
         jitted_holding(every).trace(state, batch, rng)
-        return frozenset(heard[every])
+        return dict(heard[every])
       footprint = lambda held: memory.compiled_footprint(jitted_holding(
           held).lower(state, batch, rng).compile())["device"]
       # (an NNX layout has no chunks beside its blocks: nothing to choose)
