@@ -31,9 +31,13 @@ import zerojax
 from benchmarks.user_models import TransformerConfig, block_params
 
 try:
-  from transformers import GPT2Config as _HFConfig, LlamaConfig as _LlamaConfig
+  from transformers import (BertConfig as _BertConfig, GPT2Config as _HFConfig,
+                            LlamaConfig as _LlamaConfig,
+                            OPTConfig as _OPTConfig)
+  from transformers.models.bert import modeling_flax_bert as _bert
   from transformers.models.gpt2 import modeling_flax_gpt2 as _hf
   from transformers.models.llama import modeling_flax_llama as _llama
+  from transformers.models.opt import modeling_flax_opt as _opt
   missing = None
 except ImportError as e:   # an optional dependency (`pip install -e ".[hf]"`)
   _hf, missing = None, (f"transformers' Flax GPT-2 and Llama are not "
@@ -133,6 +137,81 @@ class HFLlama(nn.Module):
           tokens, jnp.ones_like(tokens), positions)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class HFBertConfig(TransformerConfig):
+  """An encoder: Hugging Face's Flax BERT masked LM (post-LayerNorm blocks
+  `bert/encoder/layer/0`, ..., learned positions and token types, the head
+  tied to the word embedding through `shared_embedding`), trained on the
+  tokens' cross entropy as the other language models are."""
+  positions: int = 128
+  dtype: str = "float32"
+
+  @property
+  def num_params(self) -> int:
+    d, v = self.width, self.vocab_size
+    block = 4 * d * d + 4 * d + 2 * (4 * d * d) + 5 * d + 4 * d
+    return ((v + self.positions + 2) * d + 2 * d + self.layers * block
+            + d * d + 3 * d + v)   # head: transform, its norm, a bias
+
+  def make_model(self) -> "HFBert":
+    return HFBert(self)
+
+
+class HFBert(nn.Module):
+  cfg: HFBertConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    config = _BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.width,
+                         num_hidden_layers=cfg.layers,
+                         num_attention_heads=cfg.heads,
+                         intermediate_size=4 * cfg.width,
+                         max_position_embeddings=cfg.positions)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    with _blocks(_bert, "FlaxBertLayer", cfg.layerwise):
+      return _bert.FlaxBertForMaskedLMModule(
+          config, dtype=jnp.dtype(cfg.dtype), name="bert")(
+          tokens, jnp.ones_like(tokens), jnp.zeros_like(tokens), positions,
+          None, deterministic=True)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFOPTConfig(TransformerConfig):
+  """A decoder with learned positions offset by two: Hugging Face's Flax
+  OPT (`decoder/layers/0`, ...; pre-LayerNorm, ReLU MLP, the head tied to
+  the token embedding)."""
+  positions: int = 128
+  dtype: str = "float32"
+
+  @property
+  def num_params(self) -> int:
+    d = self.width
+    return ((self.vocab_size + self.positions + 2) * d
+            + self.layers * block_params(d) + 2 * d)
+
+  def make_model(self) -> "HFOPT":
+    return HFOPT(self)
+
+
+class HFOPT(nn.Module):
+  cfg: HFOPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    config = _OPTConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.width,
+                        num_hidden_layers=cfg.layers,
+                        num_attention_heads=cfg.heads, ffn_dim=4 * cfg.width,
+                        max_position_embeddings=cfg.positions,
+                        word_embed_proj_dim=cfg.width)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    with _blocks(_opt, "FlaxOPTDecoderLayer", cfg.layerwise):
+      return _opt.FlaxOPTForCausalLMModule(
+          config, dtype=jnp.dtype(cfg.dtype), name="opt")(
+          tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
+
+
 CONFIGS = {} if _hf is None else {
     "hf-gpt2-tiny": HFGPT2Config(vocab_size=64, width=32, layers=2, heads=2,
                                  positions=32),
@@ -141,6 +220,10 @@ CONFIGS = {} if _hf is None else {
     # transformer-6m's shape (6 blocks of width 256, vocabulary 2,048)
     "hf-gpt2-6m": HFGPT2Config(),
     "hf-llama-6m": HFLlamaConfig(),
+    "hf-bert-tiny": HFBertConfig(vocab_size=64, width=32, layers=2, heads=2,
+                                 positions=32),
+    "hf-opt-tiny": HFOPTConfig(vocab_size=64, width=32, layers=2, heads=2,
+                               positions=32),
 }
 
 

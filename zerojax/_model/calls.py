@@ -15,7 +15,7 @@ from flax import nnx
 
 from zerojax._model.gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
                                 _memory_spaces, _OPTED, _regathered_backward,
-                                _token, offloaded)
+                                _token, offloaded, stored)
 
 
 def _public_methods(block: type, base: type) -> list:
@@ -154,7 +154,7 @@ def _unit_call(module, arguments: _Arguments, call: Callable,
                              backward_fn=backward)(module, *values, token_in)
   if chain is not None:
     chain.put(module.parent, token, link)
-  return out
+  return stored(out)   # see [Note: a block's output stored]
 
 # Primitives whose results `keep_activations` does not keep: elementwise
 # arithmetic and layout changes, which XLA fuses into the kernels that read
@@ -171,7 +171,20 @@ _RECOMPUTED = frozenset({
     "tanh", "transpose", "xor"})
 
 
-def keep_activations(prim, *_, **__) -> bool:
+def _elementwise(prim, params: dict) -> bool:
+  """Whether `prim` is elementwise arithmetic or a layout change
+  (`_RECOMPUTED`), or a call of such alone: `jax.nn.relu`, a `custom_jvp`
+  function, is a `custom_jvp_call` of one `max`."""
+  if prim.name in _RECOMPUTED:
+    return True
+  inner = params.get("call_jaxpr", params.get("jaxpr"))
+  jaxpr = getattr(inner, "jaxpr", inner)
+  return (prim.name in ("custom_jvp_call", "pjit", "jit")
+          and hasattr(jaxpr, "eqns")
+          and all(_elementwise(e.primitive, e.params) for e in jaxpr.eqns))
+
+
+def keep_activations(prim, *_, **params) -> bool:
   """The remat policy of `Blocks(remat="none")` (activations kept): every
   result is saved for the backward pass but those of elementwise and layout
   primitives (`_RECOMPUTED`), which the backward computes again inside its
@@ -179,8 +192,13 @@ def keep_activations(prim, *_, **__) -> bool:
   are kept and none of its FLOPs are spent twice, while neither a cast,
   transpose or broadcast of the gathered parameters (a copy of the block,
   which `everything_saveable` keeps) nor a chain of elementwise results
-  that XLA would fuse away is held from the forward pass to the backward."""
-  return prim.name not in _RECOMPUTED
+  that XLA would fuse away is held from the forward pass to the backward.
+  A function of elementwise arithmetic alone (`jax.nn.relu`, whose
+  derivative jax defines) counts as elementwise: saved, its result is the
+  matmul output plus the gathered bias, which XLA computes where the
+  backward reads it, holding the forward's gathered block till then
+  (docs/decisions.md, 2026-12-03)."""
+  return not _elementwise(prim, params)
 
 
 # `ZeroConfig.remat`: the remat policy of each choice (None: nothing saved

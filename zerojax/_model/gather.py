@@ -112,6 +112,41 @@ def _tie_jvp(primals, tangents):
   return tie(*primals), tangents[0]
 
 
+def stored(tree):
+  """`tree`'s floating arrays, bit for bit, each computed once and kept in
+  memory: an unrolled block's output ([Note: a block's output stored]).
+  Differentiates as the identity."""
+  return jax.tree_util.tree_map(
+      lambda x: _stored(x) if (hasattr(x, "dtype") and jnp.ndim(x) and
+                               jnp.issubdtype(x.dtype, jnp.floating)) else x,
+      tree)
+
+
+# [Note: a block's output stored]
+# XLA fuses a cheap elementwise producer into each of its consumers, and so
+# may compute a value the backward pass reads again there, from the
+# producer's operands. A post-LayerNorm block's output (BERT's) is its
+# norm's scale and bias applied to saved statistics, read by the next
+# block's forward and saved as its input: recomputed for the backward, it
+# reads slices of the whole gathered block, which then stays alive from
+# the forward pass to the backward, a gathered block per layer
+# (docs/decisions.md, 2026-12-03). So each unrolled block's output is its
+# bits divided (an integer division) by a one XLA cannot see is one: a
+# division is among the operations XLA does not compute twice to fuse it,
+# so the output is computed once and stored, and the backward reads it.
+@jax.custom_jvp
+def _stored(x):
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}")
+  u = jax.lax.bitcast_convert_type(x, bits)
+  one = (jnp.ravel(u)[0] & 1) | 1
+  return jax.lax.bitcast_convert_type(u // one, x.dtype)
+
+
+@_stored.defjvp
+def _stored_jvp(primals, tangents):
+  return _stored(*primals), tangents[0]
+
+
 def _anchor(tree):
   """The first non-empty numeric array of `tree`, or None."""
   for leaf in jax.tree_util.tree_leaves(tree):

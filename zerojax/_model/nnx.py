@@ -15,8 +15,8 @@ from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _ava
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
                                 _memory_spaces, _owned, _regathered_backward,
-                                _regathering, SCALE_KEY, SLOT_KEY, _token,
-                                offloaded)
+                                _regathering, SCALE_KEY, SLOT_KEY, stored,
+                                _token, offloaded)
 
 
 def gather_per_call(module) -> None:
@@ -197,4 +197,4 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
     nnx.update(o, state)
   if chain is not None:
     chain.put(path[:-1], token, link)
-  return out
+  return stored(out)   # see [Note: a block's output stored]
