@@ -6,6 +6,7 @@ holds the model).
 
     python -m benchmarks.gpu_compiled            # every row
     python -m benchmarks.gpu_compiled --quick    # 1 x 8 H100, zero-3 only
+    python -m benchmarks.gpu_compiled --optimizers   # + Muon, Adafactor rows
 
 Needs jax's CUDA plugin at jaxlib's version (`jax-cuda12-plugin`,
 `jax-cuda12-pjrt`); runs with JAX_PLATFORMS=cpu. Each case is compiled in
@@ -70,6 +71,11 @@ TARGETS = {("h100", 1): VARIANTS,
 FEWER_MODELS = {("h100", 2), ("h100", 8), ("h200", 1)}
 GOAL_MODELS = ("gpt2-medium", "llama-1b")
 QUICK = {("h100", 1): ("zero-3",)}
+# optimizers that read whole tensors (issue 62): zero-3 against GSPMD FSDP
+# with the same optimizer ("variant+optimizer", `models.make_tx`)
+OPTIMIZERS = ("muon", "adafactor")
+OPTIMIZER_ROWS = {("h100", 1): tuple(f"{v}+{o}" for o in OPTIMIZERS
+                                     for v in ("zero-3", "gspmd-fsdp"))}
 
 
 def _config(model: str):
@@ -108,6 +114,7 @@ def child(model: str, variant: str, gpu: str, hosts: int) -> dict:
   from benchmarks import variants
   target = zerojax.GpuTarget(gpu, hosts)
   cfg = _config(model)
+  variant, _, tx = variant.partition("+")
   seq, rows = SEQ[model], ROWS_PER_GPU[model]
   start = time.perf_counter()
   mesh = (target.mesh((hosts, target.gpus_per_host), ("replica", "data"))
@@ -115,7 +122,8 @@ def child(model: str, variant: str, gpu: str, hosts: int) -> dict:
   v = variants.build(variant.replace("-hsdp", ""), cfg,
                      global_batch=rows * target.devices, seq=seq,
                      num_devices=target.devices, materialize=False,
-                     compute_dtype=jnp.bfloat16, mesh=mesh)
+                     compute_dtype=jnp.bfloat16, mesh=mesh,
+                     tx=tx or "adamw")
   compiled = target.compile(v.lowered)
   compile_s = time.perf_counter() - start
   ma = compiled.memory_analysis()
@@ -126,13 +134,14 @@ def child(model: str, variant: str, gpu: str, hosts: int) -> dict:
     with open(os.path.join(os.environ["ZEROJAX_HLO_DIR"],
                            f"{model}-{variant}-{gpu}-{hosts}.hlo"), "w") as f:
       f.write(compiled.as_text())
-  row = dict(model=model, variant=variant, target=str(target), gpu=gpu,
+  row = dict(model=model, variant=variant + (f"+{tx}" if tx else ""),
+             target=str(target), gpu=gpu,
              hosts=hosts, gpus=target.devices, num_params=cfg.num_params,
              seq=seq, rows_per_gpu=rows, compile_s=round(compile_s, 1),
              footprint=int(footprint), temp=int(ma.temp_size_in_bytes),
              argument=int(ma.argument_size_in_bytes),
              **model_step.to_dict())
-  if variant.startswith("zero-3"):
+  if variant.startswith("zero-3") and not tx:
     persistent = zerojax.estimate_memory(
         cfg.num_params, stage=3, num_devices=v.state.num_state_shards,
         compute_dtype=jnp.bfloat16)["persistent"]
@@ -232,6 +241,13 @@ def goals(rows) -> list:
       add(f"{model}: stage-3 bytes per GPU / predicted",
           z["footprint"] / z["predicted"], "<= 1.10",
           z["footprint"] <= 1.10 * z["predicted"])
+    for opt in OPTIMIZERS:
+      z, g = (_find(rows, model, f"{v}+{opt}") for v in ("zero-3",
+                                                          "gspmd-fsdp"))
+      if z is not None and g is not None:
+        add(f"{model}, {opt}: stage-3 step / GSPMD FSDP's with {opt} "
+            "(modelled)", z["time_s"] / g["time_s"], "<= 1.15",
+            z["time_s"] <= 1.15 * g["time_s"])
     for variant, limit in (("zero-3", 1.15), ("zero-2", 1.02),
                            ("zero-1", 1.02)):
       v = _find(rows, model, variant)
@@ -321,6 +337,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--optimizers", action="store_true",
+                      help="compile only the optimizer rows (OPTIMIZER_ROWS) "
+                           "and add them to the saved results")
   parser.add_argument("--remodel", metavar="HLO_DIR",
                       help="model the results' programs again from the HLO "
                            "a run left in ZEROJAX_HLO_DIR (no compiles)")
@@ -339,6 +358,12 @@ def main():
       saved = json.load(f)
     rows = [remodel(r, args.remodel) for r in saved["rows"]]
     meta = {**saved["meta"], "remodelled": meta["date"]}
+  elif args.optimizers:
+    with open(os.path.join(args.out, "gpu_compiled.json")) as f:
+      saved = json.load(f)
+    rows = [r for r in saved["rows"] if "+" not in r["variant"]]
+    rows += measure(OPTIMIZER_ROWS, GOAL_MODELS[:1])
+    meta = {**saved["meta"], "optimizers": meta["date"]}
   else:
     rows = measure(QUICK if args.quick else TARGETS)
   print(write(rows, args.out, meta))

@@ -102,9 +102,10 @@ class GPTConfig(LanguageModel):
   # vocabulary blocks (a stack "wte": zerojax gathers one block at a time
   # at the lookup and at the head, whose loss it computes); None: nn.Embed
   embed_blocks: Optional[int] = None
-  # the attention: "einsum" (scores written out, then a softmax), or a
+  # the attention: "einsum" (scores written out, then a softmax), a
   # `jax.nn.dot_product_attention` implementation ("xla"; "cudnn", its
-  # fused flash attention on an NVIDIA GPU)
+  # fused flash attention on an NVIDIA GPU), or "chunked"
+  # (`chunked_attention`: no T x T scores in memory, in plain JAX)
   attention: str = "einsum"
   # a `jax.checkpoint_policies` name for the layerwise block's remat (e.g.
   # "dots_with_no_batch_dims_saveable": the backward keeps the matmul
@@ -112,6 +113,10 @@ class GPTConfig(LanguageModel):
   remat_policy: str = ""
   # rematerialise each block (nn.remat) where stage 3's layerwise does not
   remat: bool = False
+  # GPT-2's learned position table (`max_len` rows); False: none, as for a
+  # long-sequence model whose positions are rotary (their elementwise work
+  # left out)
+  learned_positions: bool = True
 
   @property
   def stacked(self) -> tuple:
@@ -144,6 +149,7 @@ class GPTConfig(LanguageModel):
              + 4 * d * d + d)     # mlp out
     if self.embed_blocks:   # the table's rows padded to whole blocks
       v = -(-v // self.embed_blocks) * self.embed_blocks
+    t = t if self.learned_positions else 0
     return v * d + t * d + l * block + 2 * d
 
 
@@ -170,6 +176,56 @@ CONFIGS = {
 }
 
 
+# `chunked_attention`'s blocks: at least CHUNK queries (and keys), and at
+# most BLOCKS of them a sequence (few loop steps: few small kernels)
+CHUNK, BLOCKS = 512, 16
+
+
+def chunked_attention(q, k, v, chunk: int):
+  """Causal attention over `[batch, tokens, heads, head_dim]` in blocks of
+  `chunk` queries and keys with a running softmax (Rabe and Staats's
+  memory-efficient attention; flash attention's arithmetic without its
+  kernel): one query block's scores against one key block's at a time,
+  each query block rematerialised, so neither pass holds more than a
+  block of scores. It reads every key block (twice the FLOPs of a kernel
+  that skips the masked ones), in the compute dtype with float32 softmax
+  statistics."""
+  b, t, h, hd = q.shape
+  chunk = min(chunk, t)   # (a short sequence, such as init's, is one block)
+  if t % chunk:
+    raise ValueError(f"chunked_attention: {t} tokens are not whole blocks "
+                     f"of {chunk}.")
+  n = t // chunk
+  blocks = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, h, hd), 1, 0)
+  q, k, v = blocks(q) / np.sqrt(hd).astype(q.dtype), blocks(k), blocks(v)
+  rows = jnp.arange(chunk)
+
+  @jax.checkpoint
+  def query_block(qi, i):
+    def key_block(carry, j):
+      top, total, acc = carry
+      s = jnp.einsum("bqhd,bkhd->bhqk", qi, k[j],
+                     preferred_element_type=jnp.float32)
+      causal = (i * chunk + rows)[:, None] >= (j * chunk + rows)[None, :]
+      s = jnp.where(causal, s, -jnp.inf)
+      new = jnp.maximum(top, s.max(-1))
+      p = jnp.exp(s - new[..., None])
+      scale = jnp.exp(top - new)
+      acc = acc * scale[..., None] + jnp.einsum(
+          "bhqk,bkhd->bhqd", p.astype(v.dtype), v[j],
+          preferred_element_type=jnp.float32)
+      return (new, total * scale + p.sum(-1), acc), None
+    start = (jnp.full((b, h, chunk), -jnp.inf, jnp.float32),
+             jnp.zeros((b, h, chunk), jnp.float32),
+             jnp.zeros((b, h, chunk, hd), jnp.float32))
+    (_, total, acc), _ = jax.lax.scan(jax.checkpoint(key_block), start,
+                                      jnp.arange(n))
+    return jnp.einsum("bhqd->bqhd", acc / total[..., None]).astype(qi.dtype)
+
+  out = jax.lax.map(lambda a: query_block(*a), (q, jnp.arange(n)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, hd)
+
+
 class Block(nn.Module):
   cfg: GPTConfig
 
@@ -191,7 +247,10 @@ class Block(nn.Module):
     else:
       qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.heads, hd)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if cfg.attention == "einsum":
+    if cfg.attention == "chunked":
+      h = chunked_attention(q, k, v, max(CHUNK, t // BLOCKS)).reshape(
+          b, t, d)
+    elif cfg.attention == "einsum":
       scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(x.dtype)
       causal = jnp.tril(jnp.ones((t, t), bool))
       scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -239,14 +298,19 @@ class GPT(nn.Module):
     else:
       wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=init,
                      name="wte")
-    wpe = self.param("wpe", init, (cfg.max_len, cfg.width))
-    x = wte(tokens) + wpe[: tokens.shape[1]]
+    x = wte(tokens)
+    if cfg.learned_positions:
+      x = x + self.param("wpe", init, (cfg.max_len, cfg.width))[
+          : tokens.shape[1]]
     policy = ({"policy": getattr(jax.checkpoint_policies, cfg.remat_policy)}
               if cfg.remat_policy else {})
     if cfg.layerwise:
       block = zerojax.nn.layerwise(Block, prevent_cse=False, **policy)
     else:
-      block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+      # (outside a scan, XLA would merge the recompute with the forward
+      # pass without prevent_cse: no remat at all)
+      block = (nn.remat(Block, prevent_cse=not cfg.scan) if cfg.remat
+               else Block)
     if cfg.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0},
                      split_rngs={"params": True}, length=cfg.layers,
@@ -262,7 +326,13 @@ class GPT(nn.Module):
 
 
 @functools.lru_cache(maxsize=None)
-def make_tx():
-  """AdamW; one object per process, so that zerojax's per-optimizer work
-  can be shared between variants (see `variants._memoize_optimizer_probes`)."""
+def make_tx(name: str = "adamw"):
+  """The optimizer `name` ("adamw"; "muon": `optax.contrib.muon`, AdamW for
+  what is no matrix; "adafactor"); one object per process, so that
+  zerojax's per-optimizer work can be shared between variants (see
+  `variants._memoize_optimizer_probes`)."""
+  if name == "muon":
+    return optax.contrib.muon(3e-4, adam_weight_decay=0.1)
+  if name == "adafactor":
+    return optax.adafactor(3e-4)
   return optax.adamw(3e-4, weight_decay=0.1)

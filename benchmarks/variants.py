@@ -100,11 +100,12 @@ class Variant:
 
 # ---- states -----------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _make_train_state(cfg, seed: int):
+def _make_train_state(cfg, seed: int, tx: str = "adamw"):
   """The initial flax TrainState of a config: a jitted function (compiled
-  once per config, fresh arrays per call) and the model."""
+  once per config, fresh arrays per call) and the model; `tx`, the
+  optimizer's name (`models.make_tx`)."""
   model = cfg.make_model()
-  tx = models.make_tx()
+  tx = models.make_tx(tx)
   make = lambda: train_state.TrainState.create(
       apply_fn=model.apply, tx=tx, params=model.init(
           jax.random.key(seed), cfg.example_input())["params"])
@@ -156,7 +157,8 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
           num_devices: int, materialize: bool = True, seed: int = 0,
           options: Optional[dict] = None, compute_dtype=None,
           replicas: int = 1, model_shards: int = 1,
-          mesh: Optional[Mesh] = None, **zero_fields) -> Variant:
+          mesh: Optional[Mesh] = None, tx: str = "adamw",
+          **zero_fields) -> Variant:
   """Builds variant `name` (see the module docstring) of a model config.
 
   Args:
@@ -181,6 +183,7 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
     mesh: the mesh to use (devices of another platform: a
       `zerojax.GpuTarget`'s, with `materialize=False`; its leading axis
       "replica" under `replicas`, else one axis "data").
+    tx: the optimizer, by name (`models.make_tx`).
     **zero_fields: extra `ZeroConfig` fields for zero-* variants.
   """
   if name not in MESH_VARIANTS + ONE_DEVICE_VARIANTS:
@@ -208,7 +211,7 @@ def build(name: str, cfg, *, global_batch: int, seq: Optional[int],
     mesh = make_mesh(n)
     data = NamedSharding(mesh, P("data"))
   cfg = cfg.for_variant(name, data)
-  make, model = _make_train_state(cfg, seed)
+  make, model = _make_train_state(cfg, seed, tx)
   loss_fn = cfg.make_loss_fn(model)
   batch = cfg.make_batch(global_batch, seq, seed)
   on_host = mesh.devices.flat[0].platform == jax.devices()[0].platform

@@ -850,3 +850,56 @@ def test_first_step_goals_compare_growth_and_leaf_scaling(tmp_path):
                                            "jax": jax.__version__})
   assert "| leaves | 1600 | 12.0 | 20.0 | 4.0 | 5.00 |" in text
   assert (tmp_path / "first_step.png").exists()
+
+
+def test_chunked_attention_is_causal_attention():
+  """`models.chunked_attention` (the long-sequence model's) against jax's
+  dot_product_attention: values and gradients, one block and several."""
+  import numpy as np
+  from benchmarks.models import chunked_attention
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 64, 4, 16)), jnp.float32)
+             for _ in range(3))
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()
+  grads = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(
+      *a, is_causal=True)), argnums=(0, 1, 2))(q, k, v)
+  for chunk in (16, 64):
+    np.testing.assert_allclose(chunked_attention(q, k, v, chunk), want,
+                               atol=2e-6)
+    got = jax.grad(loss(lambda *a: chunked_attention(*a, chunk)),
+                   argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, grads):
+      np.testing.assert_allclose(g, w, atol=5e-5)
+  with pytest.raises(ValueError, match="60 tokens.*16"):
+    chunked_attention(q[:, :60], k[:, :60], v[:, :60], 16)
+
+
+def test_long_sequence_goals_read_the_longest_fit(tmp_path):
+  from benchmarks import long_sequence as suite
+  row = lambda config, seq, temp, step, fits=True: {
+      "config": config, "seq": seq, "footprint": temp + 10, "temp": temp,
+      "host_temp": 0, "fits": fits, "memory": 100, "time_s": step,
+      "compute_s": step, "exposed_s": 0.0, "exposed_fraction": 0.0,
+      "compile_s": 1.0}
+  rows = [row("gspmd-fsdp (full remat)", 2048, 40, 1.0),
+          row("gspmd-fsdp (full remat)", 4096, 95, 2.0, fits=False),
+          row("zero-3 remat=dots", 2048, 30, 0.9),
+          row("zero-3 remat=dots", 4096, 60, 1.8),
+          row("zero-3 remat=full", 4096, 20, 2.4),
+          row("zero-3 remat=offload", 4096, 23, 1.9)]
+  assert suite.longest(rows, "zero-3 remat=dots")["seq"] == 4096
+  assert suite.longest(rows, "gspmd-fsdp (full remat)")["seq"] == 2048
+  got = {g: (v, met) for g, v, _, met in suite.goals(rows)}
+  assert got["at 4096 tokens (the longest 'dots' fits): offload's device "
+             "temporaries / full's"] == ("1.15", True)
+  assert got["at 4096 tokens: offload's modelled step / dots'"] == ("1.06",
+                                                                    True)
+  assert got["2048 tokens: zerojax's fastest that fits / GSPMD FSDP's "
+             "(modelled step)"] == ("0.90", True)
+  assert got["longest sequence zerojax fits / the longest plain DP or "
+             "GSPMD FSDP fits"] == ("4096 / 2048", True)
+  text = suite.write(rows, str(tmp_path), {"date": "today",
+                                           "jax": jax.__version__})
+  assert "| zero-3 remat=dots | 4096 | 1.800 |" in text
+  assert (tmp_path / "long_sequence.png").exists()
