@@ -409,9 +409,9 @@ class Blocks:
       forward pass and back for the backward (ZeRO-R's CPU checkpointing,
       MaxText's offloaded remat), with "dots"' numbers and compute; an
       unrolled block brings its own back as the next block's backward
-      starts. The activations do go to host memory in the program XLA
-      compiles for GPUs, but its device bytes barely fall yet
-      (docs/decisions.md, 2026-12-02, third session).
+      starts. In the program XLA compiles for GPUs the activations go to
+      host memory; how many device bytes that saves is XLA's scheduler's
+      to decide (docs/decisions.md, 2026-12-03).
       A policy of your own (what to offload, by name) goes to
       `zerojax.nn.layerwise(Block, policy=...)`.
     prefetch: each block's gather waits for the previous block's input, so
