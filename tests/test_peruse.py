@@ -166,3 +166,10 @@ def test_nnx_models_and_lower_stages_have_no_modules_beside():
                         stage=3, tx=optax.sgd(0.1))
   assert {c.stack for c in state.layout.chunks} == {
       "blocks/0", "blocks/1", None}
+  # ... and is said to be held for the whole step, not to be the top
+  # module's own parameters (those of its head are its head's)
+  loss = lambda m, b: jnp.mean(m(b) ** 2)
+  modes = zerojax.train_step(loss).gathering(state, np.ones((16, 32),
+                                                            np.float32))
+  assert {k: v for k, v in modes.items() if k.startswith("chunk ")} == {
+      "chunk 2 (head/bias)": "whole step"}, modes

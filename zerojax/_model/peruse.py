@@ -14,9 +14,9 @@ program compiles both and keeps the smaller (a tie: held, fewer
 collectives), where the modules heard called would gather at least
 `WORTH_COMPARING` bytes; below that they are held without a second
 compile. A module whose parameters are read outside its call (a tied
-weight), whose call cannot be replayed, or that is never called, is held,
-and `step.gathering` says which. The step says its choice once (logging, level
-info), and `step.gathering` says it for each module.
+weight), whose call cannot be replayed, or that is never called, is held.
+The step says its choice once (logging, level info), and `step.gathering`
+says it, and why, for each module.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def gathered_bytes(layout, config, members) -> int:
              for c in members)
 
 
-def choose(layout, config, heard: Callable[[], frozenset],
+def choose(layout, config, heard: Callable[[], dict],
            footprint: Callable[[frozenset], int]) -> tuple:
   """`(held, why)`: the chunks beside the blocks (`chunks`) the step holds
   for the whole step, and per module name why. `heard()` gives, of the

@@ -277,15 +277,17 @@ def gather_modes(layout, pol: StagePolicy, layerwise: frozenset,
     out[name] = ("replicated, gradient reduced per layer"
                  if c in layerwise and not pol.gathers_params else
                  "replicated" if not pol.gathers_params else
-                 TOP if chunk.stack is None and pol.layer_hooks else
+                 TOP if chunk.stack is None and all(
+                     len(layout.leaves[i].names) == 1 for i in chunk.leaves)
+                 else
                  "whole step" if c not in layerwise else
                  "per layer" if chunk.layers else
                  peruse.PER_USE if c in beside else "per block")
   return out
 
 
-# a stage-3 chunk of no module's (the model's own parameters, such as
-# Bart's `final_logits_bias`): no module call to gather it at
+# a stage-3 chunk of the top module's own parameters (Bart's
+# `final_logits_bias`): no module call to gather it at
 TOP = "whole step (parameters of the top module itself: no call to gather at)"
 
 
