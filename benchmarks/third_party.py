@@ -1,5 +1,5 @@
-"""Third-party Flax code for the speed suite: Hugging Face's Flax GPT-2 and
-Llama.
+"""Third-party Flax code for the speed suite and the models-as-written
+benchmark: Hugging Face's Flax GPT-2, Llama, BERT and OPT.
 
 `transformers`' `FlaxGPT2LMHeadModule` (the `hf` extra: transformers 4.x,
 whose Flax models version 5 dropped) is linen code nobody wrote for zerojax:
@@ -15,7 +15,9 @@ runs, which is the one line a user adds
 here so the other variants in the same process run the code as written.
 `FlaxLlamaForCausalLMModule` (`layers/0`, `layers/1`, ...; RMSNorm, rotary
 positions, grouped-query attention, SwiGLU, an untied head) takes the same
-line on `FlaxLlamaDecoderLayer`.
+line on `FlaxLlamaDecoderLayer`, BERT's masked LM (post-LayerNorm blocks
+`bert/encoder/layer/<i>`, an encoder) on `FlaxBertLayer` and OPT
+(`decoder/layers/<i>`, a ReLU MLP) on `FlaxOPTDecoderLayer`.
 
 Without `transformers` installed, `CONFIGS` is empty and `missing` says why.
 """
@@ -40,7 +42,7 @@ try:
   from transformers.models.opt import modeling_flax_opt as _opt
   missing = None
 except ImportError as e:   # an optional dependency (`pip install -e ".[hf]"`)
-  _hf, missing = None, (f"transformers' Flax GPT-2 and Llama are not "
+  _hf, missing = None, (f"transformers' Flax models are not "
                         f"importable ({e}); pip install -e '.[hf]' to time "
                         "them")
 
