@@ -248,12 +248,15 @@ def test_prefetch_gathers_each_block_one_block_early():
   # and without prefetch, each block's gathers wait for the block before
   assert cpu["forward", 1] > cpu["forward", 0]
   assert cpu["backward", 2] > cpu["backward", 3]
-  # the ties are bitwise identities: the same step, bit for bit
+  # the ties are bitwise identities: the same step, bit for bit (under
+  # XLA's own emitters: the tests' older ones fuse the two programs around
+  # the stored block outputs differently, see `assert_same_numbers`)
   assert evaluated[True] == evaluated[False]
   np.testing.assert_allclose(evaluated[True], model.apply({"params": params}, x),
                              rtol=1e-6)
-  assert all(np.array_equal(a, b) for a, b in zip(
-      jax.tree.leaves(trained[False]), jax.tree.leaves(trained[True])))
+  for a, b in zip(jax.tree.leaves(trained[False]),
+                  jax.tree.leaves(trained[True])):
+    assert_same_numbers(a, b)
 
 
 @pytest.mark.slow
