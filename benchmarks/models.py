@@ -331,8 +331,9 @@ def make_tx(name: str = "adamw"):
   what is no matrix; "adafactor"); one object per process, so that
   zerojax's per-optimizer work can be shared between variants (see
   `variants._memoize_optimizer_probes`)."""
-  if name == "muon":
-    return optax.contrib.muon(3e-4, adam_weight_decay=0.1)
-  if name == "adafactor":
-    return optax.adafactor(3e-4)
-  return optax.adamw(3e-4, weight_decay=0.1)
+  make = {"adamw": lambda: optax.adamw(3e-4, weight_decay=0.1),
+          "muon": lambda: optax.contrib.muon(3e-4, adam_weight_decay=0.1),
+          "adafactor": lambda: optax.adafactor(3e-4)}
+  if name not in make:
+    raise ValueError(f"make_tx({name!r}): use one of {sorted(make)}.")
+  return make[name]()

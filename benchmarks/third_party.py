@@ -61,6 +61,12 @@ def _blocks(module, name: str, layerwise: bool):
     setattr(module, name, plain)
 
 
+def _positions(tokens):
+  """Each token's position in its row, as the Hugging Face modules take
+  them (their `position_ids`)."""
+  return jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class HFGPT2Config(TransformerConfig):
   """transformer-6m's fields, and learned positions; `dtype`, the Hugging
@@ -90,7 +96,7 @@ class HFGPT2(nn.Module):
     config = _HFConfig(vocab_size=cfg.vocab_size, n_embd=cfg.width,
                        n_layer=cfg.layers, n_head=cfg.heads,
                        n_positions=cfg.positions)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    positions = _positions(tokens)
     with _blocks(_hf, "FlaxGPT2Block", cfg.layerwise):
       return _hf.FlaxGPT2LMHeadModule(config, dtype=jnp.dtype(cfg.dtype),
                                       name="gpt2")(
@@ -132,7 +138,7 @@ class HFLlama(nn.Module):
                           num_attention_heads=cfg.heads,
                           num_key_value_heads=cfg.kv_heads,
                           max_position_embeddings=cfg.positions)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    positions = _positions(tokens)
     with _blocks(_llama, "FlaxLlamaDecoderLayer", cfg.layerwise):
       return _llama.FlaxLlamaForCausalLMModule(
           config, dtype=jnp.dtype(cfg.dtype), name="llama")(
@@ -170,7 +176,7 @@ class HFBert(nn.Module):
                          num_attention_heads=cfg.heads,
                          intermediate_size=4 * cfg.width,
                          max_position_embeddings=cfg.positions)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    positions = _positions(tokens)
     with _blocks(_bert, "FlaxBertLayer", cfg.layerwise):
       return _bert.FlaxBertForMaskedLMModule(
           config, dtype=jnp.dtype(cfg.dtype), name="bert")(
@@ -207,7 +213,7 @@ class HFOPT(nn.Module):
                         num_attention_heads=cfg.heads, ffn_dim=4 * cfg.width,
                         max_position_embeddings=cfg.positions,
                         word_embed_proj_dim=cfg.width)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    positions = _positions(tokens)
     with _blocks(_opt, "FlaxOPTDecoderLayer", cfg.layerwise):
       return _opt.FlaxOPTForCausalLMModule(
           config, dtype=jnp.dtype(cfg.dtype), name="opt")(

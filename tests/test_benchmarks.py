@@ -903,3 +903,10 @@ def test_long_sequence_goals_read_the_longest_fit(tmp_path):
                                            "jax": jax.__version__})
   assert "| zero-3 remat=dots | 4096 | 1.800 |" in text
   assert (tmp_path / "long_sequence.png").exists()
+
+
+def test_make_tx_refuses_an_optimizer_it_does_not_know():
+  from benchmarks import models
+  assert models.make_tx("adafactor") is models.make_tx("adafactor")
+  with pytest.raises(ValueError, match="make_tx\\('adafacter'\\).*adafactor"):
+    models.make_tx("adafacter")
