@@ -57,7 +57,9 @@ def _round_up(x: int, m: int) -> int:
 # factored moment, a norm, a matmul's operands). Its statistics keep the
 # shapes optax gives them (`stat_view`, `stat_stored`), sharded on their
 # largest dim the devices divide (`state.state_shardings`). The optimizer
-# probes decide (`build.check_tx`) and say so once.
+# probes decide per class of leaves (`optim.shaped_leaves`: Muon's matrices
+# shaped, the AdamW rest of its recipe on flat chunks) and `build.check_tx`
+# says so once.
 SHAPED = 1 << 30
 
 

@@ -16,7 +16,7 @@ silently wrong on chunks.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from zerojax._core import optstate
-from zerojax._core.layout import ChunkLayout
+from zerojax._core.layout import ChunkLayout, shaped_labels
 
 # steps per probe run: the first shows what reads whole tensors or moves
 # zeros, the second what the optimizer state carries (sgd with and without
@@ -265,6 +265,14 @@ def _random_surrogate(abstract_params, trainable, grad_scale: float = 1.0):
   return treedef, surrogate, params, grads
 
 
+class Mismatch(NamedTuple):
+  """Why `tx`'s updates on chunk views differ from those on the tree, and a
+  leaf of the class (`leaf_labels`) they differ at: None where no one class
+  shows it (`tx` fails on the views)."""
+  why: str
+  leaf: Optional[int] = None
+
+
 # per (tx, tree): whether the step updates on compact views
 # (`compact_views`), as `_chunked_mismatch` found
 _COMPACT: dict = {}
@@ -285,7 +293,8 @@ def compact_views(tx, layout: ChunkLayout) -> bool:
 
 
 @_cached
-def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Optional[str]:
+def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked
+                      ) -> Optional[Mismatch]:
   """Why running `tx` on chunk views differs from running it on the tree.
 
   Runs `tx` on a small surrogate tree (random values, each axis capped at
@@ -298,13 +307,13 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   try:
     reference = _tree_updates(tx, treedef, params, grads)
   except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
-    return f"it fails on chunk views ({type(e).__name__}: {e})"
+    return Mismatch(f"it fails on chunk views ({type(e).__name__}: {e})")
   key = _key_of(tx, abstract_params)
   for compact in (True, False):
     try:
       chunked = _chunk_updates(tx, runs, params, grads, compact)
     except Exception as e:  # noqa: BLE001 - any failure means "not on chunks"
-      why = f"it fails on chunk views ({type(e).__name__}: {e})"
+      why = Mismatch(f"it fails on chunk views ({type(e).__name__}: {e})")
       continue
     why = next((w for w in (_compare(layout, reference, outs)
                             for (layout, _), outs in zip(runs, chunked))
@@ -316,7 +325,7 @@ def _chunked_mismatch(tx, abstract_params, trainable, labels, stacked) -> Option
   return why
 
 
-def _compare(layout, reference, chunked) -> Optional[str]:
+def _compare(layout, reference, chunked) -> Optional[Mismatch]:
   """`reference`: per step, the tree's update leaves; `chunked`: per step,
   the update chunks; numpy arrays."""
   for want, out_chunks in zip(reference, chunked):
@@ -324,20 +333,21 @@ def _compare(layout, reference, chunked) -> Optional[str]:
     if not all(np.all(np.isfinite(np.asarray(w, np.float32))) for w in want
                if np.issubdtype(np.asarray(w).dtype, np.floating)
                and np.asarray(w).dtype != np.float16):
-      return _NOT_FINITE
+      return Mismatch(_NOT_FINITE)
     for c, chunk in enumerate(layout.chunks):
       pad = out_chunks[c][..., chunk.used:]
       if chunk.padding and np.any(pad):
         if chunk.dtype == np.float16 and not np.all(np.isfinite(pad)):
-          return _FLOAT16
-        return "it moves zero padding (its update of a zero is not zero)"
+          return Mismatch(_FLOAT16)
+        return Mismatch("it moves zero padding (its update of a zero is not "
+                        "zero)", chunk.leaves[0])
     for i, info in enumerate(layout.leaves):
       if info.chunk >= 0 and not np.allclose(
           np.asarray(layout.host_leaf(i, out_chunks[info.chunk]), np.float32),
           np.asarray(want[i], np.float32), rtol=1e-4, atol=1e-6):
-        return (f"its update of {info.path} depends on how leaves are packed "
-                "(it reads whole tensors, e.g. per-tensor norms or factored "
-                "moments)")
+        return Mismatch(f"its update of {info.path} depends on how leaves "
+                        "are packed (it reads whole tensors, e.g. per-tensor "
+                        "norms or factored moments)", i)
   return None
 
 
@@ -347,38 +357,78 @@ _NOT_FINITE = ("its update is not finite on the ordinary parameter tree "
                "rate and other hyperparameters")
 
 
-def per_tensor_reason(tx, abstract_params, trainable) -> Optional[str]:
-  """Why `tx`'s state on the real tree is not per element: a statistic at a
-  trained leaf's path in another shape than the leaf's (factored moments
+def _per_tensor(tx, abstract_params, trainable) -> tuple:
+  """`(why, leaves)`: the trained leaves whose statistics in `tx`'s state
+  on the real tree have another shape than the leaf's (factored moments
   start at 128-wide axes, which the probes' few-element surrogate never
-  reaches), or None. From `jax.eval_shape(tx.init, ...)` only."""
+  reaches; GaLore's empty projector of a vector), and why; `(None, ())`
+  where none. From `jax.eval_shape(tx.init, ...)` only."""
   leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
-  paths = sorted(((jax.tree_util.keystr(p), np.shape(x)) for (p, x), t in
-                  zip(leaves, trainable) if t and _is_float(x) and np.size(x)),
+  paths = sorted(((jax.tree_util.keystr(p), i, np.shape(x))
+                  for i, ((p, x), t) in enumerate(zip(leaves, trainable))
+                  if t and _is_float(x) and np.size(x)),
                  key=lambda t: -len(t[0]))
   try:
     state = jax.eval_shape(tx.init, abstract_params)
   except Exception:  # noqa: BLE001 - the probes name the failure
-    return None
+    return None, ()
+  why, owners = None, []
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     key = jax.tree_util.keystr(path)
     owner = next((t for t in paths if key.endswith(t[0])), None)
-    if owner is not None and np.size(x) and np.shape(x) != owner[1]:
-      return (f"its state {key} has shape {np.shape(x)} for a parameter of "
-              f"shape {owner[1]}: per-tensor statistics (e.g. factored "
-              "moments)")
-  return None
+    if owner is not None and np.shape(x) != owner[2]:
+      why = why or (f"its state {key} has shape {np.shape(x)} for a "
+                    f"parameter of shape {owner[2]}: per-tensor statistics "
+                    "(e.g. factored moments)")
+      owners.append(owner[1])
+  return why, tuple(owners)
 
 
-def shape_reason(tx, abstract_params, trainable, labels, stacked=()
-                 ) -> Optional[str]:
-  """Why `tx` cannot run on flat chunk views, where shaped leaves would run
-  it ([Note: shaped leaves]): it reads whole tensors, fails on views or
-  moves zero padding; None where it runs on chunks, or where shaped leaves
-  would not help (a float16 zero's update, an update not finite on the
-  tree itself: `check_elementwise` refuses those)."""
-  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
-  return None if why in (None, _FLOAT16, _NOT_FINITE) else why
+def shaped_leaves(tx, abstract_params, trainable, labels, stacked=()
+                  ) -> tuple:
+  """`(leaves, why)`: the leaves `tx` must be shown in their own shapes
+  ([Note: shaped leaves]), and why the first of them cannot run on flat
+  chunk views; `((), None)` where every leaf can.
+
+  Decided per optimizer class (`labels`, `leaf_labels`), so that a
+  `multi_transform` of Muon for the matrices and AdamW for the rest keeps
+  the AdamW leaves in chunks: first the classes whose state is per tensor
+  (`_per_tensor`), then, probed again with those shaped, each class the
+  probes see reading whole tensors or moving zero padding, until the rest
+  run on chunks. Where a mismatch names no one class (`tx` fails on the
+  views: Muon's Newton-Schulz on a chunk's empty matrices), each class is
+  probed alone on chunks, every other one shaped; where that does not
+  settle it, every trained leaf is shaped. A float16 zero's update and an
+  update not finite on the tree itself are no reason: shaped leaves would
+  not help, and `check_elementwise` refuses them."""
+  leaves = jax.tree_util.tree_leaves(abstract_params)
+  member = [t and _is_float(x) and np.size(x) > 0
+            for t, x in zip(trainable, leaves)]
+  of = lambda classes: [m and labels[i] in classes for i, m in enumerate(member)]
+  everything = {labels[i] for i, m in enumerate(member) if m}
+
+  def mismatch(classes) -> Optional[Mismatch]:   # with `classes` shaped
+    found = _chunked_mismatch(tx, abstract_params, trainable,
+                              shaped_labels(labels, of(classes)), stacked)
+    return None if found is None or found.why in (_FLOAT16, _NOT_FINITE) else found
+
+  why, owners = _per_tensor(tx, abstract_params, trainable)
+  classes, alone = {labels[i] for i in owners}, False
+  while classes != everything:
+    found = mismatch(classes)
+    if found is None:
+      break
+    why = why or found.why
+    if found.leaf is not None and labels[found.leaf] not in classes:
+      classes.add(labels[found.leaf])
+    elif not alone:
+      alone = True
+      classes |= {k for k in everything - classes
+                  if mismatch(everything - {k}) is not None}
+    else:
+      classes = set(everything)
+  shaped = of(classes)
+  return tuple(i for i, s in enumerate(shaped) if s), why
 
 
 def _culprit(tx, why, abstract_params, trainable, labels, stacked) -> tuple:
@@ -389,7 +439,7 @@ def _culprit(tx, why, abstract_params, trainable, labels, stacked) -> tuple:
       inner_why = _chunked_mismatch(inner, abstract_params, trainable, labels,
                                     stacked)
       if inner_why is not None:
-        culprit, reason = inner, inner_why
+        culprit, reason = inner, inner_why.why
         break
     else:
       return culprit, reason
@@ -399,16 +449,16 @@ def culprit(tx, abstract_params, trainable, labels, stacked=()) -> str:
   """The name of the innermost part of `tx` that cannot run on flat chunk
   views (`tx`'s own where none is found)."""
   why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
-  return transform_name(_culprit(tx, why, abstract_params, trainable, labels,
-                                 stacked)[0] if why is not None else tx)
+  return transform_name(_culprit(tx, why.why, abstract_params, trainable,
+                                 labels, stacked)[0] if why is not None else tx)
 
 
 def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> None:
   """Raises ValueError naming the part of `tx` that cannot run on chunks."""
-  why = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
-  if why is None:
+  found = _chunked_mismatch(tx, abstract_params, trainable, labels, stacked)
+  if found is None:
     return
-  if why == _FLOAT16:
+  if found.why == _FLOAT16:
     raise ValueError(
         f"optax transformation {transform_name(tx)!r} computes a non-finite "
         "update for a zero gradient on float16 parameters (an epsilon such "
@@ -417,8 +467,8 @@ def check_elementwise(tx, abstract_params, trainable, labels, stacked=()) -> Non
         "in float32 and compute in float16 (zerojax.shard(..., "
         "precision='fp16'): the update then runs on the float32 "
         "master).")
-  culprit, reason = _culprit(tx, why, abstract_params, trainable, labels,
-                             stacked)
+  culprit, reason = _culprit(tx, found.why, abstract_params, trainable,
+                             labels, stacked)
   raise ValueError(
       f"optax transformation {transform_name(culprit)!r} cannot run on flat "
       f"ZeRO chunks: {reason}. zerojax refuses it rather than train wrongly. "

@@ -64,14 +64,11 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
   trainable = _trainable(config, abstract)
   labels = optim.leaf_labels(tx, abstract, trainable)
   stacks = layer_stacks(abstract, config, num_shards)
-  why = (optim.per_tensor_reason(tx, abstract, trainable)
-         or optim.shape_reason(tx, abstract, trainable, labels, stacks))
-  if why is not None:   # see [Note: shaped leaves]
+  shaped, why = optim.shaped_leaves(tx, abstract, trainable, labels, stacks)
+  if shaped:   # see [Note: shaped leaves]
     name = optim.culprit(tx, abstract, trainable, labels, stacks)
-    leaves = jax.tree_util.tree_leaves(abstract)
-    labels = shaped_labels(labels, [
-        t and jnp.issubdtype(x.dtype, jnp.floating) and np.size(x) > 0
-        for t, x in zip(trainable, leaves)])
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    labels = shaped_labels(labels, [i in shaped for i in range(len(leaves))])
     if config.offload_optimizer:
       raise ValueError(
           f"optax transformation {name!r} does not run on flat chunk views "
@@ -79,18 +76,29 @@ def check_tx(tx, params, config: ZeroConfig, num_shards: int = 1) -> tuple:
           "devices ([Note: shaped leaves]), and offloading their optimizer "
           "state is not built yet; leave offload out, or use an "
           "element-wise optimizer to offload.")
-    if (name, why) not in _SAID_SHAPED:
-      _SAID_SHAPED.add((name, why))
+    if (name, why, shaped) not in _SAID_SHAPED:
+      _SAID_SHAPED.add((name, why, shaped))
       _log.warning(
           "optax transformation %r does not run on flat chunk views "
-          "(%s): each leaf is kept alone in its chunk and shown to the "
-          "optimizer in its own shape, its update running on the real "
-          "tensors sharded over the data axis (a collective per leaf at "
-          "stage 3; [Note: shaped leaves]).", name, why)
+          "(%s): %s of the %d trained leaves (%s) are each kept alone in "
+          "a chunk and shown to the optimizer in their own shapes, their "
+          "update running on the real tensors sharded over the data axis (a "
+          "collective per leaf at stage 3; [Note: shaped leaves]).%s",
+          name, why, len(shaped), sum(trainable), _some_paths(leaves, shaped),
+          "" if len(shaped) == sum(trainable) else
+          " The other leaves run on flat chunks.")
   optim.check_elementwise(tx, abstract, trainable, labels, stacks)
   if config.offload_optimizer:
     optim.check_separable(tx, abstract, trainable, labels, stacks)
   return labels
+
+
+def _some_paths(leaves, chosen, most: int = 3) -> str:
+  """The paths of the first `most` of `chosen` (indices into `leaves`,
+  `tree_flatten_with_path`'s), and how many more."""
+  paths = [jax.tree_util.keystr(leaves[i][0]) for i in chosen]
+  more = f", and {len(paths) - most} more" if len(paths) > most else ""
+  return ", ".join(paths[:most]) + more
 
 
 def layer_stacks(abstract, config: ZeroConfig, num_shards: int,
