@@ -136,9 +136,16 @@ def _jit_dp(loss_fn, params, tx, batches):
 
 
 # the leaves each of them reads whole, by rank (Muon: the matrices; its
-# AdamW for the rest runs on flat chunks)
+# AdamW for the rest runs on flat chunks); the others read every leaf whole
 READS_WHOLE = {"muon": lambda ndim: ndim == 2,
                "muon-and-adamw": lambda ndim: ndim == 2}
+
+
+def _shaped_as_read(layout, name) -> bool:
+  """Exactly the chunks of the leaves `name` reads whole are shaped."""
+  reads_whole = READS_WHOLE.get(name, lambda ndim: True)
+  return [c.shaped for c in layout.chunks] == [
+      reads_whole(layout.leaves[c.leaves[0]].ndim) for c in layout.chunks]
 
 
 def _whole_tensor_run(kind, name, stages):
@@ -149,10 +156,7 @@ def _whole_tensor_run(kind, name, stages):
   for stage in stages:
     state = zerojax.shard(train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx), stage=stage)
-    reads_whole = READS_WHOLE.get(name, lambda ndim: True)
-    assert [c.shaped for c in state.layout.chunks] == [
-        reads_whole(state.layout.leaves[c.leaves[0]].ndim)
-        for c in state.layout.chunks]
+    assert _shaped_as_read(state.layout, name)
     state, _ = zero_run(state, loss_fn, batches)
     got = _distance(zerojax.gather_params(state), want)
     assert got <= bound, (name, stage, got, bound)
@@ -222,10 +226,12 @@ def test_whole_tensor_optimizers_refuse_what_they_cannot_combine_with(
     zerojax.shard(state, stage=3, **fields)
 
 
+@pytest.mark.parametrize("name", ["adafactor-factored", "muon-and-adamw"])
 def test_a_whole_tensor_optimizer_checkpoint_restores_on_another_count(
-    tmp_path):
+    tmp_path, name):
+  """Shaped leaves alone, and beside flat chunks (Muon's AdamW leaves)."""
   model, params, loss_fn, batches = make_problem("mlp", steps=2)
-  tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+  tx = WHOLE_TENSOR[name]()
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
   state, _ = zero_run(zerojax.shard(plain, stage=3), loss_fn, batches[:1])
@@ -233,7 +239,7 @@ def test_a_whole_tensor_optimizer_checkpoint_restores_on_another_count(
   want = zerojax.checkpoint.export_params(state, with_opt_state=True)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
   back = zerojax.checkpoint.restore(str(tmp_path), like=plain, mesh=mesh)
-  assert back.num_shards == 4 and all(c.shaped for c in back.layout.chunks)
+  assert back.num_shards == 4 and _shaped_as_read(back.layout, name)
   jax.tree_util.tree_map(np.testing.assert_array_equal,
                          zerojax.checkpoint.export_params(
                              back, with_opt_state=True), want)
