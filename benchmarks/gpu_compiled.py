@@ -130,11 +130,12 @@ def child(model: str, variant: str, gpu: str, hosts: int) -> dict:
   footprint = (ma.argument_size_in_bytes + ma.output_size_in_bytes
                - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
   model_step = target.model(compiled)
+  name = variant + (f"+{tx}" if tx else "")
   if os.environ.get("ZEROJAX_HLO_DIR"):   # the programs, for reading later
     with open(os.path.join(os.environ["ZEROJAX_HLO_DIR"],
-                           f"{model}-{variant}-{gpu}-{hosts}.hlo"), "w") as f:
+                           f"{model}-{name}-{gpu}-{hosts}.hlo"), "w") as f:
       f.write(compiled.as_text())
-  row = dict(model=model, variant=variant + (f"+{tx}" if tx else ""),
+  row = dict(model=model, variant=name,
              target=str(target), gpu=gpu,
              hosts=hosts, gpus=target.devices, num_params=cfg.num_params,
              seq=seq, rows_per_gpu=rows, compile_s=round(compile_s, 1),

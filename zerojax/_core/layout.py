@@ -55,8 +55,12 @@ def _round_up(x: int, m: int) -> int:
 # update is plain optax on the real tensor, sharded over the data axis: XLA
 # inserts the reductions the transform needs (the rows and columns of a
 # factored moment, a norm, a matmul's operands). Its statistics keep the
-# shapes optax gives them (`stat_view`, `stat_stored`), sharded on their
-# largest dim the devices divide (`state.state_shardings`). The optimizer
+# shapes optax gives them (`stat_view`, `stat_stored`). The views and the
+# statistics are sharded on their largest dim the devices divide
+# (`update._shaped_placed`, `state.state_shardings`), not on the rows the
+# flat shards hold: a matrix's Newton-Schulz (Muon) then contracts over its
+# sharded long dim, one all-reduce of the small Gram matrix per iteration,
+# where row shards gathered the whole matrix again in each. The optimizer
 # probes decide per class of leaves (`optim.shaped_leaves`: Muon's matrices
 # shaped, the AdamW rest of its recipe on flat chunks) and `build.check_tx`
 # says so once.

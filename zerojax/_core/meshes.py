@@ -50,16 +50,6 @@ def _say_auto_copy(mesh: Mesh) -> None:
       tuple(str(t) for t in mesh.axis_types))
 
 
-def rows_spec(shape, n, axis_name) -> Optional[P]:
-  """A shaped leaf's (or its same-shaped statistic's) sharding: on its first
-  axis where the devices divide it, the rows its flat chunk shards already
-  hold (a reshape with no communication); else None ([Note: shaped
-  leaves])."""
-  if len(shape) and shape[0] % n == 0:
-    return P(axis_name, *([None] * (len(shape) - 1)))
-  return None
-
-
 def leaf_spec(shape, n, axis_name) -> P:
   """A leaf sharded on its largest axis the device count divides."""
   dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),

@@ -146,8 +146,7 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
     shape = np.shape(x)
     if c is not None and layout.chunks[c].shaped:
       # its statistics in the shapes optax gives them ([Note: shaped leaves])
-      return NamedSharding(mesh, (meshes.rows_spec(shape, n, axes)
-                                  or meshes.leaf_spec(shape, n, axes))
+      return NamedSharding(mesh, meshes.leaf_spec(shape, n, axes)
                            if pol.optimizer_sharded else P())
     if c is None or shape != layout.chunks[c].shape:
       return rep   # counts, scalars, the empty views of other leaves

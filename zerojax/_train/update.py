@@ -144,12 +144,11 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
 
 
 def _shaped_placed(state, views):
-  """`views` with each shaped leaf's view sharded on its rows where the
-  devices divide them (`meshes.rows_spec`, [Note: shaped leaves]): the rows
-  its flat shards hold; whole on each device where they do not (XLA would
-  gather it whole anyway: a flat shard is no block of such a tensor). Left
-  to itself XLA picks shardings it can leave only by gathering the whole
-  tensor, and says so on stderr."""
+  """`views` with each shaped leaf's view sharded on its largest dim the
+  devices divide (`meshes.leaf_spec`, as its statistics are and as GSPMD
+  FSDP shards a leaf; [Note: shaped leaves]); whole on each device where
+  none is divided. Left to itself XLA picks shardings it can leave only by
+  gathering the whole tensor, and says so on stderr."""
   layout, mesh, axes = state.layout, state.mesh, shard_axes(state.config)
   shaped = {layout.chunks[c].leaves[0] for c in range(len(layout.chunks))
             if layout.chunks[c].shaped}
@@ -157,7 +156,7 @@ def _shaped_placed(state, views):
     return views
   n = meshes.axes_size(mesh, axes)
   flat, treedef = jax.tree_util.tree_flatten(views, is_leaf=lambda x: x is None)
-  spec = lambda x: meshes.rows_spec(x.shape, n, axes) or P()
+  spec = lambda x: meshes.leaf_spec(x.shape, n, axes)
   return jax.tree_util.tree_unflatten(treedef, [
       jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x)))
       if i in shaped and x is not None else x for i, x in enumerate(flat)])
