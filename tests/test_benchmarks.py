@@ -910,3 +910,23 @@ def test_make_tx_refuses_an_optimizer_it_does_not_know():
   assert models.make_tx("adafactor") is models.make_tx("adafactor")
   with pytest.raises(ValueError, match="make_tx\\('adafacter'\\).*adafactor"):
     models.make_tx("adafacter")
+
+
+def test_optimizer_goals_compare_each_optimizer_with_its_own_fsdp(tmp_path):
+  from benchmarks import optimizers as suite
+  rows = []
+  for tx, zero_s, persistent in (("adamw", 1.0, 105), ("muon", 1.3, 108),
+                                 ("adafactor", 1.1, 120)):
+    rows += [{"optimizer": tx, "variant": "zero-3", "step_s": zero_s,
+              "steps": 8, "persistent": persistent, "ideal": 100,
+              "shaped": 2, "chunks": 5},
+             {"optimizer": tx, "variant": "gspmd-fsdp", "step_s": 1.0,
+              "steps": 8}]
+  got = {(tx, g): (round(v, 3), met) for tx, g, v, _, met in suite.goals(rows)}
+  assert got["muon", "stage-3 step / GSPMD FSDP's"] == (1.3, False)
+  assert got["adafactor", "stage-3 step / GSPMD FSDP's"] == (1.1, True)
+  assert got["adafactor", "persistent / ((master + state) / N)"] == (1.2, False)
+  text = suite.write(rows, str(tmp_path), {"date": "today",
+                                           "jax": jax.__version__})
+  assert "| muon | zero-3 | 1,300.0 | 0.00 | 2 of 5 |" in text
+  assert (tmp_path / "optimizers.png").exists()
