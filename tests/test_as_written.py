@@ -80,15 +80,8 @@ def test_each_block_is_gathered_twice_in_the_compiled_step():
     assert count[reshard] == (2 if reshard else 1) * blocks + others
 
 
-_JAX_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt2", pytest.param("bert", marks=(
-    pytest.mark.xfail(_JAX_0_12, strict=True, reason=(
-        "jax 0.12's program computes BERT's GELU input again in the "
-        "backward from the forward's gathered bias: 1.25x the ideal growth "
-        "(docs/decisions.md, 2026-12-03)")))), "opt"])
+@pytest.mark.parametrize("model", ["gpt2", "bert", "opt"])
 def test_the_default_keeps_activations_not_gathered_blocks(model):
   """Hugging Face's GPT-2, BERT (post-LayerNorm blocks) and OPT (a ReLU
   MLP) as written, `remat="none"`: the compiled stage-3 footprint grows

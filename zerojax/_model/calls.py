@@ -160,15 +160,15 @@ def _unit_call(module, arguments: _Arguments, call: Callable,
 # arithmetic and layout changes, which XLA fuses into the kernels that read
 # them (recomputing them costs no pass of their own)
 _RECOMPUTED = frozenset({
-    "abs", "add", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp",
-    "concatenate", "conj", "convert_element_type", "copy", "cos",
-    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expand_dims",
-    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite",
-    "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "nextafter", "not", "or", "pad", "pow", "real", "reduce_precision", "rem",
-    "reshape", "rev", "round", "rsqrt", "select_n", "sign", "sin", "slice",
-    "split", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan",
-    "tanh", "transpose", "xor"})
+    "abs", "add", "and", "atan2", "bitcast_convert_type", "broadcast_in_dim",
+    "cbrt", "ceil", "clamp", "concatenate", "conj", "convert_element_type",
+    "copy", "cos", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
+    "expand_dims", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "iota",
+    "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "pad", "polynomial", "pow", "real",
+    "reduce_precision", "rem", "reshape", "rev", "round", "rsqrt", "select_n",
+    "sign", "sin", "slice", "split", "sqrt", "square", "squeeze",
+    "stop_gradient", "sub", "tan", "tanh", "transpose", "xor"})
 
 
 def _elementwise(prim, params: dict) -> bool:
@@ -194,7 +194,8 @@ def keep_activations(prim, *_, **params) -> bool:
   which `everything_saveable` keeps) nor a chain of elementwise results
   that XLA would fuse away is held from the forward pass to the backward.
   A function of elementwise arithmetic alone (`jax.nn.relu`, whose
-  derivative jax defines) counts as elementwise: saved, its result is the
+  derivative jax defines; jax 0.12's derivative of `erfc`, a polynomial
+  under a `custom_jvp`) counts as elementwise: saved, its result is the
   matmul output plus the gathered bias, which XLA computes where the
   backward reads it, holding the forward's gathered block till then
   (docs/decisions.md, 2026-12-03)."""
