@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Optional
 
 import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
