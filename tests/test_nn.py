@@ -279,6 +279,27 @@ def test_prefetch_default_is_on_where_collectives_overlap():
   assert zerojax._options.config.prefetches(zerojax.ZeroConfig(blocks=zerojax.Blocks(prefetch=True)), mesh)
 
 
+def test_the_default_policy_keeps_a_softmaxs_scores_and_sum_not_its_maximum(
+    capsys):
+  """`keep_activations` saves an attention's scores (a matmul) and its
+  softmax's sum, and recomputes the maximum the softmax subtracts: XLA
+  computes it again inside the kernel that reads the scores
+  (docs/decisions.md, "the softmax's maximum")."""
+  import jax.ad_checkpoint
+
+  def attention(q, k, v):
+    return jax.nn.softmax(jnp.einsum("qd,kd->qk", q, k)) @ v
+
+  q, kv = jnp.ones((4, 8)), jnp.ones((6, 8))
+  jax.ad_checkpoint.print_saved_residuals(
+      jax.checkpoint(attention, policy=zerojax.nn.keep_activations), q, kv,
+      kv)
+  saved = [line for line in capsys.readouterr().out.splitlines()
+           if "output of" in line]
+  assert [line.split(" from ")[0] for line in saved] == [
+      "f32[4,6] output of dot_general", "f32[4] output of reduce_sum"], saved
+
+
 @pytest.mark.slow
 def test_a_policy_that_saves_everything_still_gathers_layers_again():
   """`layerwise(Block, policy=everything_saveable)` on scanned layers at

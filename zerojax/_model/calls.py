@@ -158,7 +158,7 @@ def _unit_call(module, arguments: _Arguments, call: Callable,
 
 # Primitives whose results `keep_activations` does not keep: elementwise
 # arithmetic and layout changes, which XLA fuses into the kernels that read
-# them (recomputing them costs no pass of their own)
+# them (recomputing them costs no pass of their own), ...
 _RECOMPUTED = frozenset({
     "abs", "add", "and", "atan2", "bitcast_convert_type", "broadcast_in_dim",
     "cbrt", "ceil", "clamp", "concatenate", "conj", "convert_element_type",
@@ -168,7 +168,13 @@ _RECOMPUTED = frozenset({
     "ne", "neg", "nextafter", "not", "or", "pad", "polynomial", "pow", "real",
     "reduce_precision", "rem", "reshape", "rev", "round", "rsqrt", "select_n",
     "sign", "sin", "slice", "split", "sqrt", "square", "squeeze",
-    "stop_gradient", "sub", "tan", "tanh", "transpose", "xor"})
+    "stop_gradient", "sub", "tan", "tanh", "transpose", "xor",
+    # ... and the maximum a softmax or log-sum-exp subtracts: XLA computes
+    # it again inside the kernel that reads the scores anyway, where a kept
+    # one is a kernel and a pass over the scores of its own in the forward,
+    # and splits the backward's softmax kernel in two (docs/decisions.md,
+    # "the softmax's maximum")
+    "reduce_max", "reduce_min"})
 
 
 def _elementwise(prim, params: dict) -> bool:
@@ -187,12 +193,13 @@ def _elementwise(prim, params: dict) -> bool:
 def keep_activations(prim, *_, **params) -> bool:
   """The remat policy of `Blocks(remat="none")` (activations kept): every
   result is saved for the backward pass but those of elementwise and layout
-  primitives (`_RECOMPUTED`), which the backward computes again inside its
-  own fused kernels. So the block's matmul, reduction and attention outputs
-  are kept and none of its FLOPs are spent twice, while neither a cast,
-  transpose or broadcast of the gathered parameters (a copy of the block,
-  which `everything_saveable` keeps) nor a chain of elementwise results
-  that XLA would fuse away is held from the forward pass to the backward.
+  primitives and a softmax's maximum (`_RECOMPUTED`), which the backward
+  computes again inside its own fused kernels. So the block's matmul,
+  sum and attention outputs are kept and none of its FLOPs are spent
+  twice, while neither a cast, transpose or broadcast of the gathered
+  parameters (a copy of the block, which `everything_saveable` keeps) nor
+  a chain of elementwise results that XLA would fuse away is held from the
+  forward pass to the backward.
   A function of elementwise arithmetic alone (`jax.nn.relu`, whose
   derivative jax defines; jax 0.12's derivative of `erfc`, a polynomial
   under a `custom_jvp`) counts as elementwise: saved, its result is the
