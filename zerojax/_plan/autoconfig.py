@@ -6,7 +6,9 @@ kind and per link, by `zerojax._plan.costmodel` (its docstring: what is read,
 and the modelled step time that ranks the candidates).
 
 Candidates, pruned where memory only falls and time only grows: stages 0,
-1, 2 and 3 without offload; when stage 2 misses the budget, stage 2 with
+1, 2 and 3 without offload; for a `GpuTarget` of several hosts, stage 3
+within each host (HSDP) and with hpZ, on `hybrid_mesh`; when stage 2
+misses the budget, stage 2 with
 its optimizer state on host (ZeRO-Offload); at stage 3, when that misses,
 the remat policies "dots", "offload" ("dots"' residuals in host memory:
 fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
@@ -37,7 +39,7 @@ from zerojax._core import opt_reshard
 from zerojax._core import reshard
 from zerojax._options.config import ZeroConfig, shard_axes
 from zerojax._plan.costmodel import FIGURE_KEYS, Candidate, figures_for
-from zerojax._options.groups import plan_chosen
+from zerojax._options.groups import Axes, plan_chosen
 from zerojax._plan.planner import offload_ladder, plan_offload
 from zerojax._plan.targets import GpuTarget
 from zerojax._state.build import place, plan_state
@@ -49,6 +51,9 @@ from zerojax._plan import remembered
 _log = logging.getLogger("zerojax")
 
 _CLOSE = 0.02   # modelled times this close are a tie
+# a cluster of several hosts (`GpuTarget(hosts=)`): the axis of its hosts
+# in the mesh of its HSDP and hpZ candidates (`hybrid_mesh`)
+_REPLICA = "replica"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +74,12 @@ class Plan:
   @property
   def options(self) -> dict:
     """The options the plan chose (`stage`, `offload`, `quantize`, and
-    `blocks` with its remat): `zerojax.shard(state, **plan.options)`."""
-    return {k: v for k, v in self.config.options().items()
-            if k in ("stage", "offload", "quantize", "blocks")}
+    `blocks` with its remat; `axes` where it chose HSDP or hpZ, for a mesh
+    of hosts x GPUs per host over `("replica", "data")`, `hybrid_mesh`):
+    `zerojax.shard(state, **plan.options)`."""
+    chosen = ("stage", "offload", "quantize", "blocks",
+              *(("axes",) if self.config.replica_axis else ()))
+    return {k: v for k, v in self.config.options().items() if k in chosen}
 
   def __str__(self) -> str:
     mib = lambda b: f"{b / 2 ** 20:,.1f}"
@@ -84,6 +92,10 @@ class Plan:
             f"{'data MiB':>9} {'replica MiB':>11} {'PCIe MiB':>9} "
             f"{'disk MiB':>9} "
             f"{'GFLOP':>8} {'model ms':>9}  fits"]
+    if self.config.replica_axis:   # HSDP or hpZ: the mesh it needs
+      axes = (self.config.replica_axis, self.config.axis_name)
+      rows.insert(1, f"for a mesh of hosts x GPUs per host over {axes}: "
+                  f"jax.make_mesh((hosts, gpus_per_host), {axes})")
     for c in self.candidates:
       mark = "  <- chosen" if c is self.chosen else ""
       rows.append(f"{c.label:<46} {mib(c.device_bytes):>10} "
@@ -93,6 +105,14 @@ class Plan:
                   f"{c.flops / 1e9:>8.2f} {1e3 * c.modelled_s:>9.2f}  "
                   f"{'yes' if c.fits else 'no'}{mark}")
     return "\n".join(rows)
+
+
+def hybrid_mesh(target: GpuTarget):
+  """The mesh of a `target` of several hosts on which the plan tries HSDP
+  and hpZ: its hosts on the replica axis, the GPUs of each on the data
+  axis (so stage 3's gathers stay on NVLink)."""
+  return target.mesh((target.hosts, target.gpus_per_host),
+                     (_REPLICA, "data"))
 
 
 def _budget(value, name: str) -> Optional[int]:
@@ -191,9 +211,13 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   batch = jax.eval_shape(lambda b: b, batch)
   step = remembered.step(loss_fn, has_aux=has_aux, mutable=mutable,
                          weighted=weighted)
+  hosts = None   # a cluster of several hosts: also ZeRO-3 within each
   if not isinstance(state, ZeroTrainState):
-    state = shard_shape(state, 3, mesh, **({} if tx is None else {"tx": tx}),
-                        **options)
+    given = {**({} if tx is None else {"tx": tx}), **options}
+    if target is not None and target.hosts > 1 and "axes" not in options:
+      hosts = shard_shape(state, 3, hybrid_mesh(target),
+                          axes=Axes(replica=_REPLICA), **given)
+    state = shard_shape(state, 3, mesh, **given)
   elif options or tx is not None or mesh is not None:
     raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
                     "config from it; pass only the budgets and options.")
@@ -207,7 +231,8 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   tried = []
 
   def trial(fields):
-    cand = measure(state, step, batch, fields, used[1], device, host,
+    laid_out = hosts if fields.get("replica_axis") else state
+    cand = measure(laid_out, step, batch, fields, used[1], device, host,
                    target)
     tried.append(cand)
     return cand
@@ -215,6 +240,9 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   # (hpZ shards over the replica axis too: no stage 0)
   stages = [trial({"stage": s}) for s in
             ((1, 2, 3) if state.config.hpz else (0, 1, 2, 3))]
+  if hosts is not None:   # several hosts: FSDP2's HSDP and ZeRO++'s hpZ
+    trial({"stage": 3, "replica_axis": _REPLICA})
+    trial({"stage": 3, "replica_axis": _REPLICA, "hpz": True})
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
     trial({"stage": 2, "offload_optimizer": True})
   if not stages[-1].fits:   # stage 3 misses: recompute more, then offload

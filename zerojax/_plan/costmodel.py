@@ -109,7 +109,8 @@ class Candidate:
     f = self.fields
     return (bool(f.get("offload_optimizer")),
             f.get("offload_optimizer") == "disk", f.get("update_on") == "host",
-            bool(f.get("quantize_weights")), f["stage"],
+            bool(f.get("quantize_weights")), bool(f.get("replica_axis")),
+            bool(f.get("hpz")), f["stage"],
             ("none", "dots", "full", "offload").index(
                 f.get("remat", "none")))
 
@@ -119,6 +120,8 @@ def label(fields: dict) -> str:
   table shows them."""
   f = fields
   parts = [f"stage {f['stage']}"]
+  if f.get("replica_axis"):   # several hosts (`autoconfig.hybrid_mesh`)
+    parts.append("hpZ" if f.get("hpz") else "HSDP")
   if f.get("remat", "none") != "none":
     parts.append(f"remat={f['remat']}")
   if f.get("offload_optimizer") == "disk":
