@@ -224,6 +224,11 @@ def goals(rows) -> list:
       add(f"{model}, {target}: stage-3 exposed communication / step",
           z["exposed_fraction"], f"<= {limit:.2f}",
           z["exposed_fraction"] <= limit, "{:.3f}")
+      h = _find(rows, model, "zero-3-hsdp", target)
+      if h is not None:   # what `zerojax.plan(target=)` also tries
+        add(f"{model}, {target}: stage 3 within each host (HSDP) exposed "
+            "communication / step", h["exposed_fraction"], f"<= {limit:.2f}",
+            h["exposed_fraction"] <= limit, "{:.3f}")
       if g is not None:
         add(f"{model}, {target}: stage-3 exposed / GSPMD FSDP's exposed",
             z["exposed_s"] / g["exposed_s"], "<= 1", z["exposed_s"] <= g[
