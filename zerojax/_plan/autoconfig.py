@@ -8,8 +8,8 @@ and the modelled step time that ranks the candidates).
 Candidates, pruned where memory only falls and time only grows: stages 0,
 1, 2 and 3 without offload; for a `GpuTarget` of several hosts, stage 3
 within each host (HSDP) and with hpZ, on `hybrid_mesh`; when stage 2
-misses the budget, stage 2 with
-its optimizer state on host (ZeRO-Offload); at stage 3, when that misses,
+misses the budget, stage 2 with its optimizer state on host
+(ZeRO-Offload); at stage 3, when that misses,
 the remat policies "dots", "offload" ("dots"' residuals in host memory:
 fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
 then "full" (more recompute, fewer activations), stopping at the first
@@ -211,11 +211,11 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   batch = jax.eval_shape(lambda b: b, batch)
   step = remembered.step(loss_fn, has_aux=has_aux, mutable=mutable,
                          weighted=weighted)
-  hosts = None   # a cluster of several hosts: also ZeRO-3 within each
+  hybrid = None   # a cluster of several hosts: also ZeRO-3 within each
   if not isinstance(state, ZeroTrainState):
     given = {**({} if tx is None else {"tx": tx}), **options}
     if target is not None and target.hosts > 1 and "axes" not in options:
-      hosts = shard_shape(state, 3, hybrid_mesh(target),
+      hybrid = shard_shape(state, 3, hybrid_mesh(target),
                           axes=Axes(replica=_REPLICA), **given)
     state = shard_shape(state, 3, mesh, **given)
   elif options or tx is not None or mesh is not None:
@@ -231,7 +231,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   tried = []
 
   def trial(fields):
-    laid_out = hosts if fields.get("replica_axis") else state
+    laid_out = hybrid if fields.get("replica_axis") else state
     cand = measure(laid_out, step, batch, fields, used[1], device, host,
                    target)
     tried.append(cand)
@@ -240,7 +240,7 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   # (hpZ shards over the replica axis too: no stage 0)
   stages = [trial({"stage": s}) for s in
             ((1, 2, 3) if state.config.hpz else (0, 1, 2, 3))]
-  if hosts is not None:   # several hosts: FSDP2's HSDP and ZeRO++'s hpZ
+  if hybrid is not None:   # several hosts: FSDP2's HSDP and ZeRO++'s hpZ
     trial({"stage": 3, "replica_axis": _REPLICA})
     trial({"stage": 3, "replica_axis": _REPLICA, "hpz": True})
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
