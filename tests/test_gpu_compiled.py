@@ -20,7 +20,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax._plan import schedule
+from zerojax._plan import autoconfig, schedule
 
 _PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 needs_plugin = pytest.mark.skipif(
@@ -274,17 +274,22 @@ def test_plan_for_64_gpus_compiles_each_candidate_for_them():
   assert {c.fields["stage"] for c in plain.candidates} == {0, 1, 2, 3}
   # several hosts: also ZeRO-3 within each host (HSDP) and ZeRO++'s hpZ,
   # on a mesh of hosts x GPUs whose gathers stay on NVLink; here the
-  # fastest, and the plan's options lay the state out on that mesh
+  # fastest, and the plan's options lay the state out on that mesh (not
+  # tried where XLA aborts compiling them: jax 0.12)
   by = {c.label: c for c in plain.candidates}
-  assert by["stage 3, HSDP"].modelled_s < by["stage 3"].modelled_s
-  assert by["stage 3, hpZ"].device_bytes < by["stage 3, HSDP"].device_bytes
-  assert plain.chosen is by["stage 3, HSDP"]
-  assert plain.options["axes"] == zerojax.Axes(replica="replica")
-  assert "over ('replica', 'data')" in str(plain)
-  hybrid = target.mesh((8, 8), ("replica", "data"))
-  laid_out = zerojax.shard_shape(state, mesh=hybrid, precision="bf16",
-                                 **plain.options)
-  assert laid_out.config.replica_axis == "replica"
+  if not autoconfig._HYBRID_COMPILES:
+    assert not any(c.fields.get("replica_axis") for c in plain.candidates)
+  else:
+    assert by["stage 3, HSDP"].modelled_s < by["stage 3"].modelled_s
+    assert (by["stage 3, hpZ"].device_bytes
+            < by["stage 3, HSDP"].device_bytes)
+    assert plain.chosen is by["stage 3, HSDP"]
+    assert plain.options["axes"] == zerojax.Axes(replica="replica")
+    assert "over ('replica', 'data')" in str(plain)
+    hybrid = target.mesh((8, 8), ("replica", "data"))
+    laid_out = zerojax.shard_shape(state, mesh=hybrid, precision="bf16",
+                                   **plain.options)
+    assert laid_out.config.replica_axis == "replica"
   # a budget only the smallest candidate fits: it is chosen, with the bytes
   # and the modelled step of its program compiled for the 64 GPUs
   least = min(plain.candidates, key=lambda c: c.device_bytes)

@@ -54,6 +54,11 @@ _CLOSE = 0.02   # modelled times this close are a tie
 # a cluster of several hosts (`GpuTarget(hosts=)`): the axis of its hosts
 # in the mesh of its HSDP and hpZ candidates (`hybrid_mesh`)
 _REPLICA = "replica"
+# jax 0.12's XLA aborts the process compiling a hybrid mesh's scalar
+# all-reduce for GPUs (a Triton collective kernel: "size mismatch when
+# packing elements for LLVM struct"), so HSDP and hpZ are tried before it
+# only (docs/decisions.md, "HSDP and hpZ for several hosts")
+_HYBRID_COMPILES = jax.__version_info__ < (0, 12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +220,13 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   if not isinstance(state, ZeroTrainState):
     given = {**({} if tx is None else {"tx": tx}), **options}
     if target is not None and target.hosts > 1 and "axes" not in options:
-      hybrid = shard_shape(state, 3, hybrid_mesh(target),
-                          axes=Axes(replica=_REPLICA), **given)
+      if _HYBRID_COMPILES:
+        hybrid = shard_shape(state, 3, hybrid_mesh(target),
+                             axes=Axes(replica=_REPLICA), **given)
+      else:
+        _log.warning("zerojax.plan: HSDP and hpZ not tried for %s: jax %s's "
+                     "XLA aborts compiling their GPU program.", target,
+                     jax.__version__)
     state = shard_shape(state, 3, mesh, **given)
   elif options or tx is not None or mesh is not None:
     raise TypeError("plan() of a ZeroTrainState takes its mesh, tx and "
