@@ -190,6 +190,23 @@ def test_factored_statistics_are_held_in_their_own_shapes(caplog):
   assert rows.shape == (256,) and tuple(rows.sharding.spec) == ("data",)
 
 
+@pytest.mark.parametrize("name,spec", [
+    ("muon", (None, "data")), ("lamb", ("data", None))])
+def test_a_square_matrix_is_split_on_the_dim_its_optimizer_contracts(name,
+                                                                       spec):
+  """Muon's Newton-Schulz contracts `X @ X.T` over a matrix's columns: its
+  square matrices and their statistics are split there, so each product is
+  a sum of local ones; a transform that multiplies no matrices (LAMB's
+  norms) keeps the rows, which its flat shards already hold."""
+  model = MLP(hidden=256)
+  params = model.init(jax.random.key(0), jnp.ones((1, 256)))["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=WHOLE_TENSOR[name]()), stage=3)
+  square = [x for x in jax.tree_util.tree_leaves(state.opt_state)
+            if x.shape == (256, 256)]
+  assert square and all(tuple(x.sharding.spec) == spec for x in square)
+
+
 def test_only_the_leaves_read_whole_go_shaped(caplog):
   """Per leaf, not per tx: Adafactor on the kernels (factored, seen only in
   the state's shapes) and Adam on the biases, a multi_transform; the

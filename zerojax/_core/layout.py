@@ -56,11 +56,15 @@ def _round_up(x: int, m: int) -> int:
 # inserts the reductions the transform needs (the rows and columns of a
 # factored moment, a norm, a matmul's operands). Its statistics keep the
 # shapes optax gives them (`stat_view`, `stat_stored`). The views and the
-# statistics are sharded on their largest dim the devices divide
-# (`update._shaped_placed`, `state.state_shardings`), not on the rows the
-# flat shards hold: a matrix's Newton-Schulz (Muon) then contracts over its
-# sharded long dim, one all-reduce of the small Gram matrix per iteration,
-# where row shards gathered the whole matrix again in each. The optimizer
+# statistics are split by `meshes.shaped_spec` (`update._shaped_placed`,
+# `state.state_shardings`). Where `tx` multiplies matrices
+# (`optim.multiplies_matrices`: Muon's Newton-Schulz) on their largest dim,
+# of equal ones the last (the columns `X @ X.T` contracts), not on the rows
+# the flat shards hold: each product then contracts over the split dim, one
+# all-reduce of the small Gram matrix per iteration, where row shards
+# gathered the whole matrix again in each. Any other transform (Adafactor's
+# row and column sums, LAMB's norms) reduces as cheaply on the rows, which
+# its flat shards already hold: split there, no all-to-all moves them. The optimizer
 # probes decide per class of leaves (`optim.shaped_leaves`: Muon's matrices
 # shaped, the AdamW rest of its recipe on flat chunks) and `build.check_tx`
 # says so once.

@@ -49,11 +49,26 @@ def _say_auto_copy(mesh: Mesh) -> None:
       tuple(str(t) for t in mesh.axis_types))
 
 
-def leaf_spec(shape, n, axis_name) -> P:
-  """A leaf sharded on its largest axis the device count divides."""
+def leaf_spec(shape, n, axis_name, last: bool = False) -> P:
+  """A leaf sharded on its largest axis the device count divides: the
+  first of equal ones, or with `last` the last."""
   dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0),
-                key=lambda d: -shape[d])
+                key=lambda d: (-shape[d], -d if last else d))
   spec = [None] * len(shape)
   if dims:
     spec[dims[0]] = axis_name
   return P(*spec)
+
+
+def shaped_spec(shape, n, axis_name, multiplies: bool, rows: int = 0) -> P:
+  """A shaped leaf's view or statistic in the step ([Note: shaped leaves]):
+  for a transform that multiplies matrices (`multiplies`), split on its
+  largest dim, the last of equal ones (the columns a square matrix's
+  `X @ X.T` contracts); for any other, on its rows (dim `rows`: 1 under a
+  layer axis) where the devices divide them, as its flat shards already
+  hold it, so that no collective moves it there; else as `leaf_spec`."""
+  if multiplies:
+    return leaf_spec(shape, n, axis_name, last=True)
+  if len(shape) > rows and shape[rows] % n == 0:
+    return P(*([None] * rows), axis_name, *([None] * (len(shape) - rows - 1)))
+  return leaf_spec(shape, n, axis_name)

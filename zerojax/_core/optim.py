@@ -210,6 +210,43 @@ def leaf_labels(tx, abstract_params, trainable: Sequence[bool]) -> tuple:
   return tuple(labels)
 
 
+def _multiplies(jaxpr) -> bool:
+  """Whether `jaxpr` (or one inside it) has a matrix product: a
+  `dot_general` with a result of rank 2 or more (an inner product, a
+  norm's `vdot`, is not one)."""
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "dot_general"
+        and len(eqn.outvars[0].aval.shape) >= 2):
+      return True
+    for value in eqn.params.values():   # inner jaxprs: jit, scan, cond...
+      for inner in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns") and _multiplies(inner):
+          return True
+  return False
+
+
+@_cached
+def _multiplies_matrices(tx, abstract_params) -> bool:
+  try:
+    traced = jax.make_jaxpr(lambda p: tx.update(p, tx.init(p), p))(
+        abstract_params)
+  except Exception:  # noqa: BLE001 - a tx that needs more (extra args)
+    return False
+  return _multiplies(traced.jaxpr)
+
+
+def multiplies_matrices(tx, layout: ChunkLayout) -> bool:
+  """Whether `tx`'s update on the real tree multiplies matrices (Muon's
+  Newton-Schulz products), traced once per tx and tree, nothing run: its
+  shaped leaves are then split on their last largest dim
+  (`meshes.leaf_spec(last=True)`, [Note: shaped leaves]). Where `tx`
+  cannot be traced alone (it asks for more arguments), no."""
+  abstract = jax.tree_util.tree_unflatten(layout.treedef, [
+      jax.ShapeDtypeStruct(info.shape, info.dtype) for info in layout.leaves])
+  return _multiplies_matrices(tx, abstract)
+
+
 def transform_name(tx) -> str:
   fn = getattr(tx, "update", None)
   name = getattr(fn, "__qualname__", type(tx).__name__)

@@ -33,6 +33,7 @@ from zerojax._model import frontend as frontend
 from zerojax._core import frozen
 from zerojax._core import meshes
 from zerojax._core import offload
+from zerojax._core import optim
 from zerojax._core import optstate
 from zerojax._core import precision
 from zerojax._options.config import ZeroConfig, shard_axes
@@ -146,8 +147,10 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
     shape = np.shape(x)
     if c is not None and layout.chunks[c].shaped:
       # its statistics in the shapes optax gives them ([Note: shaped leaves])
-      return NamedSharding(mesh, meshes.leaf_spec(shape, n, axes)
-                           if pol.optimizer_sharded else P())
+      leaf = layout.leaves[layout.chunks[c].leaves[0]]
+      return NamedSharding(mesh, meshes.shaped_spec(
+          shape, n, axes, optim.multiplies_matrices(state.tx, layout),
+          int(leaf.stacked)) if pol.optimizer_sharded else P())
     if c is None or shape != layout.chunks[c].shape:
       return rep   # counts, scalars, the empty views of other leaves
     if (pol.optimizer_sharded and shape[-1] in lengths and shape[-1] % n == 0):

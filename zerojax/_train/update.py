@@ -144,10 +144,10 @@ def update_chunks(state, chunks, grads, master, opt, owners, keep):
 
 
 def _shaped_placed(state, views):
-  """`views` with each shaped leaf's view sharded on its largest dim the
-  devices divide (`meshes.leaf_spec`, as its statistics are and as GSPMD
-  FSDP shards a leaf; [Note: shaped leaves]); whole on each device where
-  none is divided. Left to itself XLA picks shardings it can leave only by
+  """`views` with each shaped leaf's view split as its statistics are
+  (`meshes.shaped_spec`: on the dim `tx`'s matrix products contract, else
+  on its rows; [Note: shaped leaves]); whole on each device where no dim
+  is divided. Left to itself XLA picks shardings it can leave only by
   gathering the whole tensor, and says so on stderr."""
   layout, mesh, axes = state.layout, state.mesh, shard_axes(state.config)
   shaped = {layout.chunks[c].leaves[0] for c in range(len(layout.chunks))
@@ -155,10 +155,12 @@ def _shaped_placed(state, views):
   if not shaped:
     return views
   n = meshes.axes_size(mesh, axes)
+  multiplies = optim.multiplies_matrices(state.tx, layout)
   flat, treedef = jax.tree_util.tree_flatten(views, is_leaf=lambda x: x is None)
-  spec = lambda x: meshes.leaf_spec(x.shape, n, axes)
+  spec = lambda i, x: meshes.shaped_spec(x.shape, n, axes, multiplies,
+                                         int(layout.leaves[i].stacked))
   return jax.tree_util.tree_unflatten(treedef, [
-      jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x)))
+      jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(i, x)))
       if i in shaped and x is not None else x for i, x in enumerate(flat)])
 
 
