@@ -1,6 +1,7 @@
 """The device mesh a ZeRO state runs on: the default one, the Auto-axes
 copy of a user's mesh that the step needs, and how a leaf of the tree
-form is split over it (`leaf_spec`)."""
+form is split over it (`leaf_spec`), or a shaped leaf in the step
+(`shaped_spec`)."""
 from __future__ import annotations
 
 import functools
