@@ -16,6 +16,7 @@ silently wrong on chunks.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -25,6 +26,8 @@ import optax
 
 from zerojax._core import optstate
 from zerojax._core.layout import ChunkLayout, shaped_labels
+
+_log = logging.getLogger("zerojax")
 
 # steps per probe run: the first shows what reads whole tensors or moves
 # zeros, the second what the optimizer state carries (sgd with and without
@@ -231,7 +234,10 @@ def _multiplies_matrices(tx, abstract_params) -> bool:
   try:
     traced = jax.make_jaxpr(lambda p: tx.update(p, tx.init(p), p))(
         abstract_params)
-  except Exception:  # noqa: BLE001 - a tx that needs more (extra args)
+  except Exception as e:  # noqa: BLE001 - a tx that needs more (extra args)
+    _log.info("optax transformation %r could not be traced alone (%s): its "
+              "shaped leaves are split on their rows.", transform_name(tx),
+              str(e).splitlines()[0] if str(e) else type(e).__name__)
     return False
   return _multiplies(traced.jaxpr)
 
@@ -239,9 +245,9 @@ def _multiplies_matrices(tx, abstract_params) -> bool:
 def multiplies_matrices(tx, layout: ChunkLayout) -> bool:
   """Whether `tx`'s update on the real tree multiplies matrices (Muon's
   Newton-Schulz products), traced once per tx and tree, nothing run: its
-  shaped leaves are then split on their last largest dim
-  (`meshes.leaf_spec(last=True)`, [Note: shaped leaves]). Where `tx`
-  cannot be traced alone (it asks for more arguments), no."""
+  shaped leaves are then split on the dim the products contract
+  (`meshes.shaped_spec`, [Note: shaped leaves]). Where `tx` cannot be
+  traced alone (it asks for more arguments), no, and that is logged."""
   abstract = jax.tree_util.tree_unflatten(layout.treedef, [
       jax.ShapeDtypeStruct(info.shape, info.dtype) for info in layout.leaves])
   return _multiplies_matrices(tx, abstract)

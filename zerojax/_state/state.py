@@ -20,6 +20,7 @@ What each stage stores (N devices on the data axis, see docs/design.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -143,14 +144,17 @@ def state_shardings(state: ZeroTrainState) -> ZeroTrainState:
   lengths = {c.length for c in layout.chunks}
   n = meshes.axes_size(mesh, axes)
 
+  multiplies = functools.cache(
+      lambda: optim.multiplies_matrices(state.tx, layout))
+
   def opt_rule(x, c):
     shape = np.shape(x)
     if c is not None and layout.chunks[c].shaped:
       # its statistics in the shapes optax gives them ([Note: shaped leaves])
       leaf = layout.leaves[layout.chunks[c].leaves[0]]
       return NamedSharding(mesh, meshes.shaped_spec(
-          shape, n, axes, optim.multiplies_matrices(state.tx, layout),
-          int(leaf.stacked)) if pol.optimizer_sharded else P())
+          shape, n, axes, multiplies(), int(leaf.stacked))
+                           if pol.optimizer_sharded else P())
     if c is None or shape != layout.chunks[c].shape:
       return rep   # counts, scalars, the empty views of other leaves
     if (pol.optimizer_sharded and shape[-1] in lengths and shape[-1] % n == 0):
