@@ -65,9 +65,9 @@ def _round_up(x: int, m: int) -> int:
 # gathered the whole matrix again in each. Any other transform (Adafactor's
 # row and column sums, LAMB's norms) reduces as cheaply on the rows, which
 # its flat shards already hold: split there, no all-to-all moves them.
-# The optimizer probes decide per class of leaves (`optim.shaped_leaves`: Muon's matrices
-# shaped, the AdamW rest of its recipe on flat chunks) and `build.check_tx`
-# says so once.
+# The optimizer probes decide per class of leaves (`optim.shaped_leaves`:
+# Muon's matrices shaped, the AdamW rest of its recipe on flat chunks) and
+# `build.check_tx` says so once.
 SHAPED = 1 << 30
 
 
