@@ -197,6 +197,31 @@ class ResidualMLP(nn.Module):
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
 
+class Encoder(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+
+class Decoder(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(32)(jnp.tanh(nn.Dense(32)(nn.LayerNorm()(x))))
+
+
+class TwoKinds(nn.Module):
+  """Two block classes (an encoder's and a decoder's, as `Blocks(remat=)`
+  per class names them), two blocks each, as written (no opt-ins)."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = Encoder(name=f"enc_{i}")(x)
+    for i in range(2):
+      x = Decoder(name=f"dec_{i}")(x)
+    return x
+
+
 class Bridge(nn.Module):
   """A wide residual MLP between two stacks of blocks (an encoder's
   projection into a decoder): one module, called once."""

@@ -341,3 +341,41 @@ def test_where_placement_auto_fits_stage_auto_fits_too():
     assert plan.chosen.fits and plan.chosen.device_bytes <= budget
     checked += 1
   assert checked >= 2
+
+
+@pytest.mark.slow
+def test_a_budget_dots_misses_gets_full_recompute_for_one_block_class():
+  """Blocks of two classes (`TwoKinds`): under a budget "dots" misses and
+  "full" meets, the plan also tries "full" for one class at a time
+  ("dots" for the other), and one of those fits faster than "full" for
+  all; set by hand, its step fits."""
+  import jax.numpy as jnp
+  from models import TwoKinds
+  model = TwoKinds()
+  batch = {"x": np.ones((2048, 32), np.float32),
+           "y": np.zeros((2048, 32), np.float32)}
+  params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+  plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"])
+                                   - b["y"]) ** 2)
+  every = zerojax.plan(plain, loss_fn, batch, device_budget=2 ** 40)
+  stage3 = _by_stage(every)[3].device_bytes
+  dots = next(c for c in zerojax.plan(plain, loss_fn, batch,
+                                      device_budget=stage3 - 1).candidates
+              if c.fields.get("remat") == "dots")
+  plan = zerojax.plan(plain, loss_fn, batch, device_budget=dots.device_bytes - 1)
+  remats = {c.fields.get("remat"): c for c in plan.candidates
+            if c.fields["stage"] == 3 and len(c.fields) == 2}
+  per_class = {(("Decoder", "dots"), ("Encoder", "full")),
+               (("Decoder", "full"), ("Encoder", "dots"))}
+  assert per_class <= set(remats) and remats["full"].fits
+  chosen = plan.chosen.fields["remat"]
+  assert chosen in per_class, str(plan)
+  assert plan.chosen.modelled_s < remats["full"].modelled_s
+  assert "remat Decoder=" in str(plan)
+  by_hand = zerojax.shard(plain, **plan.options)
+  assert by_hand.config.remat == chosen
+  compiled = zerojax.train_step(loss_fn).lower(by_hand, batch).compile()
+  assert (zerojax.compiled_footprint(compiled)["device"]
+          <= dots.device_bytes - 1)

@@ -14,8 +14,8 @@ from flax.training import train_state
 
 import zerojax
 from benchmarks import third_party
-from models import (NnxResidualBlock, ScannedLM, lm_batches, lm_loss_fn,
-                    nnx_listed, zero_run, zopts)
+from models import (NnxResidualBlock, ScannedLM, TwoKinds, lm_batches,
+                    lm_loss_fn, nnx_listed, zero_run, zopts)
 
 TX = optax.adam(1e-2)
 
@@ -117,3 +117,63 @@ def test_a_bad_remat_names_the_choices():
   with pytest.raises(ValueError, match=r"Blocks\(remat='host'\): use 'none' .*"
                      r"'offload' \(matmul outputs kept in pinned host memory\)"):
     zerojax.Blocks(remat="host")
+
+
+def _two_kinds(remat, rows: int = 16):
+  model = TwoKinds()
+  batches = [{"x": np.full((rows, 32), i + 1.0, np.float32),
+              "y": np.zeros((rows, 32), np.float32)} for i in range(3)]
+  params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+  state = zerojax.shard(train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=TX), stage=3,
+                        blocks=zerojax.Blocks(remat=remat))
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"])
+                                   - b["y"]) ** 2)
+  return state, loss_fn, batches
+
+
+def test_remat_per_block_class_trains_as_one_remat_for_all():
+  """{class: remat}: the decoder's activations offloaded, the encoder's
+  kept as "dots" (on CPU, bit for bit "dots"' numbers, as offload's)."""
+  runs = {}
+  for name, remat in (("dots", "dots"),
+                      ("mixed", {"Encoder": "dots", "Decoder": "offload"})):
+    state, loss_fn, batches = _two_kinds(remat)
+    runs[name] = zero_run(state, loss_fn, batches)
+  np.testing.assert_array_equal(runs["mixed"][1], runs["dots"][1])
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         zerojax.gather_params(runs["mixed"][0]),
+                         zerojax.gather_params(runs["dots"][0]))
+
+
+def test_remat_per_block_class_offloads_only_the_classes_named():
+  """Lowered for a GPU: only the named class's saved matmul outputs move to
+  pinned host memory (each block's moves there and back)."""
+  def moves(remat):
+    state, loss_fn, batches = _two_kinds(remat, rows=65536)
+    text = zerojax.train_step(loss_fn).trace(state, batches[0]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return text.count('_xla_buffer_placement = "pinned_host"')
+
+  every, decoder = moves("offload"), moves({"Decoder": "offload"})
+  encoder = moves({"Encoder": "offload"})
+  assert 0 < decoder < every and 0 < encoder < every
+  assert decoder + encoder == every
+
+
+def test_remat_per_block_class_refuses_a_class_no_block_is():
+  state, loss_fn, batches = _two_kinds({"DecoderLayer": "offload"})
+  with pytest.raises(ValueError, match=r"names \['DecoderLayer'\], but the "
+                     r"blocks "
+                     r".* classes \['Decoder', 'Encoder'\]"):
+    zerojax.train_step(loss_fn)(state, batches[0])
+
+
+@pytest.mark.parametrize("remat,error,match", [
+    ({"Decoder": "host"}, ValueError, r"'Decoder': 'host': use 'none'"),
+    ({"": "dots"}, TypeError, r"the key '' must be a block class's name"),
+    (3, TypeError, r"must be a string or a dict of block class names"),
+])
+def test_a_bad_remat_per_block_class_names_the_value(remat, error, match):
+  with pytest.raises(error, match=match):
+    zerojax.Blocks(remat=remat)

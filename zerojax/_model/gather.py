@@ -61,6 +61,7 @@ class _Context(NamedTuple):
   heard: set      # module paths `intercept` heard (`called` has them too)
   refused: dict   # {module path: why it is not gathered per call}
   beside: frozenset   # module paths beside the blocks (`zerojax._model.peruse`)
+  kinds: set     # class names of the blocks gathered per call
 
 
 def chunk_key(c: int) -> str:

@@ -16,6 +16,7 @@ from zerojax._model.calls import (_Arguments, _public_methods, _unit_call,
 from zerojax._model.gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
                                 _gather_layer, GATHERS_ITSELF, _holds_layer,
                                 _OPTED, _regathering)
+from zerojax._options.groups import remat_of
 
 
 @contextlib.contextmanager
@@ -23,7 +24,7 @@ def active(layout, config, called: Optional[set] = None,
            prefetch: bool = False, overlap: bool = False,
            auto: bool = False,
            heard: Optional[set] = None, refused: Optional[dict] = None,
-           beside: frozenset = frozenset()):
+           beside: frozenset = frozenset(), kinds: Optional[set] = None):
   """Set by the step while it traces the user's loss (trace-time metadata).
   Every layerwise block called meanwhile adds its module path (a tuple of
   names, as `layout.stack_prefix` gives a chunk's) to `called`: how the
@@ -38,7 +39,9 @@ def active(layout, config, called: Optional[set] = None,
   that what still reads those parameters is a read from outside the
   block's call (`model_call.ModelCall.opted_in`). `beside`: the module paths of
   the modules beside the blocks (`zerojax._model.peruse`), which that trace
-  refuses where their `setup` makes their parameters attributes."""
+  refuses where their `setup` makes their parameters attributes. `kinds`
+  gets the class name of each block gathered per call (`Blocks.remat` per
+  class)."""
   owners = {}
   if auto:
     for c, chunk in enumerate(layout.chunks):
@@ -50,7 +53,8 @@ def active(layout, config, called: Optional[set] = None,
                                heard is not None,
                                set() if heard is None else heard,
                                {} if refused is None else refused,
-                               frozenset(beside)))
+                               frozenset(beside),
+                               set() if kinds is None else kinds))
   try:
     with nn.intercept_methods(intercept):
       yield
@@ -148,7 +152,10 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
   block tied and chained (`_unit_call`). Other public methods are gathered
   only."""
   arguments = _Arguments(args, kwargs)
-  saveable, offload = remat_policy(_ACTIVE.get().config.remat,
+  context = _ACTIVE.get()
+  kind = type(module).__name__
+  context.kinds.add(kind)
+  saveable, offload = remat_policy(remat_of(context.config.remat, kind),
                                    per_call=not stacked)
   mapped = nn.map_variables(
       _bypassing(method), "params",

@@ -173,7 +173,7 @@ class ZeroConfig:
   prefetch: Optional[bool] = None
   skip_nonfinite: bool = False
   reshard_after_forward: bool = True
-  remat: str = "none"
+  remat: Union[str, tuple] = "none"   # `groups._remat`: one, or per class
 
   def __init__(self, stage: int = 3, *,
                axes: Optional[Axes] = UNSET,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -412,8 +412,11 @@ class Blocks:
       starts. In the program XLA compiles for GPUs the activations go to
       host memory; how many device bytes that saves is XLA's scheduler's
       to decide (docs/decisions.md, 2026-12-03).
-      A policy of your own (what to offload, by name) goes to
-      `zerojax.nn.layerwise(Block, policy=...)`.
+      One for every block, or per block class: `{"DecoderLayer":
+      "offload", "EncoderLayer": "dots"}` (the class's `__name__`; a
+      class not named keeps "none"; a name that no block of the model
+      has is an error at the step's trace). A policy of your own (what to
+      offload, by name) goes to `zerojax.nn.layerwise(Block, policy=...)`.
     prefetch: each block's gather waits for the previous block's input, so
       it runs while that block computes (FSDP2's forward prefetch; backward
       likewise). None: on where collectives run beside compute (GPU, TPU),
@@ -427,18 +430,14 @@ class Blocks:
       module), for a large module called between others. Linen only.
   """
   reshard_after_forward: bool = True
-  remat: str = "none"
+  remat: Union[str, Mapping[str, str]] = "none"
   prefetch: Optional[bool] = None
   stacked: Sequence[str] = ()
   per_use: Sequence[str] = ()
 
   def __post_init__(self):
     _check_bool("Blocks.reshard_after_forward", self.reshard_after_forward)
-    if self.remat not in REMATS:
-      raise ValueError(f"Blocks(remat={self.remat!r}): use 'none' "
-                       "(activations kept), 'dots' (matmul outputs kept), "
-                       "'full' (the block recomputed) or 'offload' (matmul "
-                       "outputs kept in pinned host memory).")
+    _set(self, "remat", _remat(self.remat))
     if self.prefetch is not None:
       _check_bool("Blocks.prefetch", self.prefetch)
     for name in ("stacked", "per_use"):   # submodule names
@@ -523,6 +522,55 @@ def of_type(name: str, value, cls):
   if not isinstance(value, cls):
     raise TypeError(f"{name}={value!r} must be a zerojax.{cls.__name__}(...).")
   return value
+
+
+_REMAT_CHOICES = ("'none' (activations kept), 'dots' (matmul outputs kept), "
+                  "'full' (the block recomputed) or 'offload' (matmul "
+                  "outputs kept in pinned host memory)")
+
+
+def _remat(value):
+  """`Blocks.remat` checked: one of `REMATS`, or per block class a mapping
+  (or its pairs, as a checkpoint's JSON holds them) of class names to
+  them, kept as sorted pairs (hashable, as a config is); none named is
+  "none"."""
+  if isinstance(value, str):
+    if value not in REMATS:
+      raise ValueError(f"Blocks(remat={value!r}): use {_REMAT_CHOICES}, or "
+                       "a dict of block class names to those.")
+    return value
+  try:
+    pairs = [tuple(p) for p in (value.items() if hasattr(value, "items")
+                                else value)]
+  except TypeError:
+    pairs = None
+  if pairs is None or not all(len(p) == 2 for p in pairs):
+    raise TypeError(f"Blocks(remat={value!r}) must be a string or a dict of "
+                    "block class names to remats, e.g. {'DecoderLayer': "
+                    "'offload'}.")
+  for kind, remat in pairs:
+    if not isinstance(kind, str) or not kind:
+      raise TypeError(f"Blocks(remat={value!r}): the key {kind!r} must be a "
+                      "block class's name (a non-empty string).")
+    if remat not in REMATS:
+      raise ValueError(f"Blocks(remat={value!r}): {kind!r}: {remat!r}: use "
+                       f"{_REMAT_CHOICES}.")
+  if len({k for k, _ in pairs}) != len(pairs):
+    raise ValueError(f"Blocks(remat={value!r}) names a block class twice.")
+  pairs = tuple(sorted(p for p in pairs if p[1] != "none"))
+  return pairs if pairs else "none"
+
+
+def remat_of(remat, kind: str) -> str:
+  """The remat of a block of class `kind` (its `__name__`) under
+  `Blocks.remat` (`_remat`'s form)."""
+  return remat if isinstance(remat, str) else dict(remat).get(kind, "none")
+
+
+def remat_kinds(remat) -> frozenset:
+  """The block classes `Blocks.remat` names (none where it is one for all)."""
+  return frozenset() if isinstance(remat, str) else frozenset(
+      k for k, _ in remat)
 
 
 def plan_chosen(options: dict) -> list:

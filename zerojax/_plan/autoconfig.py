@@ -13,7 +13,9 @@ misses the budget, stage 2 with its optimizer state on host
 the remat policies "dots", "offload" ("dots"' residuals in host memory:
 fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
 then "full" (more recompute, fewer activations), stopping at the first
-that fits; when none fits, the least host offload
+that fits, and where that is "offload" or "full" and the model has
+blocks of several classes, that remat for one class at a time, "dots"
+for the others (`Blocks(remat=)` per class); when none fits, the least host offload
 that fits along stage 3's offload ladder (`plan_offload`, bisected; with
 the least-memory remat). Each offload candidate that fits is tried again
 with its update run on the host (`update_on="host"`, where the master is
@@ -258,9 +260,14 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   if not stages[-1].fits:   # stage 3 misses: recompute more, then offload
     # "offload" keeps "dots"' compute, its residuals in host memory: fewer
     # device bytes where memory kinds are real (a GpuTarget's program)
-    for remat in ("dots", "offload", "full"):
-      if trial({"stage": 3, "remat": remat}).fits:
-        break
+    fitted = next((remat for remat in ("dots", "offload", "full")
+                   if trial({"stage": 3, "remat": remat}).fits), None)
+    if fitted in ("offload", "full"):   # "dots" missed: per block class
+      classes = sorted(step.block_classes(_as_configured(
+          state, {"stage": 3, "remat": "dots"}), batch))
+      for cls in classes if len(classes) > 1 else ():
+        trial({"stage": 3, "remat": tuple(sorted(
+            {**dict.fromkeys(classes, "dots"), cls: fitted}.items()))})
   if not any(c.fits for c in tried):
     # the most offload first: when it misses, nothing fits (said below)
     fields = {"stage": 3, "remat": "full"}

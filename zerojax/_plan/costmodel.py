@@ -110,9 +110,15 @@ class Candidate:
     return (bool(f.get("offload_optimizer")),
             f.get("offload_optimizer") == "disk", f.get("update_on") == "host",
             bool(f.get("quantize_weights")), bool(f.get("replica_axis")),
-            bool(f.get("hpz")), f["stage"],
-            ("none", "dots", "full", "offload").index(
-                f.get("remat", "none")))
+            bool(f.get("hpz")), f["stage"], _recompute(f.get("remat", "none")))
+
+
+def _recompute(remat) -> int:
+  """How far a remat departs from keeping activations, for ties: the
+  furthest of a per-class remat's (`Blocks.remat`)."""
+  order = ("none", "dots", "full", "offload")
+  return (order.index(remat) if isinstance(remat, str) else
+          max(order.index(r) for _, r in remat))
 
 
 def label(fields: dict) -> str:
@@ -122,8 +128,10 @@ def label(fields: dict) -> str:
   parts = [f"stage {f['stage']}"]
   if f.get("replica_axis"):   # several hosts (`autoconfig.hybrid_mesh`)
     parts.append("hpZ" if f.get("hpz") else "HSDP")
-  if f.get("remat", "none") != "none":
-    parts.append(f"remat={f['remat']}")
+  remat = f.get("remat", "none")
+  if remat != "none":
+    parts.append(f"remat={remat}" if isinstance(remat, str) else
+                 "remat " + ", ".join(f"{k}={v}" for k, v in remat))
   if f.get("offload_optimizer") == "disk":
     parts.append("optimizer on disk")
   elif f.get("offload_optimizer"):

@@ -7,6 +7,10 @@ parameters from outside their own call (`_read_outside`, a backward walk
 over the jaxpr: `_live_inputs`)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +24,7 @@ from zerojax._model import gather
 from zerojax._model import linen as model_linen
 from zerojax._options.config import collectives_overlap, prefetches
 from zerojax._options.policy import Forward, Reduction, StagePolicy
+from zerojax._options.groups import remat_kinds
 
 
 class ModelCall:
@@ -100,12 +105,19 @@ class ModelCall:
     heard, refused = (None, None) if hearing is None else hearing
     beside = frozenset(self.layout.stack_prefix(c)
                        for c in peruse.chunks(self.layout, self.cfg))
+    kinds = set()   # the classes of the blocks gathered per call
+    auto = self.pol.gathers_params and self.cfg.reshard_after_forward
     with model_linen.active(self.layout, self.cfg, called, self.prefetch,
-                        overlap=self.overlap, auto=(self.pol.gathers_params
-                              and self.cfg.reshard_after_forward),
-                        heard=heard, refused=refused, beside=beside):
-      return (self.loss_fn(params, batch, rng, **fields) if self.with_rng
-              else self.loss_fn(params, batch, **fields))
+                        overlap=self.overlap, auto=auto,
+                        heard=heard, refused=refused, beside=beside,
+                        kinds=kinds):
+      out = (self.loss_fn(params, batch, rng, **fields) if self.with_rng
+             else self.loss_fn(params, batch, **fields))
+    if auto and hearing is None:
+      _check_remat_kinds(self.cfg.remat, kinds)
+      if _SEEN.get() is not None:
+        _SEEN.get().update(kinds)
+    return out
 
   def __call__(self, diff, micro_batch, micro_rng, fields,
                layerwise=frozenset(), called=None):
@@ -171,6 +183,35 @@ class ModelCall:
         own[c] = (diff[c], None)
     return _with_layer_params(layout, chunks, leaves, rest, own,
                               {layout.rest_indices[j] for j in in_block})
+
+
+# `seen_classes`'s set while a trace runs, else None
+_SEEN = contextvars.ContextVar("zerojax_seen_classes", default=None)
+
+
+@contextlib.contextmanager
+def seen_classes():
+  """A set that gets the class names of the blocks stage 3 gathers per call
+  in the step traces run meanwhile (`step.block_classes`: what
+  `Blocks(remat=)` may name per class)."""
+  classes = set()
+  token = _SEEN.set(classes)
+  try:
+    yield classes
+  finally:
+    _SEEN.reset(token)
+
+
+def _check_remat_kinds(remat, kinds: set) -> None:
+  """`Blocks.remat` per block class names only classes of blocks the step
+  gathered per call (`kinds`)."""
+  unknown = sorted(remat_kinds(remat) - kinds)
+  if unknown:
+    raise ValueError(
+        f"Blocks(remat={dict(remat)!r}) names {unknown}, but the blocks "
+        f"stage 3 gathers per call in this model are of the classes "
+        f"{sorted(kinds)}: name those (the class's __name__), or give one "
+        "remat for every block (e.g. remat='dots').")
 
 
 def _why_held(read: bool, refused: Optional[str]) -> str:

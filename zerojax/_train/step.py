@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from zerojax._train import disk_stream
+from zerojax._train import model_call
 from zerojax._tiers import disk_tier
 from zerojax._state import memory
 from zerojax._core import compat
@@ -281,4 +282,16 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     return modes
 
   step.gathering = gathering
+
+  def block_classes(state, batch, rng=None) -> frozenset:
+    # a trace of its own, as `gathering`'s
+    checked(state, rng, "step.block_classes()")
+    batch = prepare(state, batch)
+    held, _ = chosen(state, batch, rng)
+    with model_call.seen_classes() as classes:
+      jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
+                                {}, held, None)).trace(state, batch, rng)
+    return frozenset(classes)
+
+  step.block_classes = block_classes
   return step
