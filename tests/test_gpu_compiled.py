@@ -188,6 +188,37 @@ def test_offloaded_remat_keeps_the_saved_matmul_outputs_in_host_memory(
   assert "S(5)" not in remat_programs["dots"].as_text()
 
 
+class DecoderMlpBlock(MlpBlock):
+  """The same block under another class name."""
+
+
+class TwoClasses(nn.Module):
+  """Half the blocks `MlpBlock`s, half `DecoderMlpBlock`s."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(BLOCKS):
+      block = MlpBlock if i < BLOCKS // 2 else DecoderMlpBlock
+      x = block(name=f"block_{i}")(x)
+    return nn.Dense(1)(x)
+
+
+@needs_plugin
+def test_offloaded_remat_of_one_block_class_moves_only_its_activations():
+  """`Blocks(remat={"MlpBlock": "offload"})` on the 8-H100 program: host
+  temporaries for the named class's blocks only, fewer than with every
+  block offloaded."""
+  target = zerojax.GpuTarget("h100")
+  host = {}
+  for name, remat in (("every", "offload"), ("one", {"MlpBlock": "offload"})):
+    compiled, _ = _compiled(target, model=TwoClasses(),
+                            blocks=zerojax.Blocks(remat=remat))
+    host[name] = compiled.memory_analysis().host_temp_size_in_bytes
+  assert 0 < host["one"] < host["every"], host
+  # half the blocks, each its first matmul's output or more
+  assert host["one"] >= BLOCKS // 2 * ROWS * WIDTH, host
+
+
 @needs_plugin
 @pytest.mark.xfail(strict=True, reason=(
     "XLA's GPU program (jax 0.10.2) holds under 1% fewer device bytes "
