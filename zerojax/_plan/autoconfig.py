@@ -15,11 +15,11 @@ fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
 then "full" (more recompute, fewer activations), stopping at the first
 that fits, and where that is "offload" or "full" and the model has
 blocks of several classes, that remat for one class at a time, "dots"
-for the others (`Blocks(remat=)` per class); when none fits, the least host offload
-that fits along stage 3's offload ladder (`plan_offload`, bisected; with
-the least-memory remat). Each offload candidate that fits is tried again
-with its update run on the host (`update_on="host"`, where the master is
-sharded). With `offload_dir=`, when nothing else fits, the disk tier
+for the others (`Blocks(remat=)` per class); when none fits, the least
+host offload that fits along stage 3's offload ladder (`plan_offload`,
+bisected; with the least-memory remat). Each offload candidate that fits
+is tried again with its update run on the host (`update_on="host"`,
+where the master is sharded). With `offload_dir=`, when nothing else fits, the disk tier
 (stage 3, full recompute). Quantized collectives (qwZ and qgZ, int8) are
 tried only with `allow_quantized=True`: they change the numerics. Among
 the candidates that fit, the fastest modelled; within 2% the simpler (no
