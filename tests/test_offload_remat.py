@@ -173,6 +173,8 @@ def test_remat_per_block_class_refuses_a_class_no_block_is():
     ({"Decoder": "host"}, ValueError, r"'Decoder': 'host': use 'none'"),
     ({"": "dots"}, TypeError, r"the key '' must be a block class's name"),
     (3, TypeError, r"must be a string or a dict of block class names"),
+    ([("Decoder", "dots"), ("Decoder", "full")], ValueError,
+     r"names a block class twice"),
 ])
 def test_a_bad_remat_per_block_class_names_the_value(remat, error, match):
   with pytest.raises(error, match=match):
