@@ -90,12 +90,13 @@ class Plan:
 
   def __str__(self) -> str:
     mib = lambda b: f"{b / 2 ** 20:,.1f}"
+    width = max([46] + [len(c.label) for c in self.candidates])
     rows = [f"zerojax.plan: {self.chosen.label} (device budget "
             f"{mib(self.device_budget)} MiB"
             + ("" if self.host_budget is None else
                f", host budget {mib(self.host_budget)} MiB")
             + f"; figures of {self.device_kind!r}: {self.figures})",
-            f"{'candidate':<46} {'device MiB':>10} {'host MiB':>9} "
+            f"{'candidate':<{width}} {'device MiB':>10} {'host MiB':>9} "
             f"{'data MiB':>9} {'replica MiB':>11} {'PCIe MiB':>9} "
             f"{'disk MiB':>9} "
             f"{'GFLOP':>8} {'model ms':>9}  fits"]
@@ -105,7 +106,7 @@ class Plan:
                   f"jax.make_mesh((hosts, gpus_per_host), {axes})")
     for c in self.candidates:
       mark = "  <- chosen" if c is self.chosen else ""
-      rows.append(f"{c.label:<46} {mib(c.device_bytes):>10} "
+      rows.append(f"{c.label:<{width}} {mib(c.device_bytes):>10} "
                   f"{mib(c.host_bytes):>9} {mib(c.wire_bytes):>9} "
                   f"{mib(c.replica_bytes):>11} {mib(c.pcie_bytes):>9} "
                   f"{mib(c.disk_bytes):>9} "
