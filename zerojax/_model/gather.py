@@ -17,6 +17,7 @@ from flax.core.tracers import current_trace
 from zerojax._comm import collectives
 from zerojax._core import frozen
 from zerojax._core.offload import DEVICE_SPACE, HOST_SPACE
+from zerojax._options.groups import remat_of
 from zerojax._options.policy import policy
 
 
@@ -62,6 +63,14 @@ class _Context(NamedTuple):
   refused: dict   # {module path: why it is not gathered per call}
   beside: frozenset   # module paths beside the blocks (`zerojax._model.peruse`)
   kinds: set     # class names of the blocks gathered per call
+
+
+def block_remat(context: _Context, module) -> str:
+  """`ZeroConfig.remat` of `module`'s block (per class: `groups.remat_of`
+  of its class's `__name__`), the name recorded in `context.kinds`."""
+  kind = type(module).__name__
+  context.kinds.add(kind)
+  return remat_of(context.config.remat, kind)
 
 
 def chunk_key(c: int) -> str:

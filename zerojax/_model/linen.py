@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 from zerojax._model.calls import (_Arguments, _public_methods, _unit_call,
                                remat_policy)
-from zerojax._model.gather import (_ACTIVE, _BYPASS, _Chain, _chunk_keys, _Context,
+from zerojax._model.gather import (_ACTIVE, block_remat, _BYPASS, _Chain,
+                                _chunk_keys, _Context,
                                 _gather_layer, GATHERS_ITSELF, _holds_layer,
                                 _OPTED, _regathering)
-from zerojax._options.groups import remat_of
 
 
 @contextlib.contextmanager
@@ -152,10 +152,7 @@ def _auto_call(module, method: str, args: tuple, kwargs: dict,
   block tied and chained (`_unit_call`). Other public methods are gathered
   only."""
   arguments = _Arguments(args, kwargs)
-  context = _ACTIVE.get()
-  kind = type(module).__name__
-  context.kinds.add(kind)
-  saveable, offload = remat_policy(remat_of(context.config.remat, kind),
+  saveable, offload = remat_policy(block_remat(_ACTIVE.get(), module),
                                    per_call=not stacked)
   mapped = nn.map_variables(
       _bypassing(method), "params",

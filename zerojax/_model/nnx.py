@@ -12,12 +12,12 @@ from flax import nnx
 from zerojax._model.calls import (_Arguments, _public_methods, _write,
                                remat_policy)
 from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
+                                block_remat,
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
                                 _memory_spaces, _owned, _regathered_backward,
                                 _regathering, SCALE_KEY, SLOT_KEY, stored,
                                 _token, offloaded)
-from zerojax._options.groups import remat_of
 
 
 def gather_per_call(module) -> None:
@@ -97,10 +97,8 @@ def _nnx_layerwise(block: type, remat: bool, saveable=None) -> type:
       if not chunks:
         return method(self, *args, **kwargs)   # gathered for the step
       unit = not any(context[0].chunks[c].layers for c in chunks)
-      context.kinds.add(type(self).__name__)
       chosen, offload = (
-          remat_policy(remat_of(context.config.remat, type(self).__name__),
-                       per_call=unit)
+          remat_policy(block_remat(context, self), per_call=unit)
           if saveable is _FROM_CONFIG else (saveable, False))
       runs = functools.partial(run, method, remat and chosen is not None)
       if not remat:

@@ -115,8 +115,9 @@ class ModelCall:
              else self.loss_fn(params, batch, **fields))
     if auto and hearing is None:
       _check_remat_kinds(self.cfg.remat, kinds)
-      if _SEEN.get() is not None:
-        _SEEN.get().update(kinds)
+      seen = _SEEN.get()
+      if seen is not None:
+        seen.update(kinds)
     return out
 
   def __call__(self, diff, micro_batch, micro_rng, fields,

@@ -269,14 +269,20 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
   step.lower, step.trace = lower, trace
 
-  def gathering(state, batch, rng=None) -> dict:
-    # a trace of its own, filling its own dict: the step's trace is cached
-    # after its first call, and a cached trace runs no Python
-    checked(state, rng, "step.gathering()")
-    modes, batch = {}, prepare(state, batch)
+  def traced_afresh(state, batch, rng, caller: str, modes: dict) -> dict:
+    """The step traced in a `jax.jit` of its own, filling `modes` (the
+    step's trace is cached after its first call, and a cached trace runs no
+    Python); returns why the modules beside the blocks are held."""
+    checked(state, rng, caller)
+    batch = prepare(state, batch)
     held, why = chosen(state, batch, rng)
     jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
                               modes, held, None)).trace(state, batch, rng)
+    return why
+
+  def gathering(state, batch, rng=None) -> dict:
+    modes = {}
+    why = traced_afresh(state, batch, rng, "step.gathering()", modes)
     for name, reason in why.items():
       modes[name] = f"{modes[name]} ({reason})"
     return modes
@@ -284,13 +290,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   step.gathering = gathering
 
   def block_classes(state, batch, rng=None) -> frozenset:
-    # a trace of its own, as `gathering`'s
-    checked(state, rng, "step.block_classes()")
-    batch = prepare(state, batch)
-    held, _ = chosen(state, batch, rng)
     with model_call.seen_classes() as classes:
-      jax.jit(functools.partial(_step, loss_fn, has_aux, mutable, weighted,
-                                {}, held, None)).trace(state, batch, rng)
+      traced_afresh(state, batch, rng, "step.block_classes()", {})
     return frozenset(classes)
 
   step.block_classes = block_classes
