@@ -232,6 +232,98 @@ def test_offloaded_remat_holds_fewer_device_bytes_than_dots(remat_programs):
   assert temp["offload"] <= temp["dots"] - BLOCKS * ROWS * WIDTH, temp
 
 
+class AttentionBlock(nn.Module):
+  """Attention as `jax.nn.dot_product_attention` computes it without a
+  fused kernel: the scores' softmax in float32, its probabilities cast to
+  bf16 for the value matmul."""
+  heads: int = 8
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    qkv = nn.Dense(3 * d)(nn.LayerNorm()(x)).reshape(b, t, 3, self.heads, -1)
+    h = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1],
+                                     qkv[:, :, 2], is_causal=True,
+                                     implementation="xla")
+    return x + nn.Dense(d)(h.reshape(b, t, d))
+
+
+class Attention(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(BLOCKS):
+      x = AttentionBlock(name=f"block_{i}")(x)
+    return nn.Dense(1)(x)
+
+
+ATTENTION_ROWS, SEQ, ATTENTION_WIDTH = 4, 1024, 256   # rows per GPU
+
+
+def _attention_problem(target: zerojax.GpuTarget):
+  """(abstract state, loss, batch) of `Attention` for `target`'s GPUs."""
+  model, mesh = Attention(), target.mesh()
+  shape = (ATTENTION_ROWS * target.devices, SEQ, ATTENTION_WIDTH)
+  params = jax.eval_shape(lambda: model.init(
+      jax.random.key(0), jnp.zeros((1, SEQ, ATTENTION_WIDTH)))["params"])
+  tx = optax.adamw(1e-3)
+  state = train_state.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
+      params=params, tx=tx, opt_state=jax.eval_shape(tx.init, params))
+  batch = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16,
+                                   sharding=NamedSharding(mesh, P("data")))
+           for k, s in (("x", shape), ("y", shape[:2] + (1,)))}
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"])
+                                - b["y"]) ** 2)
+  return state, loss, batch
+
+
+@needs_plugin
+def test_keeping_the_casts_keeps_the_softmax_probabilities_and_is_faster():
+  """`Blocks(remat="casts")` on the 8-H100 program: each block's bf16
+  probabilities are kept from the forward pass (about their bytes more
+  temporaries than "none"), not computed again from the float32 scores in
+  the backward pass: a faster modelled step."""
+  target = zerojax.GpuTarget("h100")
+  state, loss, batch = _attention_problem(target)
+  compiled = {}
+  for remat in ("none", "casts"):
+    zero = zerojax.shard_shape(state, stage=3, mesh=target.mesh(),
+                               precision="bf16",
+                               blocks=zerojax.Blocks(remat=remat))
+    compiled[remat] = target.compile(
+        zerojax.train_step(loss).lower(zero, batch))
+  temp = {k: c.memory_analysis().temp_size_in_bytes
+          for k, c in compiled.items()}
+  probabilities = ATTENTION_ROWS * 8 * SEQ * SEQ * 2   # a block's, bf16
+  more = temp["casts"] - temp["none"]
+  assert 0.75 * BLOCKS * probabilities <= more <= 1.25 * BLOCKS * probabilities, temp
+  time = {k: target.model(c).time for k, c in compiled.items()}
+  assert time["casts"] < 0.97 * time["none"], time
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_plan_keeps_the_casts_where_they_fit_and_not_where_they_miss():
+  """`zerojax.plan` for 8 H100s compiles stage 3 keeping its casts beside
+  stage 3 as it is: under a budget it meets and stages 0-2 miss, it is
+  chosen (the faster); a byte under it, stage 3 as it is."""
+  target = zerojax.GpuTarget("h100")
+  state, loss, batch = _attention_problem(target)
+  roomy = zerojax.plan(state, loss, batch, target=target, precision="bf16")
+  by = {c.label: c for c in roomy.candidates}
+  casts, plain = by["stage 3, remat=casts"], by["stage 3"]
+  assert plain.device_bytes < casts.device_bytes < min(
+      by[f"stage {s}"].device_bytes for s in (0, 1, 2)), str(roomy)
+  assert casts.modelled_s < plain.modelled_s
+  fits = zerojax.plan(state, loss, batch, target=target, precision="bf16",
+                      device_budget=casts.device_bytes)
+  assert fits.chosen.fields == casts.fields, str(fits)
+  assert fits.options["blocks"].remat == "casts"
+  tight = zerojax.plan(state, loss, batch, target=target, precision="bf16",
+                       device_budget=casts.device_bytes - 1)
+  assert tight.chosen.fields == {"stage": 3}, str(tight)
+
+
 def test_gpu_target_refuses_what_it_cannot_compile_for():
   with pytest.raises(ValueError, match="gpu='a42'.*h100"):
     zerojax.GpuTarget("a42")

@@ -300,6 +300,30 @@ def test_the_default_policy_keeps_a_softmaxs_scores_and_sum_not_its_maximum(
       "f32[4,6] output of dot_general", "f32[4] output of reduce_sum"], saved
 
 
+def test_keeping_the_casts_also_keeps_a_softmaxs_bf16_probabilities(capsys):
+  """`keep_activations_and_casts` (`Blocks(remat="casts")`) saves what
+  `keep_activations` saves and the float32 softmax's probabilities cast to
+  bf16 for the value matmul; a widening cast it leaves to be computed
+  again."""
+  import jax.ad_checkpoint
+
+  def attention(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("qd,kd->qk", q, k).astype(jnp.float32))
+    return (p.astype(jnp.bfloat16) @ v).astype(jnp.float32)
+
+  q, kv = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((6, 8), jnp.bfloat16)
+  saved = {}
+  for policy in (zerojax.nn.keep_activations,
+                 zerojax.nn.keep_activations_and_casts):
+    jax.ad_checkpoint.print_saved_residuals(
+        jax.checkpoint(attention, policy=policy), q, kv, kv)
+    saved[policy.__name__] = [
+        line.split(" from ")[0] for line in capsys.readouterr().out
+        .splitlines() if "output of" in line]
+  assert saved["keep_activations_and_casts"] == saved["keep_activations"] + [
+      "bf16[4,6] output of convert_element_type"], saved
+
+
 @pytest.mark.slow
 def test_a_policy_that_saves_everything_still_gathers_layers_again():
   """`layerwise(Block, policy=everything_saveable)` on scanned layers at

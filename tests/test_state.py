@@ -207,7 +207,7 @@ def test_one_device_shard_compiles_a_few_programs_not_one_per_leaf():
     (lambda: {"blocks": zerojax.Blocks(reshard_after_forward=1)}, TypeError,
      r"Blocks.reshard_after_forward=1 must be True or False"),
     (lambda: {"blocks": zerojax.Blocks(remat="some")}, ValueError,
-     r"Blocks\(remat='some'\): use 'none' \(activations kept\), 'dots'"),
+     r"Blocks\(remat='some'\): use 'none' \(activations kept\), 'casts'"),
     (lambda: {"blocks": zerojax.Blocks(stacked=("nonexistent",))}, ValueError,
      r"no submodule is named 'nonexistent'; the submodules are \['Dense_0'"),
 ])

@@ -209,10 +209,29 @@ def keep_activations(prim, *_, **params) -> bool:
   return not _elementwise(prim, params)
 
 
+def keep_activations_and_casts(prim, *avals, **params) -> bool:
+  """The remat policy of `Blocks(remat="casts")`: what `keep_activations`
+  keeps, and each cast to a narrower float. A float32 softmax's bf16
+  probabilities feed the value matmul's gradient; `keep_activations`
+  computes them again in the backward pass from the kept scores, a pass
+  over the float32 scores a block, where keeping them costs half the
+  scores' bytes (docs/decisions.md, "Keeping the casts"). A model's own
+  casts of its parameters (a `Dense(dtype=bfloat16)` over float32
+  parameters gathered as such) are kept too: a copy of the block at the
+  narrower width."""
+  if prim.name == "convert_element_type" and avals:
+    old, new = np.dtype(avals[0].dtype), np.dtype(params["new_dtype"])
+    if (jax.numpy.issubdtype(old, jax.numpy.floating)
+        and jax.numpy.issubdtype(new, jax.numpy.floating)):
+      return new.itemsize < old.itemsize
+  return keep_activations(prim, *avals, **params)
+
+
 # `ZeroConfig.remat`: the remat policy of each choice (None: nothing saved
 # but the block's input); the gathered parameters are never saved
 # (`_regathering`)
 _POLICIES = {"none": keep_activations,
+             "casts": keep_activations_and_casts,
              "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
              "full": None,
              # "dots"' residuals in pinned host memory between the passes

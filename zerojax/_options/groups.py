@@ -29,7 +29,7 @@ _FLOAT_DTYPES = {
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax._comm.quantize.MODES
 UPDATE_PLACES = ("device", "host")
 TIERS = ("host", "disk", "auto")
-REMATS = ("none", "dots", "full", "offload")
+REMATS = ("none", "casts", "dots", "full", "offload")
 
 
 def _set(obj, name, value):
@@ -403,7 +403,11 @@ class Blocks:
       one gather per chunk), except blocks wrapped in `zerojax.nn.layerwise`.
     remat: what a block's backward pass keeps: "none" (ZeRO-3's and
       FSDP2's) its activations (`zerojax.nn.keep_activations`), gathering
-      its parameters again; "dots" the matmul outputs; "full" the block's
+      its parameters again; "casts" those and the casts to a narrower
+      float (`zerojax.nn.keep_activations_and_casts`: a float32
+      softmax's bf16 probabilities, which "none" computes again in the
+      backward pass at a pass over the float32 scores), for more bytes;
+      "dots" the matmul outputs; "full" the block's
       input, recomputing the block (activation checkpointing); "offload"
       the matmul outputs as "dots" does, moved to pinned host memory in the
       forward pass and back for the backward (ZeRO-R's CPU checkpointing,
@@ -524,7 +528,8 @@ def of_type(name: str, value, cls):
   return value
 
 
-_REMAT_CHOICES = ("'none' (activations kept), 'dots' (matmul outputs kept), "
+_REMAT_CHOICES = ("'none' (activations kept), 'casts' (activations and "
+                  "their narrowing casts kept), 'dots' (matmul outputs kept), "
                   "'full' (the block recomputed) or 'offload' (matmul "
                   "outputs kept in pinned host memory)")
 

@@ -7,7 +7,9 @@ and the modelled step time that ranks the candidates).
 
 Candidates, pruned where memory only falls and time only grows: stages 0,
 1, 2 and 3 without offload; for a `GpuTarget` of several hosts, stage 3
-within each host (HSDP) and with hpZ, on `hybrid_mesh`; when stage 2
+within each host (HSDP) and with hpZ, on `hybrid_mesh`; where stage 3
+fits, stage 3 keeping its activations' casts too (`remat="casts"`:
+faster, more bytes, where a float32 softmax feeds a bf16 matmul); when stage 2
 misses the budget, stage 2 with its optimizer state on host
 (ZeRO-Offload); at stage 3, when that misses,
 the remat policies "dots", "offload" ("dots"' residuals in host memory:
@@ -256,6 +258,8 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
   if hybrid is not None:   # several hosts: FSDP2's HSDP and ZeRO++'s hpZ
     trial({"stage": 3, "replica_axis": _REPLICA})
     trial({"stage": 3, "replica_axis": _REPLICA, "hpz": True})
+  if stages[-1].fits:   # stage 3 fits: keeping its casts too may, faster
+    trial({"stage": 3, "remat": "casts"})
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
     trial({"stage": 2, "offload_optimizer": True})
   if not stages[-1].fits:   # stage 3 misses: recompute more, then offload
