@@ -282,11 +282,12 @@ def test_keeping_the_casts_keeps_the_softmax_probabilities_and_is_faster():
   """`Blocks(remat="casts")` on the 8-H100 program: each block's bf16
   probabilities are kept from the forward pass (about their bytes more
   temporaries than "none"), not computed again from the float32 scores in
-  the backward pass: a faster modelled step."""
+  the backward pass: a faster modelled step. `"recompute-scores"` keeps
+  them and not the float32 scores: fewer bytes than either."""
   target = zerojax.GpuTarget("h100")
   state, loss, batch = _attention_problem(target)
   compiled = {}
-  for remat in ("none", "casts"):
+  for remat in ("none", "casts", "recompute-scores"):
     zero = zerojax.shard_shape(state, stage=3, mesh=target.mesh(),
                                precision="bf16",
                                blocks=zerojax.Blocks(remat=remat))
@@ -297,6 +298,11 @@ def test_keeping_the_casts_keeps_the_softmax_probabilities_and_is_faster():
   probabilities = ATTENTION_ROWS * 8 * SEQ * SEQ * 2   # a block's, bf16
   more = temp["casts"] - temp["none"]
   assert 0.75 * BLOCKS * probabilities <= more <= 1.25 * BLOCKS * probabilities, temp
+  # the float32 scores of every block but the last, whose backward
+  # follows its forward
+  fewer = temp["casts"] - temp["recompute-scores"]
+  assert 0.99 * (BLOCKS - 1) * 2 * probabilities <= fewer, temp
+  assert temp["recompute-scores"] < temp["none"], temp
   time = {k: target.model(c).time for k, c in compiled.items()}
   assert time["casts"] < 0.97 * time["none"], time
 
@@ -304,9 +310,11 @@ def test_keeping_the_casts_keeps_the_softmax_probabilities_and_is_faster():
 @pytest.mark.slow
 @needs_plugin
 def test_plan_keeps_the_casts_where_they_fit_and_not_where_they_miss():
-  """`zerojax.plan` for 8 H100s compiles stage 3 keeping its casts beside
-  stage 3 as it is: under a budget it meets and stages 0-2 miss, it is
-  chosen (the faster); a byte under it, stage 3 as it is."""
+  """`zerojax.plan` for 8 H100s compiles stage 3 keeping its casts and
+  stage 3 recomputing attention's scores beside stage 3 as it is: under a
+  budget the casts meet and stages 0-2 miss, they are chosen (the
+  fastest); a byte under it, stage 3 as it is; a byte under that, the
+  scores recomputed, with no further recompute tried."""
   target = zerojax.GpuTarget("h100")
   state, loss, batch = _attention_problem(target)
   roomy = zerojax.plan(state, loss, batch, target=target, precision="bf16")
@@ -322,6 +330,12 @@ def test_plan_keeps_the_casts_where_they_fit_and_not_where_they_miss():
   tight = zerojax.plan(state, loss, batch, target=target, precision="bf16",
                        device_budget=casts.device_bytes - 1)
   assert tight.chosen.fields == {"stage": 3}, str(tight)
+  scores = by["stage 3, remat=recompute-scores"]
+  assert scores.device_bytes < plain.device_bytes
+  tighter = zerojax.plan(state, loss, batch, target=target, precision="bf16",
+                         device_budget=plain.device_bytes - 1)
+  assert tighter.chosen.fields == scores.fields, str(tighter)
+  assert not any(c.fields.get("remat") == "dots" for c in tighter.candidates)
 
 
 def test_gpu_target_refuses_what_it_cannot_compile_for():

@@ -303,25 +303,36 @@ def test_the_default_policy_keeps_a_softmaxs_scores_and_sum_not_its_maximum(
 def test_keeping_the_casts_also_keeps_a_softmaxs_bf16_probabilities(capsys):
   """`keep_activations_and_casts` (`Blocks(remat="casts")`) saves what
   `keep_activations` saves and the float32 softmax's probabilities cast to
-  bf16 for the value matmul; a widening cast it leaves to be computed
-  again."""
+  bf16 for the value matmul (a widening cast it leaves to be computed
+  again); `recompute_scores` (`"recompute-scores"`) saves those but the
+  scores, a batched matmul's result larger than its operands, and keeps
+  the value matmul's, smaller than its."""
   import jax.ad_checkpoint
 
-  def attention(q, k, v):
-    p = jax.nn.softmax(jnp.einsum("qd,kd->qk", q, k).astype(jnp.float32))
-    return (p.astype(jnp.bfloat16) @ v).astype(jnp.float32)
+  def attention(q, k, v):   # 2 heads of 4 dimensions, 16 queries and keys
+    s = jnp.einsum("hqd,hkd->hqk", q, k, preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(s).astype(jnp.bfloat16)
+    return jnp.sin(jnp.einsum("hqk,hkd->hqd", p, v).astype(jnp.float32))
 
-  q, kv = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((6, 8), jnp.bfloat16)
+  qkv = jnp.ones((2, 16, 4), jnp.bfloat16)
   saved = {}
   for policy in (zerojax.nn.keep_activations,
-                 zerojax.nn.keep_activations_and_casts):
+                 zerojax.nn.keep_activations_and_casts,
+                 zerojax.nn.recompute_scores):
     jax.ad_checkpoint.print_saved_residuals(
-        jax.checkpoint(attention, policy=policy), q, kv, kv)
+        jax.checkpoint(attention, policy=policy), qkv, qkv, qkv)
     saved[policy.__name__] = [
         line.split(" from ")[0] for line in capsys.readouterr().out
         .splitlines() if "output of" in line]
-  assert saved["keep_activations_and_casts"] == saved["keep_activations"] + [
-      "bf16[4,6] output of convert_element_type"], saved
+  scores, probabilities = ("f32[2,16,16] output of dot_general",
+                           "bf16[2,16,16] output of convert_element_type")
+  assert scores in saved["keep_activations"], saved
+  assert probabilities not in saved["keep_activations"], saved
+  assert sorted(saved["keep_activations_and_casts"]) == sorted(
+      saved["keep_activations"] + [probabilities]), saved
+  assert saved["recompute_scores"] == [
+      s for s in saved["keep_activations_and_casts"] if s != scores], saved
+  assert "bf16[2,16,4] output of dot_general" in saved["recompute_scores"]
 
 
 @pytest.mark.slow

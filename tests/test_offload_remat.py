@@ -70,42 +70,47 @@ def test_offloaded_remat_trains_as_dots_bit_for_bit(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["linen-unrolled", "hf-gpt2"])
 def test_keeping_the_casts_trains_as_none(case):
-  """`Blocks(remat="casts")` in bf16 compute: a different program from
-  "none" (it keeps the casts "none" computes again: layer norms' and, in
-  GPT-2, the softmax's) and the same numbers: bit for bit on the residual
-  blocks; within bf16's rounding on Hugging Face's GPT-2, where XLA
-  computes the backward's copies of the casts differently."""
+  """`Blocks(remat="casts")` and `"recompute-scores"` in bf16 compute: a
+  different program from "none" (they keep the casts "none" computes
+  again: layer norms' and, in GPT-2, the softmax's; the second computes
+  GPT-2's attention scores again) and the same numbers: bit for bit on
+  the residual blocks; within bf16's rounding on Hugging Face's GPT-2,
+  where XLA computes the backward's copies of the casts differently."""
   if case == "hf-gpt2":
     if third_party.missing is not None:
       pytest.skip(str(third_party.missing))
     cfg = third_party.CONFIGS["hf-gpt2-tiny"]
-    model = cfg.replace(layers=3, dtype="bfloat16").make_model()
-    vocab = cfg.vocab_size
+    # (64 positions: a head's 64 x 64 scores outweigh its queries and keys)
+    model = cfg.replace(layers=3, dtype="bfloat16", positions=64).make_model()
+    vocab, seq = cfg.vocab_size, 64
   else:
     model = ScannedLM(layers=3, width=32, vocab=64, scan=False,
                       layerwise=False)
-    vocab = 64
-  batches = lm_batches(vocab, batch=16, seq=8, steps=3)
+    vocab, seq = 64, 8
+  batches = lm_batches(vocab, batch=16, seq=seq, steps=3)
   params = model.init(jax.random.key(0), batches[0]["tokens"][:1])["params"]
   # (SGD: a gradient's bf16 rounding moves its parameter by as much, where
   # Adam's normalised step can turn it into a whole step)
   plain = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.sgd(0.1))
   runs, programs = {}, {}
-  for remat in ("none", "casts"):
+  for remat in ("none", "casts", "recompute-scores"):
     state = zerojax.shard(plain, stage=3, precision="bf16",
                           blocks=zerojax.Blocks(remat=remat))
     step = zerojax.train_step(lm_loss_fn(model))
     programs[remat] = step.lower(state, batches[0]).as_text()
     state, losses = zero_run(state, lm_loss_fn(model), batches)
     runs[remat] = losses, zerojax.gather_params(state)
-  assert programs["casts"] != programs["none"]
+  if case == "hf-gpt2":
+    assert programs["recompute-scores"] != programs["casts"]
   # (HF: three SGD steps of 0.1 apart by a gradient's bf16 rounding)
   rtol, atol = (0, 0) if case == "linen-unrolled" else (2 ** -8, 2e-4)
-  np.testing.assert_allclose(runs["casts"][0], runs["none"][0], rtol=rtol)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol),
-      runs["casts"][1], runs["none"][1])
+  for remat in ("casts", "recompute-scores"):
+    assert programs[remat] != programs["none"]
+    np.testing.assert_allclose(runs[remat][0], runs["none"][0], rtol=rtol)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol),
+        runs[remat][1], runs["none"][1])
 
 
 def _placements(remat: str) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Callable
 
 import flax.linen as nn
@@ -227,11 +228,36 @@ def keep_activations_and_casts(prim, *avals, **params) -> bool:
   return keep_activations(prim, *avals, **params)
 
 
+def recompute_scores(prim, *avals, **params) -> bool:
+  """The remat policy of `Blocks(remat="recompute-scores")`: what
+  `keep_activations_and_casts` keeps, but not a batched matmul's result
+  that holds more elements than its two operands together: attention's
+  scores, queries x keys a head, from heads of a few dozen dimensions. The
+  backward computes them again from the kept queries and keys, a matmul
+  of few FLOPs an element, where keeping them costs the block's largest
+  activation (docs/decisions.md, "Keeping the casts")."""
+  if prim.name == "dot_general" and len(avals) == 2:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params[
+        "dimension_numbers"]
+    lhs, rhs = avals
+
+    def free(aval, contract, batch):
+      return math.prod(n for d, n in enumerate(aval.shape)
+                       if d not in contract and d not in batch)
+    batch = math.prod(lhs.shape[d] for d in lhs_batch)
+    if lhs_batch and (batch * free(lhs, lhs_contract, lhs_batch)
+                      * free(rhs, rhs_contract, rhs_batch)
+                      > lhs.size + rhs.size):
+      return False
+  return keep_activations_and_casts(prim, *avals, **params)
+
+
 # `ZeroConfig.remat`: the remat policy of each choice (None: nothing saved
 # but the block's input); the gathered parameters are never saved
 # (`_regathering`)
 _POLICIES = {"none": keep_activations,
              "casts": keep_activations_and_casts,
+             "recompute-scores": recompute_scores,
              "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
              "full": None,
              # "dots"' residuals in pinned host memory between the passes

@@ -29,7 +29,7 @@ _FLOAT_DTYPES = {
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax._comm.quantize.MODES
 UPDATE_PLACES = ("device", "host")
 TIERS = ("host", "disk", "auto")
-REMATS = ("none", "casts", "dots", "full", "offload")
+REMATS = ("none", "casts", "recompute-scores", "dots", "full", "offload")
 
 
 def _set(obj, name, value):
@@ -407,6 +407,9 @@ class Blocks:
       float (`zerojax.nn.keep_activations_and_casts`: a float32
       softmax's bf16 probabilities, which "none" computes again in the
       backward pass at a pass over the float32 scores), for more bytes;
+      "recompute-scores" those but attention's scores
+      (`zerojax.nn.recompute_scores`: a batched matmul's result larger
+      than its operands), computed again in the backward pass, for fewer;
       "dots" the matmul outputs; "full" the block's
       input, recomputing the block (activation checkpointing); "offload"
       the matmul outputs as "dots" does, moved to pinned host memory in the
@@ -529,7 +532,8 @@ def of_type(name: str, value, cls):
 
 
 _REMAT_CHOICES = ("'none' (activations kept), 'casts' (activations and "
-                  "their narrowing casts kept), 'dots' (matmul outputs kept), "
+                  "their narrowing casts kept), 'recompute-scores' (those "
+                  "but attention's scores), 'dots' (matmul outputs kept), "
                   "'full' (the block recomputed) or 'offload' (matmul "
                   "outputs kept in pinned host memory)")
 

@@ -116,7 +116,7 @@ class Candidate:
 def _recompute(remat) -> int:
   """How far a remat departs from keeping activations, for ties: the
   furthest of a per-class remat's (`Blocks.remat`)."""
-  order = ("none", "casts", "dots", "full", "offload")
+  order = ("none", "casts", "recompute-scores", "dots", "full", "offload")
   return (order.index(remat) if isinstance(remat, str) else
           max(order.index(r) for _, r in remat))
 

@@ -40,9 +40,10 @@ gradient slot instead of shards: nothing is gathered, and the row's
 gradient is reduce-scattered into the slot inside the backward loop, as
 the backward pass leaves the layer (`StagePolicy.layer_hooks`).
 """
-from zerojax._model.calls import keep_activations, keep_activations_and_casts
+from zerojax._model.calls import (keep_activations, keep_activations_and_casts,
+                                  recompute_scores)
 from zerojax._model.layerwise import layerwise
 from zerojax._model.embed import BlockedEmbed, NnxBlockedEmbed
 
 __all__ = ["BlockedEmbed", "NnxBlockedEmbed", "keep_activations",
-           "keep_activations_and_casts", "layerwise"]
+           "keep_activations_and_casts", "layerwise", "recompute_scores"]
