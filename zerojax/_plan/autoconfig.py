@@ -12,7 +12,7 @@ fits, stage 3 keeping its activations' casts too (`remat="casts"`:
 faster, more bytes, where a float32 softmax feeds a bf16 matmul); stage 3
 recomputing attention's scores (`remat="recompute-scores"`: fewer bytes);
 when stage 2 misses the budget, stage 2 with its optimizer state on host
-(ZeRO-Offload); at stage 3, when those miss,
+(ZeRO-Offload); at stage 3, when that misses,
 the remat policies "dots", "offload" ("dots"' residuals in host memory:
 fewer device bytes where memory kinds are real, a `GpuTarget`'s program)
 then "full" (more recompute, fewer activations), stopping at the first
@@ -263,11 +263,10 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
     trial({"stage": 3, "remat": "casts"})
   # attention's scores computed again: fewer bytes than "none" and, where
   # the casts it keeps cost more than the scores' matmul, faster too
-  scores = trial({"stage": 3, "remat": "recompute-scores"})
+  trial({"stage": 3, "remat": "recompute-scores"})
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
     trial({"stage": 2, "offload_optimizer": True})
-  if not stages[-1].fits and not scores.fits:
-    # stage 3 misses: recompute more, then offload
+  if not stages[-1].fits:   # stage 3 misses: recompute more, then offload
     # "offload" keeps "dots"' compute, its residuals in host memory: fewer
     # device bytes where memory kinds are real (a GpuTarget's program)
     fitted = next((remat for remat in ("dots", "offload", "full")
