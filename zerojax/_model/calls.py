@@ -228,27 +228,31 @@ def keep_activations_and_casts(prim, *avals, **params) -> bool:
   return keep_activations(prim, *avals, **params)
 
 
+def _outweighs_its_operands(lhs, rhs, dimension_numbers) -> bool:
+  """Whether a batched matmul of `lhs` and `rhs` (avals) has a result of
+  more elements than the two of them together."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+
+  def free(aval, contract, batch):   # the dimensions the result keeps
+    return math.prod(n for d, n in enumerate(aval.shape)
+                     if d not in contract and d not in batch)
+  result = (math.prod(lhs.shape[d] for d in lhs_batch)
+            * free(lhs, lhs_contract, lhs_batch)
+            * free(rhs, rhs_contract, rhs_batch))
+  return bool(lhs_batch) and result > lhs.size + rhs.size
+
+
 def recompute_scores(prim, *avals, **params) -> bool:
   """The remat policy of `Blocks(remat="recompute-scores")`: what
   `keep_activations_and_casts` keeps, but not a batched matmul's result
-  that holds more elements than its two operands together: attention's
-  scores, queries x keys a head, from heads of a few dozen dimensions. The
-  backward computes them again from the kept queries and keys, a matmul
-  of few FLOPs an element, where keeping them costs the block's largest
-  activation (docs/decisions.md, "Keeping the casts")."""
-  if prim.name == "dot_general" and len(avals) == 2:
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params[
-        "dimension_numbers"]
-    lhs, rhs = avals
-
-    def free(aval, contract, batch):
-      return math.prod(n for d, n in enumerate(aval.shape)
-                       if d not in contract and d not in batch)
-    batch = math.prod(lhs.shape[d] for d in lhs_batch)
-    if lhs_batch and (batch * free(lhs, lhs_contract, lhs_batch)
-                      * free(rhs, rhs_contract, rhs_batch)
-                      > lhs.size + rhs.size):
-      return False
+  that outweighs its operands: attention's scores, queries x keys a head,
+  from heads of a few dozen dimensions. The backward computes them again
+  from the kept queries and keys, a matmul of few FLOPs an element, where
+  keeping them costs the block's largest activation (docs/decisions.md,
+  "The scores recomputed")."""
+  if (prim.name == "dot_general" and len(avals) == 2
+      and _outweighs_its_operands(*avals, params["dimension_numbers"])):
+    return False
   return keep_activations_and_casts(prim, *avals, **params)
 
 
