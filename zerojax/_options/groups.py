@@ -29,6 +29,7 @@ _FLOAT_DTYPES = {
 QUANTIZE_MODES = ("int8", "int4", "identity")   # zerojax._comm.quantize.MODES
 UPDATE_PLACES = ("device", "host")
 TIERS = ("host", "disk", "auto")
+# (in the order the plan prefers them between candidates of one time)
 REMATS = ("none", "casts", "recompute-scores", "dots", "full", "offload")
 
 

@@ -261,8 +261,8 @@ def plan(state: Any, loss_fn: Callable, batch: Any, *, device_budget=None,
     trial({"stage": 3, "replica_axis": _REPLICA, "hpz": True})
   if stages[-1].fits:   # stage 3 fits: keeping its casts too may, faster
     trial({"stage": 3, "remat": "casts"})
-  # attention's scores computed again: fewer bytes than "none" and, where
-  # the casts it keeps cost more than the scores' matmul, faster too
+  # attention's scores computed again: fewer bytes than "none", and faster
+  # where the casts it keeps save more than the scores' matmul costs
   trial({"stage": 3, "remat": "recompute-scores"})
   if not stages[-2].fits:   # stage 2 misses: its optimizer state on host
     trial({"stage": 2, "offload_optimizer": True})

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from zerojax._options.groups import REMATS
 from zerojax._tiers import disk_tier
 from zerojax._plan import hlo
 from zerojax._plan import remembered
@@ -116,9 +117,8 @@ class Candidate:
 def _recompute(remat) -> int:
   """How far a remat departs from keeping activations, for ties: the
   furthest of a per-class remat's (`Blocks.remat`)."""
-  order = ("none", "casts", "recompute-scores", "dots", "full", "offload")
-  return (order.index(remat) if isinstance(remat, str) else
-          max(order.index(r) for _, r in remat))
+  return (REMATS.index(remat) if isinstance(remat, str) else
+          max(REMATS.index(r) for _, r in remat))
 
 
 def label(fields: dict) -> str:
