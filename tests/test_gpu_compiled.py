@@ -48,9 +48,11 @@ class Net(nn.Module):
     return nn.Dense(1)(x)
 
 
-def _abstract_state(model: nn.Module = Net()):
+def _abstract_state(model: nn.Module = Net(), example=(1, WIDTH)):
+  """(abstract AdamW state, mean-squared-error loss) of `model`, whose
+  input is shaped like `example`."""
   params = jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.zeros((1, WIDTH)))["params"])
+      jax.random.key(0), jnp.zeros(example))["params"])
   tx = optax.adamw(1e-3)
   state = train_state.TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
@@ -261,19 +263,12 @@ ATTENTION_ROWS, SEQ, ATTENTION_WIDTH = 4, 1024, 256   # rows per GPU
 
 def _attention_problem(target: zerojax.GpuTarget):
   """(abstract state, loss, batch) of `Attention` for `target`'s GPUs."""
-  model, mesh = Attention(), target.mesh()
+  mesh = target.mesh()
   shape = (ATTENTION_ROWS * target.devices, SEQ, ATTENTION_WIDTH)
-  params = jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.zeros((1, SEQ, ATTENTION_WIDTH)))["params"])
-  tx = optax.adamw(1e-3)
-  state = train_state.TrainState(
-      step=jax.ShapeDtypeStruct((), jnp.int32), apply_fn=model.apply,
-      params=params, tx=tx, opt_state=jax.eval_shape(tx.init, params))
+  state, loss = _abstract_state(Attention(), (1, SEQ, ATTENTION_WIDTH))
   batch = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16,
                                    sharding=NamedSharding(mesh, P("data")))
            for k, s in (("x", shape), ("y", shape[:2] + (1,)))}
-  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"])
-                                - b["y"]) ** 2)
   return state, loss, batch
 
 
