@@ -14,9 +14,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax._model.gather import (_ACTIVE, _AFTER, _anchor, _avals, _Link,
-                                _memory_spaces, _OPTED, _regathered_backward,
-                                _token, offloaded, stored)
+from zerojax._model.gather import (_ACTIVE, _AFTER, after_copies, _anchor,
+                                _avals, _Link, _memory_spaces, _OPTED,
+                                _regathered_backward, _token, offloaded,
+                                stored)
 
 
 def _public_methods(block: type, base: type) -> list:
@@ -144,7 +145,9 @@ def _unit_call(module, arguments: _Arguments, call: Callable,
     (out, vjp_fn), token = gathered(
         lambda m, *v: nn.vjp(call, m, *v), module, values)
     if offload:
-      vjp_fn = offloaded(vjp_fn, (module.variables, values), moved)
+      vjp_fn, done = offloaded(vjp_fn, (module.variables, values), moved,
+                               ordered=link.overlap)
+      out = after_copies(out, done)
     return (out, token), vjp_fn
 
   def backward(vjp_fn, cotangents):

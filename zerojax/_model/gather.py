@@ -224,21 +224,85 @@ def _avals(values) -> set:
 OFFLOAD_MIN_BYTES = 1 << 18
 
 
-def offloaded(vjp_fn, kept, moved: list):
+def offloaded(vjp_fn, kept, moved: list, ordered: bool = False):
   """`vjp_fn` (a block's pullback) with the activations its block saved
   moved to pinned host memory: its residuals that are none of `kept` (the
   block's inputs and shards, by identity), of `OFFLOAD_MIN_BYTES` or more;
-  `moved` is set to whether each residual was. An unrolled block's
-  `remat="offload"`; `_regathered_backward` brings each back one block
-  ahead of its backward."""
+  `moved` is set to whether each residual was (its shape, where it was
+  moved as two halves). An unrolled block's `remat="offload"`;
+  `_regathered_backward` brings each back one block ahead of its backward.
+
+  Returns `(vjp_fn, done)`. With `ordered` (collectives run beside compute:
+  a GPU), the copies run in a loop and `done`, a scalar the loop computes,
+  is what the next block's forward must wait for ([Note: activations copied
+  to host in a loop]); else `done` is None and the copies' place is XLA's.
+  """
   kept = {id(x) for x in jax.tree_util.tree_leaves(kept)}
   leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
   moved[:] = [id(r) not in kept and hasattr(r, "dtype") and
               jnp.size(r) * jnp.dtype(r.dtype).itemsize >= OFFLOAD_MIN_BYTES
               for r in leaves]
+  done = None
+  if ordered:   # (an array of odd size is copied alone, as without)
+    halved = [i for i, m in enumerate(moved)
+              if m and jnp.size(leaves[i]) % 2 == 0]
+    if halved:
+      host, done = _copied_in_a_loop([leaves[i] for i in halved])
+      leaves = list(leaves)
+      for i, h in zip(halved, host):
+        moved[i], leaves[i] = jnp.shape(leaves[i]), h
   return jax.tree_util.tree_unflatten(treedef, [
-      jax.device_put(r, HOST_SPACE) if m else r
-      for r, m in zip(leaves, moved)])
+      r if m is not True else jax.device_put(r, HOST_SPACE)
+      for r, m in zip(leaves, moved)]), done
+
+
+# [Note: activations copied to host in a loop]
+# XLA's GPU scheduler issues an asynchronous copy only as far ahead of its
+# first reader as the copy takes. A copy to host memory is first read by
+# the copy back in the backward pass, so every block's device-to-host copy
+# was issued after the last block's forward and every block's activations
+# stayed on the device until then, even in a program that does not fit
+# the card (docs/decisions.md, 2026-12-04, second session). A loop is the
+# one boundary it does not schedule across: the copies of a block's
+# activations run inside a `lax.scan` over their two halves (a loop of one
+# trip XLA would inline), which also sums the first element of each half,
+# and the block's output is tied to that sum (`after_copies`), so the next
+# block's forward starts after the copies and each block's device buffers
+# are freed as its forward ends. In the backward pass XLA also leaves a
+# block's weight-gradient matmuls (and what they recompute) for the end,
+# holding every block's activations, copied back, until then; so the
+# cotangents a block's backward passes on are tied to its shard gradients
+# (`_regathered_backward`). The price is the copies' time, which no
+# compute covers (a loop runs alone on the compute stream), and each
+# block's gradient reduce-scatter done before the previous block's
+# backward: small beside the backward of a block whose activations are
+# worth moving. Only where collectives run beside compute (a GPU): on CPU
+# memory kinds lower to nothing and the program is left as it was.
+def after_copies(out, done):
+  """`out` (a block's outputs), each array tied to `done` (`offloaded`'s):
+  what reads it waits for the block's copies to host; `out` if None."""
+  if done is None:
+    return out
+  return jax.tree_util.tree_map(
+      lambda x: tie(x, done) if hasattr(x, "dtype") and jnp.size(x) else x,
+      out)
+
+
+def _sum_of_firsts(tree):
+  """A float32 scalar read from every array of `tree` (its first element)."""
+  return sum(jnp.ravel(x)[0].astype(jnp.float32)
+             for x in jax.tree_util.tree_leaves(tree) if jnp.size(x))
+
+
+def _copied_in_a_loop(arrays: list) -> tuple:
+  """`(arrays in host memory, each as its two halves; a float32 scalar
+  computed inside the loop that copies them)`."""
+  def copy(done, halves):
+    return (done + _sum_of_firsts(halves),
+            tuple(jax.device_put(h, HOST_SPACE) for h in halves))
+  done, host = jax.lax.scan(copy, jnp.float32(0),
+                            tuple(jnp.reshape(a, (2, -1)) for a in arrays))
+  return host, done
 
 
 def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
@@ -272,10 +336,12 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     # the activation. On CPU everything is bit-tied as before.
     last = link.overlap and not link.consumed
 
-    def back(r):   # an activation `offloaded` moved
+    def back(r, m):   # an activation `offloaded` moved
       if link.overlap:   # the copy back starts after `early`
         r = jax.lax.optimization_barrier((r, early))[0]
       r = jax.device_put(r, DEVICE_SPACE)
+      if m is not True:   # moved as its two halves
+        r = jnp.reshape(r, m)
       return r if link.overlap else tie(r, early)
 
     def tied(r):
@@ -290,8 +356,13 @@ def _regathered_backward(vjp_fn, cotangents, link: _Link, inputs: set,
     leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
     moved = moved or [False] * len(leaves)
     vjp_fn = jax.tree_util.tree_unflatten(treedef, [
-        back(r) if m else tied(r) for r, m in zip(leaves, moved)])
+        back(r, m) if m else tied(r) for r, m in zip(leaves, moved)])
   grads = vjp_fn(cotangent)
+  if link.overlap and any(moved):   # the previous block's backward waits
+    # for this one's weight gradients ([Note: activations copied to host
+    # in a loop])
+    grads = (grads[0],) + tuple(after_copies(g, _sum_of_firsts(grads[0]))
+                                for g in grads[1:])
   # a shard in host memory (offload) takes its (unused: the gradient goes
   # to a device slot) cotangent there, as JAX requires
   leaves, treedef = jax.tree_util.tree_flatten(grads[0])

@@ -11,8 +11,8 @@ from flax import nnx
 
 from zerojax._model.calls import (_Arguments, _public_methods, _write,
                                remat_policy)
-from zerojax._model.gather import (_ACTIVE, active_layout, _AFTER, _anchor, _avals,
-                                block_remat,
+from zerojax._model.gather import (_ACTIVE, active_layout, after_copies,
+                                _AFTER, _anchor, _avals, block_remat,
                                 _block_tree, CHUNK_KEY, _chunk_keys, FROZEN_KEY,
                                 GATHERS_ITSELF, _holds_layer, _Link,
                                 _memory_spaces, _owned, _regathered_backward,
@@ -182,7 +182,9 @@ def _nnx_unit(module, path: tuple, run, arguments: _Arguments,
         lambda *v: jax.vjp(lambda s, *a: rematted(s, other, *a), shards, *v,
                            has_aux=True), values)
     if offload:
-      vjp_fn = offloaded(vjp_fn, (shards, other, values), moved)
+      vjp_fn, done = offloaded(vjp_fn, (shards, other, values), moved,
+                               ordered=link.overlap)
+      out = after_copies(out, done)
     return (out, new, token), vjp_fn
 
   def backward(vjp_fn, cotangents):
