@@ -11,6 +11,9 @@ at the first that does not fit.
 
     python -m benchmarks.long_sequence            # every row (~30 min)
     python -m benchmarks.long_sequence --quick    # 2k and 4k only
+    python -m benchmarks.long_sequence --only "zero-3 remat=offload"
+        # that configuration's rows again, the others' kept from the
+        # saved results
 
 Configurations: plain `jax.jit` data parallelism and GSPMD FSDP, each
 with every block rematerialised (`nn.remat`), and zerojax stage 3 with
@@ -193,6 +196,9 @@ def write(rows: list, out: str, meta: dict) -> str:
       "80 GB; a configuration stops at its first length that does not fit. "
       "Step times are modelled, not measured ([Note: the modelled step]), "
       "host copies at PCIe's 55 GB/s on a queue of their own.", "",
+      *[f"Rows of {c} measured again: {d}." for c, d in
+        meta.get("measured again", {}).items()],
+      *([""] if meta.get("measured again") else []),
       "| goal | measured | target | met |", "|---|---:|---:|---|",
       *[f"| {g} | {v} | {t} | {'yes' if m else 'no'} |"
         for g, v, t, m in goals(rows)], "", *fit, "", *table, "",
@@ -233,14 +239,28 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default=os.path.join(
       os.path.dirname(__file__), "results"))
+  parser.add_argument("--only", action="append", choices=CONFIGS,
+                      help="measure these configurations again and keep "
+                           "the saved rows of the others")
   args = parser.parse_args()
   if args.child:
     print(json.dumps(child(args.child[0], int(args.child[1]))))
     return
   import jax
-  meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
-      "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__}
-  rows = measure(QUICK if args.quick else LENGTHS)
+  now = datetime.datetime.now(datetime.timezone.utc).strftime(
+      "%Y-%m-%d %H:%M UTC")
+  meta = {"date": now, "jax": jax.__version__}
+  lengths = QUICK if args.quick else LENGTHS
+  if args.only:
+    with open(os.path.join(args.out, "long_sequence.json")) as f:
+      saved = json.load(f)
+    meta = dict(saved["meta"], jax=jax.__version__)
+    meta["measured again"] = dict(meta.get("measured again", {}),
+                                  **{c: now for c in args.only})
+    new = measure(lengths, tuple(args.only))
+    rows = [r for r in saved["rows"] if r["config"] not in args.only] + new
+  else:
+    rows = measure(lengths)
   print(write(rows, args.out, meta))
 
 
