@@ -279,19 +279,26 @@ def offloaded(vjp_fn, kept, moved: list, ordered: bool = False):
 # worth moving. Only where collectives run beside compute (a GPU): on CPU
 # memory kinds lower to nothing and the program is left as it was.
 def after_copies(out, done):
-  """`out` (a block's outputs), each array tied to `done` (`offloaded`'s):
-  what reads it waits for the block's copies to host; `out` if None."""
+  """`out` (a block's outputs, or cotangents), each array tied to `done`
+  (`offloaded`'s): what reads it waits for what computed `done`; `out`
+  if `done` is None."""
   if done is None:
     return out
   return jax.tree_util.tree_map(
-      lambda x: tie(x, done) if hasattr(x, "dtype") and jnp.size(x) else x,
-      out)
+      lambda x: tie(x, done) if _has_values(x) else x, out)
+
+
+def _has_values(x) -> bool:
+  """Whether `x` is a non-empty array with values (not a float0 cotangent,
+  an integer input's)."""
+  return (hasattr(x, "dtype") and x.dtype != jax.dtypes.float0 and
+          bool(jnp.size(x)))
 
 
 def _sum_of_firsts(tree):
   """A float32 scalar read from every array of `tree` (its first element)."""
   return sum(jnp.ravel(x)[0].astype(jnp.float32)
-             for x in jax.tree_util.tree_leaves(tree) if jnp.size(x))
+             for x in jax.tree_util.tree_leaves(tree) if _has_values(x))
 
 
 def _copied_in_a_loop(arrays: list) -> tuple:
